@@ -1,0 +1,1 @@
+"""graphopt: gradient checkpointing for ONNX training graphs."""
