@@ -1,0 +1,537 @@
+"""Build a training graph (forward + reverse-mode backward in standard ONNX ops) from a
+forward model whose output is a scalar loss.
+
+The training graph has the forward's data inputs (data, labels, ...), the parameters as
+initializers, and the outputs ``loss`` (first) then one ``<param>_grad`` per parameter,
+shaped exactly like the parameter. It runs on a stock onnxruntime wheel.
+
+The backward pass is produced by ``onnx_ad.reverse`` (layout ``"onnx"``). onnx-ad
+differentiates graph *inputs* and works with a trailing seed axis, so this module
+
+* exposes the parameters as graph inputs for the reverse pass and turns them back into
+  initializers afterwards,
+* replaces the seed input (the loss adjoint) by a constant 1 initializer with a seed axis
+  of size 1,
+* drops the trailing seed axis from each gradient with a Reshape whose output is the
+  graph output ``<param>_grad``,
+* cleans up what the seed axis leaves behind once its size is known to be 1: Transposes
+  that only move size-1 axes become Reshapes (aliases in ORT, no copy), no-op Expands and
+  Reshapes, Identity chains and dead nodes disappear,
+* gives every node a unique, non-empty name.
+"""
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper, shape_inference
+
+from graphopt.errors import InvalidModelError, UnsupportedOpError
+
+__all__ = ["build_training_graph", "cleanup_graph", "name_nodes"]
+
+FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16,
+               TensorProto.BFLOAT16)
+_STANDARD_DOMAINS = ("", "ai.onnx")
+
+
+# --------------------------------------------------------------------------- helpers --
+
+def _subgraphs(node):
+    found = []
+    for attribute in node.attribute:
+        if attribute.type == onnx.AttributeProto.GRAPH:
+            found.append(attribute.g)
+        elif attribute.type == onnx.AttributeProto.GRAPHS:
+            found.extend(attribute.graphs)
+    return found
+
+
+def _captures(graph):
+    reads = set()
+    defined = {v.name for v in graph.input} | {t.name for t in graph.initializer}
+    for node in graph.node:
+        reads |= _node_reads(node)
+        defined.update(o for o in node.output if o)
+    reads.update(v.name for v in graph.output)
+    return reads - defined - {""}
+
+
+def _node_reads(node):
+    """Explicit inputs plus the outer names any subgraph captures."""
+    reads = {name for name in node.input if name}
+    for graph in _subgraphs(node):
+        reads |= _captures(graph)
+    return reads
+
+
+def _elem_types(model):
+    """name -> ONNX element type, from initializers, inputs, outputs and inferred info."""
+    types = {}
+    for tensor in model.graph.initializer:
+        types[tensor.name] = tensor.data_type
+    for value in (list(model.graph.input) + list(model.graph.output)
+                  + list(model.graph.value_info)):
+        if value.type.HasField("tensor_type") and value.type.tensor_type.elem_type:
+            types.setdefault(value.name, value.type.tensor_type.elem_type)
+    for node in model.graph.node:
+        if node.op_type == "Constant":
+            for attribute in node.attribute:
+                if attribute.name == "value":
+                    types.setdefault(node.output[0], attribute.t.data_type)
+    return types
+
+
+def _static_shapes(model):
+    """name -> tuple of ints for every value whose shape is fully static."""
+    shapes = {}
+    for tensor in model.graph.initializer:
+        shapes[tensor.name] = tuple(tensor.dims)
+    for value in (list(model.graph.input) + list(model.graph.output)
+                  + list(model.graph.value_info)):
+        tensor_type = value.type.tensor_type
+        if not tensor_type.HasField("shape"):
+            continue
+        dims = []
+        for d in tensor_type.shape.dim:
+            if d.WhichOneof("value") != "dim_value":
+                dims = None
+                break
+            dims.append(d.dim_value)
+        if dims is not None:
+            shapes.setdefault(value.name, tuple(dims))
+    return shapes
+
+
+def _infer(model, data_prop=True):
+    try:
+        return shape_inference.infer_shapes(model, strict_mode=False, data_prop=data_prop)
+    except Exception:
+        try:
+            return shape_inference.infer_shapes(model, strict_mode=False)
+        except Exception:
+            return model
+
+
+def _constant_values(model):
+    """name -> numpy array for initializers and Constant nodes with a `value` attribute."""
+    values = {t.name: t for t in model.graph.initializer}
+    out = {}
+    for name, tensor in values.items():
+        if tensor.data_location == TensorProto.EXTERNAL:
+            continue
+        # shape tensors and axes are all we need: keep it cheap
+        if np.prod(tensor.dims, dtype=np.int64) <= 64:
+            out[name] = numpy_helper.to_array(tensor)
+    for node in model.graph.node:
+        if node.op_type == "Constant":
+            for attribute in node.attribute:
+                if attribute.name == "value" and np.prod(attribute.t.dims, dtype=np.int64) <= 64:
+                    out[node.output[0]] = numpy_helper.to_array(attribute.t)
+    return out
+
+
+def name_nodes(graph) -> None:
+    """Give every node a unique non-empty name (``<op_type>_<k>``), in place."""
+    taken = set()
+    counters = defaultdict(int)
+    for node in graph.node:
+        if node.name and node.name not in taken:
+            taken.add(node.name)
+            continue
+        node.name = ""
+    # second pass so that fresh names never collide with names kept in the first
+    for node in graph.node:
+        if node.name:
+            continue
+        while True:
+            candidate = "%s_%d" % (node.op_type, counters[node.op_type])
+            counters[node.op_type] += 1
+            if candidate not in taken:
+                break
+        node.name = candidate
+        taken.add(candidate)
+
+
+# -------------------------------------------------------------------- cleanup pass --
+
+def _is_trivial_transpose(perm, in_shape):
+    """True when the permutation only moves size-1 axes (the data order is unchanged)."""
+    kept = [axis for axis in perm if in_shape[axis] != 1]
+    return kept == sorted(kept)
+
+
+def cleanup_graph(model: onnx.ModelProto, max_rounds: int = 8) -> onnx.ModelProto:
+    """Remove cheap waste from a graph with static shapes; returns a new model.
+
+    * ``Transpose`` that only moves size-1 axes -> ``Reshape`` (an alias in ORT).
+    * ``Expand`` / ``Reshape`` / ``Squeeze`` / ``Unsqueeze`` to the shape the input
+      already has -> removed.
+    * ``Reshape(Reshape(x))`` -> ``Reshape(x)``.
+    * ``Identity`` chains -> removed (a graph output keeps its name).
+    * Dead nodes and unused initializers -> removed.
+    """
+    result = onnx.ModelProto()
+    result.CopyFrom(model)
+    for _ in range(max_rounds):
+        changed = _cleanup_round(result)
+        changed |= _dead_code(result)
+        if not changed:
+            break
+    _drop_unused_initializers(result)
+    return result
+
+
+def _cleanup_round(model):
+    graph = model.graph
+    inferred = _infer(model)
+    shapes = _static_shapes(inferred)
+    consts = _constant_values(model)
+    outputs = {v.name for v in graph.output}
+    producers = {o: n for n in graph.node for o in n.output if o}
+    shape_consts = {}
+    new_inits = []
+    taken = {t.name for t in graph.initializer} | {v.name for v in graph.input} | \
+        {o for n in graph.node for o in n.output}
+
+    def shape_const(shape):
+        key = tuple(int(d) for d in shape)
+        if key not in shape_consts:
+            base = "shape_" + "x".join(str(d) for d in key) if key else "shape_scalar"
+            name, k = base, 0
+            while name in taken:
+                k += 1
+                name = "%s_%d" % (base, k)
+            taken.add(name)
+            new_inits.append(numpy_helper.from_array(np.array(key, dtype=np.int64), name))
+            shape_consts[key] = name
+        return shape_consts[key]
+
+    alias = {}  # output name -> name it is equal to (node removed)
+    new_nodes = []
+    changed = False
+    for node in graph.node:
+        for i, name in enumerate(node.input):
+            while name in alias:
+                name = alias[name]
+            if name != node.input[i]:
+                node.input[i] = name
+                changed = True
+        op = node.op_type
+        if node.domain not in _STANDARD_DOMAINS:
+            new_nodes.append(node)
+            continue
+        src = node.input[0] if node.input else None
+        out = node.output[0] if node.output else None
+        in_shape = shapes.get(src)
+        out_shape = shapes.get(out)
+        same = in_shape is not None and out_shape is not None and in_shape == out_shape
+        removable = out not in outputs
+        if op == "Identity" and removable:
+            alias[out] = src
+            changed = True
+            continue
+        if op in ("Expand", "Reshape", "Squeeze", "Unsqueeze", "Flatten") and same \
+                and removable and len(node.output) == 1:
+            alias[out] = src
+            changed = True
+            continue
+        if op == "Transpose" and in_shape is not None and out_shape is not None:
+            perm = next((list(a.ints) for a in node.attribute if a.name == "perm"),
+                        list(reversed(range(len(in_shape)))))
+            if _is_trivial_transpose(perm, in_shape):
+                if removable and in_shape == out_shape:
+                    alias[out] = src
+                else:
+                    new_nodes.append(helper.make_node(
+                        "Reshape", [src, shape_const(out_shape)], [out], name=node.name))
+                changed = True
+                continue
+        if op == "Reshape" and out_shape is not None and 0 not in out_shape:
+            # collapse chains and pin the target to the static shape
+            source = src
+            producer = producers.get(source)
+            while producer is not None and producer.op_type in ("Reshape", "Flatten",
+                                                                "Squeeze", "Unsqueeze",
+                                                                "Identity") \
+                    and producer.domain in _STANDARD_DOMAINS:
+                source = producer.input[0]
+                while source in alias:
+                    source = alias[source]
+                producer = producers.get(source)
+            target = node.input[1]
+            if source != src or (target not in consts and target not in shape_consts.values()):
+                target = shape_const(out_shape)
+                new_nodes.append(helper.make_node("Reshape", [source, target], [out],
+                                                  name=node.name))
+                changed = True
+                continue
+        new_nodes.append(node)
+    # graph outputs that are aliases of something removed: impossible (we never remove
+    # a node whose output is a graph output), but an output may read an alias name
+    graph.ClearField("node")
+    graph.node.extend(new_nodes)
+    graph.initializer.extend(new_inits)
+    return changed
+
+
+def _dead_code(model):
+    graph = model.graph
+    needed = {v.name for v in graph.output}
+    keep = []
+    for node in reversed(list(graph.node)):
+        if any(o in needed for o in node.output if o):
+            keep.append(node)
+            needed |= _node_reads(node)
+    keep.reverse()
+    if len(keep) == len(graph.node):
+        return False
+    graph.ClearField("node")
+    graph.node.extend(keep)
+    return True
+
+
+def _drop_unused_initializers(model):
+    graph = model.graph
+    used = {v.name for v in graph.output}
+    for node in graph.node:
+        used |= _node_reads(node)
+    kept = [t for t in graph.initializer if t.name in used]
+    if len(kept) != len(graph.initializer):
+        graph.ClearField("initializer")
+        graph.initializer.extend(kept)
+    inputs = [v for v in graph.input if v.name in used]
+    if len(inputs) != len(graph.input):
+        graph.ClearField("input")
+        graph.input.extend(inputs)
+
+
+# ------------------------------------------------------------------ main function --
+
+def _loss_name(model, loss):
+    outputs = [v.name for v in model.graph.output]
+    if not outputs:
+        raise InvalidModelError("the forward model has no outputs, so no loss")
+    if loss is None:
+        return "loss" if "loss" in outputs else outputs[0]
+    if loss not in outputs:
+        produced = {o for n in model.graph.node for o in n.output}
+        if loss not in produced:
+            raise InvalidModelError("loss '%s' is not an output of the forward model" % loss)
+    return loss
+
+
+# floating-point operand slots no derivative flows through (sizes, scales, ratios)
+_NON_DIFFERENTIABLE_SLOTS = {"Resize": {1, 2, 3}, "Upsample": {1}, "Dropout": {1, 2},
+                             "ConstantOfShape": {0}, "EyeLike": {0},
+                             "RandomNormalLike": {0}, "RandomUniformLike": {0},
+                             "Bernoulli": {0}, "Multinomial": {0}}
+
+
+def _float_ancestors(model, loss, types):
+    """Names a floating-point derivative can flow from into `loss`."""
+    needed = {loss}
+    for node in reversed(list(model.graph.node)):
+        if not any(o in needed and types.get(o, TensorProto.FLOAT) in FLOAT_TYPES
+                   for o in node.output if o):
+            continue
+        skip = _NON_DIFFERENTIABLE_SLOTS.get(node.op_type, set()) \
+            if node.domain in _STANDARD_DOMAINS else set()
+        explicit = {name for i, name in enumerate(node.input) if name and i not in skip}
+        for name in explicit | (_node_reads(node) - set(node.input)):
+            if types.get(name, TensorProto.FLOAT) in FLOAT_TYPES:
+                needed.add(name)
+    return needed
+
+
+def _check_ops(model, reaching):
+    """Custom-domain operators on the path from a parameter to the loss: not supported."""
+    for node in model.graph.node:
+        if node.domain not in _STANDARD_DOMAINS and (_node_reads(node) & reaching):
+            raise UnsupportedOpError(
+                "operator %s:%s (node '%s') has no gradient rule"
+                % (node.domain, node.op_type, node.name or node.output[0]))
+
+
+def build_training_graph(forward: onnx.ModelProto, loss: str | None = None,
+                         parameters: list[str] | None = None,
+                         freeze: list[str] = ()) -> onnx.ModelProto:
+    """The training graph of `forward`: outputs ``loss`` then ``<param>_grad`` per parameter.
+
+    `loss` names the scalar loss output (default: the output named ``loss``, else the first
+    output). `parameters` defaults to every floating-point initializer from which a
+    derivative reaches the loss, minus `freeze`.
+
+    Raises UnsupportedOpError for an operator without a gradient rule and InvalidModelError
+    when the loss is not found, is not scalar-like, or no parameter reaches it.
+    """
+    try:
+        import onnx_ad
+    except ImportError as exc:  # pragma: no cover
+        raise UnsupportedOpError("onnx-ad is required to build training graphs") from exc
+    if not isinstance(forward, onnx.ModelProto):
+        raise InvalidModelError("forward must be an onnx.ModelProto")
+
+    model = onnx.ModelProto()
+    model.CopyFrom(forward)
+    graph = model.graph
+    loss = _loss_name(model, loss)
+
+    inferred = _infer(model)
+    types = _elem_types(inferred)
+    if types.get(loss, TensorProto.FLOAT) not in FLOAT_TYPES:
+        raise InvalidModelError("loss '%s' is not floating-point" % loss)
+    all_shapes = _static_shapes(inferred)
+    loss_shape = all_shapes.get(loss)
+    if loss_shape is None:
+        raise InvalidModelError("the shape of loss '%s' cannot be inferred statically" % loss)
+    if int(np.prod(loss_shape, dtype=np.int64)) != 1:
+        raise InvalidModelError("loss '%s' has shape %s, not a scalar" % (loss, loss_shape))
+
+    initializers = {t.name: t for t in graph.initializer}
+    reaching = _float_ancestors(inferred, loss, types)
+    frozen = set(freeze)
+    if parameters is None:
+        params = [t.name for t in graph.initializer
+                  if t.data_type in FLOAT_TYPES and t.name in reaching
+                  and t.name not in frozen]
+    else:
+        params = [p for p in parameters if p not in frozen]
+        for p in params:
+            if p not in initializers:
+                raise InvalidModelError("parameter '%s' is not an initializer" % p)
+            if initializers[p].data_type not in FLOAT_TYPES:
+                raise InvalidModelError("parameter '%s' is not floating-point" % p)
+        params = [p for p in params if p in reaching]
+    if not params:
+        raise InvalidModelError("no trainable parameter reaches the loss '%s'" % loss)
+    if len(set(params)) != len(params):
+        raise InvalidModelError("duplicate parameter names")
+    _check_ops(inferred, set(params) | _downstream(inferred, params))
+
+    # loss must be a graph output with a declared shape; drop every other output
+    graph.ClearField("output")
+    graph.output.append(helper.make_tensor_value_info(
+        loss, types.get(loss, TensorProto.FLOAT), list(loss_shape)))
+
+    # parameters become graph inputs for the reverse pass
+    param_set = set(params)
+    kept_inits = [t for t in graph.initializer if t.name not in param_set]
+    data_inputs = [v for v in graph.input if v.name not in param_set]
+    graph.ClearField("initializer")
+    graph.initializer.extend(kept_inits)
+    graph.ClearField("input")
+    graph.input.extend(data_inputs)
+    for p in params:
+        t = initializers[p]
+        graph.input.append(helper.make_tensor_value_info(p, t.data_type, list(t.dims)))
+    # shapes help onnx-ad place the seed axis statically
+    graph.ClearField("value_info")
+    graph.value_info.extend(v for v in inferred.graph.value_info)
+
+    try:
+        reversed_model = onnx_ad.reverse(model, inputs=params, outputs=[loss],
+                                         prefix="adj_", dim="nadj", layout="onnx")
+    except onnx_ad.UnsupportedOperator as exc:
+        message = str(exc)
+        match = re.search(r"rule for (\S+) \(node '([^']*)'\)", message)
+        if match:
+            raise UnsupportedOpError("operator %s (node '%s') is not differentiable by "
+                                     "onnx-ad: %s" % (match.group(1), match.group(2),
+                                                      message)) from exc
+        ops = {n.op_type for n in model.graph.node}
+        named = [op for op in re.findall(r"[A-Z][A-Za-z0-9]+", message) if op in ops]
+        if named:
+            nodes = [n.name or n.output[0] for n in model.graph.node if n.op_type == named[0]]
+            raise UnsupportedOpError("operator %s (node%s %s) is not differentiable by "
+                                     "onnx-ad: %s" % (named[0], "s" if len(nodes) > 1 else "",
+                                                      ", ".join("'%s'" % n for n in nodes[:5]),
+                                                      message)) from exc
+        raise UnsupportedOpError("onnx-ad cannot differentiate this model: %s"
+                                 % message) from exc
+    except ValueError as exc:
+        raise InvalidModelError("onnx-ad rejected the model: %s" % exc) from exc
+
+    return _finish(reversed_model, loss, loss_shape, types.get(loss, TensorProto.FLOAT),
+                   params, initializers)
+
+
+def _downstream(model, params):
+    live = set(params)
+    for node in model.graph.node:
+        if _node_reads(node) & live:
+            live.update(o for o in node.output if o)
+    return live
+
+
+def _finish(model, loss, loss_shape, loss_type, params, initializers):
+    graph = model.graph
+    seed_name = "adj_" + loss
+    adj_names = {p: "adj_" + p for p in params}
+
+    # 1. the seed input becomes a constant 1 of shape loss_shape ++ [1]
+    dtype = helper.tensor_dtype_to_np_dtype(loss_type)
+    seed = numpy_helper.from_array(np.ones(tuple(loss_shape) + (1,), dtype=dtype), seed_name)
+
+    # 2. parameters back to initializers; inputs = the forward's data inputs
+    param_set = set(params)
+    inputs = [v for v in graph.input if v.name not in param_set and v.name != seed_name]
+    graph.ClearField("input")
+    graph.input.extend(inputs)
+    graph.initializer.extend(initializers[p] for p in params)
+    graph.initializer.append(seed)
+
+    # 3. gradients: Reshape(adj_p, shape(p)) -> <p>_grad, output names free of clashes
+    taken = {t.name for t in graph.initializer} | {v.name for v in graph.input} | \
+        {o for n in graph.node for o in n.output}
+    nodes = list(graph.node)
+    outputs = [helper.make_tensor_value_info(loss, loss_type, list(loss_shape))]
+    for p in params:
+        grad = p + "_grad"
+        if grad in taken:  # rename the internal tensor that took the name
+            fresh = grad + "_internal"
+            k = 0
+            while fresh in taken:
+                k += 1
+                fresh = "%s_internal%d" % (grad, k)
+            for n in nodes:
+                for i, name in enumerate(n.input):
+                    if name == grad:
+                        n.input[i] = fresh
+                for i, name in enumerate(n.output):
+                    if name == grad:
+                        n.output[i] = fresh
+            taken.add(fresh)
+        taken.add(grad)
+        t = initializers[p]
+        shape_name = grad + "_shape"
+        k = 0
+        while shape_name in taken:
+            k += 1
+            shape_name = "%s_shape%d" % (grad, k)
+        taken.add(shape_name)
+        graph.initializer.append(numpy_helper.from_array(
+            np.array(list(t.dims), dtype=np.int64), shape_name))
+        nodes.append(helper.make_node("Reshape", [adj_names[p], shape_name], [grad]))
+        outputs.append(helper.make_tensor_value_info(grad, t.data_type, list(t.dims)))
+    graph.ClearField("node")
+    graph.node.extend(nodes)
+    graph.ClearField("output")
+    graph.output.extend(outputs)
+    graph.ClearField("value_info")
+
+    model = cleanup_graph(model)
+    # value_info for the planner; the seed axis is gone, so shapes are the real ones
+    inferred = _infer(model)
+    model.graph.ClearField("value_info")
+    outputs_set = {v.name for v in model.graph.output}
+    model.graph.value_info.extend(v for v in inferred.graph.value_info
+                                  if v.name not in outputs_set)
+    name_nodes(model.graph)
+    try:
+        onnx.checker.check_model(model)
+    except onnx.checker.ValidationError as exc:  # pragma: no cover - a bug if it happens
+        raise InvalidModelError("the training graph fails onnx.checker: %s" % exc) from exc
+    return model

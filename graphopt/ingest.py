@@ -1,0 +1,91 @@
+"""Ingest: load a model safely (limits, external data confined to the model's folder)
+and give every node a unique name so that profiles and plans can refer to nodes."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import onnx
+from onnx.external_data_helper import ExternalDataInfo, uses_external_data
+
+from .errors import InvalidModelError, LimitExceededError
+
+# Domains whose operators ONNX Runtime's stock CPU/CUDA builds implement.
+KNOWN_DOMAINS = frozenset({"", "ai.onnx", "ai.onnx.ml", "com.microsoft"})
+
+
+def _external_tensors(model: onnx.ModelProto):
+    yield from (t for t in model.graph.initializer if uses_external_data(t))
+    for node in model.graph.node:
+        for attr in node.attribute:
+            if attr.HasField("t") and uses_external_data(attr.t):
+                yield attr.t
+
+
+def check_external_data(model: onnx.ModelProto, base_dir: str | os.PathLike) -> None:
+    """Every external-data location must be a relative path inside `base_dir`."""
+    base = Path(base_dir).resolve()
+    for tensor in _external_tensors(model):
+        location = ExternalDataInfo(tensor).location
+        if not location:
+            raise InvalidModelError(f"initializer {tensor.name!r}: external data without a location")
+        if os.path.isabs(location):
+            raise InvalidModelError(
+                f"initializer {tensor.name!r}: external data location {location!r} is absolute; "
+                "it must be relative to the model's folder")
+        target = (base / location).resolve()
+        if base != target and base not in target.parents:
+            raise InvalidModelError(
+                f"initializer {tensor.name!r}: external data location {location!r} points outside "
+                f"the model's folder {str(base)!r}")
+        if not target.is_file():
+            raise InvalidModelError(
+                f"initializer {tensor.name!r}: external data file {location!r} does not exist")
+
+
+def load_model(path: str | os.PathLike, *, max_bytes: int | None = None) -> onnx.ModelProto:
+    """Load an ONNX model file with its external data (checked to stay in its folder)."""
+    path = Path(path)
+    if not path.is_file():
+        raise InvalidModelError(f"model file {str(path)!r} does not exist")
+    size = path.stat().st_size
+    if max_bytes is not None and size > max_bytes:
+        raise LimitExceededError(f"model file is {size} bytes, over the limit of {max_bytes} bytes")
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception as exc:  # protobuf raises DecodeError and friends
+        raise InvalidModelError(f"{str(path)!r} is not a readable ONNX model: {exc}") from exc
+    check_external_data(model, path.parent)
+    try:
+        onnx.load_external_data_for_model(model, str(path.parent))
+    except Exception as exc:
+        raise InvalidModelError(f"cannot read external data of {str(path)!r}: {exc}") from exc
+    return model
+
+
+def parse_model(data: bytes) -> onnx.ModelProto:
+    """A model from serialized bytes (no external data)."""
+    model = onnx.ModelProto()
+    try:
+        model.ParseFromString(data)
+    except Exception as exc:
+        raise InvalidModelError(f"not a serialized ONNX model: {exc}") from exc
+    if not model.HasField("graph"):
+        raise InvalidModelError("not an ONNX model: it has no graph")
+    return model
+
+
+def name_nodes(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Give every node a unique, non-empty name (in place; returns the model)."""
+    taken: set[str] = set()
+    for node in model.graph.node:
+        if node.name and node.name not in taken:
+            taken.add(node.name)
+            continue
+        stem = node.name or f"{node.op_type}"
+        k = 0
+        while f"{stem}_{k}" in taken:
+            k += 1
+        node.name = f"{stem}_{k}"
+        taken.add(node.name)
+    return model

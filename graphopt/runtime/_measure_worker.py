@@ -1,0 +1,227 @@
+"""Subprocess that measures one training step. Run by :func:`graphopt.runtime.measure.measure`:
+
+    python -m graphopt.runtime._measure_worker MODEL INPUTS [--settings JSON]
+        [--provider P] [--threads N] [--repeats R]
+
+Prints one JSON object on stdout (the last line). Everything here runs in a fresh
+process so that nothing allocated before disturbs the memory numbers.
+
+CPU peak: the session (arena off) is created and the inputs are wrapped as OrtValues
+(no copy); one warm-up run; its outputs are dropped and ``malloc_trim`` returns freed
+heap to the OS; then ``/proc/self/clear_refs`` ← 5 resets the kernel's peak-RSS
+counter (VmHWM) to the current RSS, VmRSS is read, one ``run_with_ort_values`` runs (its
+outputs stay ORT tensors, not copied into numpy), and peak = VmHWM − VmRSS_before.
+Without a writable clear_refs the fallback is ru_maxrss − RSS_before, which is only
+right when this run's peak is above every earlier one (method "ru_maxrss").
+
+CUDA peak: the CUDA EP's arena with ``arena_extend_strategy=kSameAsRequested`` grows by
+exactly what is requested and does not shrink on its own. The warm-up run asks the
+arena to shrink at its end (run config ``memory.enable_memory_arena_shrinkage``; a
+second such run binds the outputs to host memory so that no device output keeps a
+region alive), so the device memory it held returns; then NVML's used memory of the device is read
+before and after the measured run (which does not shrink): the difference is what the
+arena had to hold at once (its peak, plus fragmentation), plus outputs. NVML via
+``pynvml`` when importable, else ``libnvidia-ml`` through ctypes. Device memory used by
+other processes on the same GPU at the same time disturbs the number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+
+
+def _status_kb(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def _malloc_trim() -> None:
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _reset_hwm() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return _status_kb("VmHWM") is not None
+
+
+class _Nvml:
+    """Used memory of one GPU, through pynvml or libnvidia-ml."""
+
+    def __init__(self, index: int) -> None:
+        try:
+            import pynvml  # type: ignore
+
+            pynvml.nvmlInit()
+            h = pynvml.nvmlDeviceGetHandleByIndex(index)
+            self._used = lambda: int(pynvml.nvmlDeviceGetMemoryInfo(h).used)
+            self.source = "pynvml"
+            return
+        except Exception:
+            pass
+
+        class _Mem(ctypes.Structure):
+            _fields_ = [("total", ctypes.c_ulonglong), ("free", ctypes.c_ulonglong), ("used", ctypes.c_ulonglong)]
+
+        lib = ctypes.CDLL("libnvidia-ml.so.1")
+        if lib.nvmlInit_v2() != 0:
+            raise RuntimeError("nvmlInit_v2 failed")
+        handle = ctypes.c_void_p()
+        if lib.nvmlDeviceGetHandleByIndex_v2(ctypes.c_uint(index), ctypes.byref(handle)) != 0:
+            raise RuntimeError(f"nvmlDeviceGetHandleByIndex_v2({index}) failed")
+
+        def used() -> int:
+            mem = _Mem()
+            if lib.nvmlDeviceGetMemoryInfo(handle, ctypes.byref(mem)) != 0:
+                raise RuntimeError("nvmlDeviceGetMemoryInfo failed")
+            return int(mem.used)
+
+        self._used = used
+        self.source = "libnvidia-ml"
+
+    def used(self) -> int:
+        return self._used()
+
+
+def _nvml_index(device_id: int) -> int:
+    # NVML numbers devices physically; CUDA_VISIBLE_DEVICES renumbers them for CUDA.
+    vis = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if vis:
+        parts = [p.strip() for p in vis.split(",") if p.strip()]
+        if device_id < len(parts) and parts[device_id].isdigit():
+            return int(parts[device_id])
+    return device_id
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("inputs")
+    ap.add_argument("--settings", default=None, help="SessionSettings JSON; absent: model metadata, else default")
+    ap.add_argument("--provider", default=None)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--device-id", type=int, default=0)
+    args = ap.parse_args(argv)
+
+    import numpy as np  # noqa: F401  (loaded before the baseline)
+    import onnx
+    import onnxruntime as ort
+
+    from graphopt.inputs import load_inputs
+    from graphopt.runtime.session import (
+        DEFAULT_SETTINGS, SessionSettings, default_providers, read_settings, session_options,
+    )
+
+    if args.settings is not None:
+        settings = SessionSettings.from_json(args.settings)
+    else:
+        settings = read_settings(onnx.load(args.model, load_external_data=False)) or DEFAULT_SETTINGS
+    provider = args.provider or default_providers()[0]
+    cuda = provider == "CUDAExecutionProvider"
+    if cuda:
+        providers = [(provider, {"device_id": str(args.device_id), "arena_extend_strategy": "kSameAsRequested"}),
+                     "CPUExecutionProvider"]
+    else:
+        providers = [provider]
+
+    so = session_options(settings, threads=args.threads, arena=False)
+    kwargs = {}
+    if settings.disabled_optimizers:
+        kwargs["disabled_optimizers"] = list(settings.disabled_optimizers)
+    sess = ort.InferenceSession(args.model, so, providers=providers, **kwargs)
+    if sess.get_providers()[0] != provider:
+        raise RuntimeError(f"provider {provider} not used; session has {sess.get_providers()}")
+
+    feeds_np = load_inputs(args.inputs)
+    known = {i.name for i in sess.get_inputs()}
+    feeds_np = {k: v for k, v in feeds_np.items() if k in known}
+    if cuda:
+        feeds = {k: ort.OrtValue.ortvalue_from_numpy(v, "cuda", args.device_id) for k, v in feeds_np.items()}
+    else:
+        feeds = {k: ort.OrtValue.ortvalue_from_numpy(v) for k, v in feeds_np.items()}
+    out_names = [o.name for o in sess.get_outputs()]
+
+    result: dict = {"provider": provider, "settings": settings.to_dict()}
+    if cuda:
+        nvml = _Nvml(_nvml_index(args.device_id))
+        shrink = ort.RunOptions()
+        shrink.add_run_config_entry("memory.enable_memory_arena_shrinkage", f"gpu:{args.device_id}")
+        outs = sess.run_with_ort_values(out_names, feeds, shrink)  # warm-up
+        del outs
+        gc.collect()
+        # Arena back to its start: outputs bound to host memory, so that no device
+        # output buffer outlives the run and keeps an arena region from shrinking.
+        try:
+            binding = sess.io_binding()
+            for k, v in feeds.items():
+                binding.bind_ortvalue_input(k, v)
+            for name in out_names:
+                binding.bind_output(name, "cpu")
+            sess.run_with_iobinding(binding, shrink)
+            del binding
+        except Exception:  # io binding unsupported for some output: shrink what can be
+            sess.run_with_ort_values(out_names, feeds, shrink)
+        gc.collect()
+        before = nvml.used()
+        outs = sess.run_with_ort_values(out_names, feeds)
+        after = nvml.used()
+        del outs
+        result["peak_bytes"] = max(0, after - before)
+        result["method"] = f"nvml ({nvml.source})"
+    else:
+        outs = sess.run_with_ort_values(out_names, feeds)  # warm-up
+        del outs
+        gc.collect()
+        _malloc_trim()
+        have_hwm = _reset_hwm()
+        rss_before = _status_kb("VmRSS")
+        if rss_before is None:  # no /proc: growth of the lifetime maximum (a lower bound)
+            have_hwm = False
+            rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        outs = sess.run_with_ort_values(out_names, feeds)
+        if have_hwm:
+            peak_kb = _status_kb("VmHWM")
+            result["method"] = "VmHWM"
+        else:
+            peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            result["method"] = "ru_maxrss"
+        del outs
+        result["peak_bytes"] = max(0, (peak_kb - rss_before) * 1024)
+        result["rss_before_bytes"] = rss_before * 1024
+
+    times = []
+    for _ in range(max(1, args.repeats)):
+        t0 = time.perf_counter()
+        outs = sess.run_with_ort_values(out_names, feeds)
+        times.append(time.perf_counter() - t0)  # Run synchronizes the device at its end
+        del outs
+    result["step_seconds"] = statistics.median(times)
+    sys.stdout.write("\n" + json.dumps(result) + "\n")
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,270 @@
+"""Session settings a plan depends on, stored in the model, and a helper that opens
+an ONNX Runtime session the way the plan needs.
+
+A checkpointing plan is only valid for the execution order ONNX Runtime really runs,
+and ORT's graph optimizers change that order (see docs/ort-facts.md, section 3). The
+settings the plan was made for therefore travel with the model, as JSON in
+``model.metadata_props["graphopt.session"]``, so that any consumer (in any language)
+can open the session the same way. :func:`open_session` does that for Python users.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import onnx
+import onnxruntime as ort
+
+from graphopt.errors import InvalidModelError
+
+METADATA_KEY = "graphopt.session"
+
+_OPT_LEVELS = tuple(ort.GraphOptimizationLevel.__members__)
+# MEMORY_EFFICIENT exists in the enum but raises on stock (non-training) wheels.
+_EXEC_ORDERS = ("DEFAULT", "PRIORITY_BASED")
+
+# Models at or above this serialized size cannot go through protobuf bytes
+# (2 GiB limit); they are handed to ORT as a file with external data.
+_PROTO_LIMIT = 2**31 - 2**24
+
+_FIELDS = (
+    "graph_optimization_level",
+    "execution_order",
+    "disabled_optimizers",
+    "session_config",
+    "enable_mem_reuse",
+    "enable_mem_pattern",
+)
+
+
+def _session_config_tuple(value: Any) -> tuple[tuple[str, str], ...]:
+    if isinstance(value, Mapping):
+        items = list(value.items())
+    else:
+        items = [tuple(p) for p in value]
+    out = []
+    for pair in items:
+        if len(pair) != 2:
+            raise InvalidModelError(f"session settings: session_config entry {pair!r} is not a (key, value) pair")
+        k, v = pair
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise InvalidModelError(
+                f"session settings: session_config entry {k!r}={v!r} must map a string to a string"
+            )
+        out.append((k, v))
+    return tuple(sorted(out))
+
+
+@dataclass(frozen=True)
+class SessionSettings:
+    """How ONNX Runtime must open the model.
+
+    ``session_config`` is stored as a sorted tuple of ``(key, value)`` pairs (so the
+    settings stay hashable); a dict is accepted in the constructor and converted.
+    :attr:`session_config_dict` gives it back as a dict.
+    """
+
+    graph_optimization_level: str = "ORT_ENABLE_ALL"
+    execution_order: str = "DEFAULT"
+    disabled_optimizers: tuple[str, ...] = ()
+    session_config: tuple[tuple[str, str], ...] = field(default_factory=tuple)
+    enable_mem_reuse: bool = True
+    enable_mem_pattern: bool = True
+
+    def __post_init__(self) -> None:
+        if self.graph_optimization_level not in _OPT_LEVELS:
+            raise InvalidModelError(
+                f"session settings: graph_optimization_level {self.graph_optimization_level!r} "
+                f"is not one of {list(_OPT_LEVELS)}"
+            )
+        if self.execution_order not in _EXEC_ORDERS:
+            raise InvalidModelError(
+                f"session settings: execution_order {self.execution_order!r} is not one of {list(_EXEC_ORDERS)}"
+            )
+        if isinstance(self.disabled_optimizers, str) or not all(
+            isinstance(x, str) for x in self.disabled_optimizers
+        ):
+            raise InvalidModelError(
+                f"session settings: disabled_optimizers {self.disabled_optimizers!r} must be a list of strings"
+            )
+        object.__setattr__(self, "disabled_optimizers", tuple(self.disabled_optimizers))
+        object.__setattr__(self, "session_config", _session_config_tuple(self.session_config))
+        for name in ("enable_mem_reuse", "enable_mem_pattern"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidModelError(f"session settings: {name} {getattr(self, name)!r} must be a boolean")
+
+    @property
+    def session_config_dict(self) -> dict[str, str]:
+        return dict(self.session_config)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "graph_optimization_level": self.graph_optimization_level,
+            "execution_order": self.execution_order,
+            "disabled_optimizers": list(self.disabled_optimizers),
+            "session_config": dict(self.session_config),
+            "enable_mem_reuse": self.enable_mem_reuse,
+            "enable_mem_pattern": self.enable_mem_pattern,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "SessionSettings":
+        if not isinstance(d, Mapping):
+            raise InvalidModelError(f"session settings: expected a JSON object, got {type(d).__name__}")
+        unknown = sorted(set(d) - set(_FIELDS))
+        if unknown:
+            raise InvalidModelError(f"session settings: unknown key {unknown[0]!r} (known: {list(_FIELDS)})")
+        kw: dict[str, Any] = dict(d)
+        if "disabled_optimizers" in kw:
+            v = kw["disabled_optimizers"]
+            if not isinstance(v, (list, tuple)):
+                raise InvalidModelError(f"session settings: disabled_optimizers {v!r} must be a list of strings")
+            kw["disabled_optimizers"] = tuple(v)
+        if "session_config" in kw:
+            v = kw["session_config"]
+            if not isinstance(v, (Mapping, list, tuple)):
+                raise InvalidModelError(f"session settings: session_config {v!r} must be an object of strings")
+        for key in ("graph_optimization_level", "execution_order"):
+            if key in kw and not isinstance(kw[key], str):
+                raise InvalidModelError(f"session settings: {key} {kw[key]!r} must be a string")
+        return cls(**kw)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, s: str | bytes) -> "SessionSettings":
+        try:
+            d = json.loads(s)
+        except (json.JSONDecodeError, UnicodeDecodeError, TypeError) as e:
+            raise InvalidModelError(f"session settings: not valid JSON ({e})") from e
+        return cls.from_dict(d)
+
+
+DEFAULT_SETTINGS = SessionSettings()
+"""What a user gets from a plain ``onnxruntime.InferenceSession``."""
+
+
+def read_settings(model: onnx.ModelProto) -> SessionSettings | None:
+    """The settings stored in ``model.metadata_props[METADATA_KEY]``, or None."""
+    for prop in model.metadata_props:
+        if prop.key == METADATA_KEY:
+            return SessionSettings.from_json(prop.value)
+    return None
+
+
+def write_settings(model: onnx.ModelProto, settings: SessionSettings) -> None:
+    """Store ``settings`` in the model's metadata, replacing an existing entry."""
+    _set_metadata(model, METADATA_KEY, settings.to_json())
+
+
+def _set_metadata(model: onnx.ModelProto, key: str, value: str) -> None:
+    keep = [(p.key, p.value) for p in model.metadata_props if p.key != key]
+    del model.metadata_props[:]
+    for k, v in keep:
+        model.metadata_props.add(key=k, value=v)
+    model.metadata_props.add(key=key, value=value)
+
+
+def session_options(
+    settings: SessionSettings,
+    *,
+    threads: int | None = 1,
+    arena: bool = False,
+    profile_prefix: str | None = None,
+    deterministic: bool = False,
+) -> ort.SessionOptions:
+    """SessionOptions for ``settings``.
+
+    ``disabled_optimizers`` cannot be expressed in SessionOptions: ORT takes it as a
+    keyword of ``InferenceSession`` (``open_session`` passes it).
+    ``threads=None`` leaves ORT's thread defaults.
+    """
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.__members__[settings.graph_optimization_level]
+    so.execution_order = ort.ExecutionOrder.__members__[settings.execution_order]
+    so.enable_mem_reuse = settings.enable_mem_reuse
+    so.enable_mem_pattern = settings.enable_mem_pattern
+    so.enable_cpu_mem_arena = arena
+    for k, v in settings.session_config:
+        so.add_session_config_entry(k, v)
+    if threads is not None:
+        so.intra_op_num_threads = int(threads)
+        so.inter_op_num_threads = 1
+    if profile_prefix is not None:
+        so.enable_profiling = True
+        so.profile_file_prefix = str(profile_prefix)
+    if deterministic:
+        so.use_deterministic_compute = True
+    so.log_severity_level = 3
+    return so
+
+
+def default_providers() -> list[str]:
+    """CUDAExecutionProvider first when this onnxruntime has it, then CPU."""
+    avail = ort.get_available_providers()
+    out = []
+    if "CUDAExecutionProvider" in avail:
+        out.append("CUDAExecutionProvider")
+    out.append("CPUExecutionProvider")
+    return out
+
+
+def _load_for_metadata(path: str) -> onnx.ModelProto:
+    # Only the metadata is needed: do not pull external tensors into memory.
+    return onnx.load(path, load_external_data=False)
+
+
+def open_session(
+    model: onnx.ModelProto | str | os.PathLike,
+    settings: SessionSettings | None = None,
+    *,
+    providers: list | None = None,
+    threads: int | None = 1,
+    arena: bool = False,
+    profile_prefix: str | None = None,
+    deterministic: bool = False,
+) -> ort.InferenceSession:
+    """Open an ORT session as the plan needs.
+
+    ``settings=None`` reads them from the model's metadata, else uses
+    :data:`DEFAULT_SETTINGS`. ``model`` may be a ModelProto or a path (use a path,
+    with external data, for models over 2 GB; a ModelProto that big is written to a
+    temporary directory with external data first).
+    """
+    is_path = isinstance(model, (str, os.PathLike))
+    if settings is None:
+        meta_model = _load_for_metadata(os.fspath(model)) if is_path else model
+        settings = read_settings(meta_model) or DEFAULT_SETTINGS
+    so = session_options(
+        settings, threads=threads, arena=arena, profile_prefix=profile_prefix, deterministic=deterministic
+    )
+    if providers is None:
+        providers = default_providers()
+    kwargs: dict[str, Any] = {}
+    if settings.disabled_optimizers:
+        kwargs["disabled_optimizers"] = list(settings.disabled_optimizers)
+    try:
+        if is_path:
+            return ort.InferenceSession(os.fspath(model), so, providers=providers, **kwargs)
+        if model.ByteSize() < _PROTO_LIMIT:
+            return ort.InferenceSession(model.SerializeToString(), so, providers=providers, **kwargs)
+        tmp = tempfile.mkdtemp(prefix="graphopt-model-")
+        try:
+            path = os.path.join(tmp, "model.onnx")
+            onnx.save_model(model, path, save_as_external_data=True, all_tensors_to_one_file=True,
+                            location="model.onnx.data")
+            return ort.InferenceSession(path, so, providers=providers, **kwargs)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    except (ort.capi.onnxruntime_pybind11_state.Fail,
+            ort.capi.onnxruntime_pybind11_state.InvalidGraph,
+            ort.capi.onnxruntime_pybind11_state.InvalidArgument,
+            ort.capi.onnxruntime_pybind11_state.NoSuchFile,
+            ort.capi.onnxruntime_pybind11_state.InvalidProtobuf) as e:
+        raise InvalidModelError(f"onnxruntime cannot load the model: {e}") from e

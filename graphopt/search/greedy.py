@@ -1,0 +1,58 @@
+"""`greedy`: the first search for arbitrary DAGs — seeded local search over checkpoint sets.
+
+Seeds: store-all, Chen's sqrt(n) plan and equal-bytes segmentations with 2..K segments.
+From the best seed, toggle one candidate tensor at a time (largest first) and keep a toggle
+when it lowers the objective, until a pass changes nothing or the time limit is reached.
+Every candidate is evaluated by the one cost model on the order the runtime will execute,
+so the result is never worse than Chen's sqrt(n) plan under that model.
+
+Objective: least peak bytes, ties broken by recompute seconds; with a budget, first the
+excess over the budget, then recompute seconds (least time that fits).
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import networkx as nx
+
+from .chen_sqrt import chen_sqrt, segment_checkpoints
+from .plan import Plan, candidate_checkpoints, make_plan
+from .store_all import store_all
+
+
+def objective(plan: Plan, budget_bytes: int | None):
+    if budget_bytes is None:
+        return (plan.peak_bytes, plan.recompute_seconds)
+    return (max(0, plan.peak_bytes - budget_bytes), plan.recompute_seconds, plan.peak_bytes)
+
+
+def greedy(graph: nx.DiGraph, budget_bytes: int | None = None, *,
+           time_limit_seconds: float = 20.0, max_seeds: int = 24) -> Plan:
+    started = time.perf_counter()
+    n = len(graph.graph["forward_order"])
+    seeds = [store_all(graph), chen_sqrt(graph)]
+    counts = sorted({max(2, round(n ** (k / max_seeds))) for k in range(1, max_seeds + 1)} |
+                    {max(1, round(math.sqrt(n)) // 2), 2 * round(math.sqrt(n))})
+    for segments in counts:
+        if segments < n:
+            seeds.append(make_plan(graph, "greedy", segment_checkpoints(graph, segments)))
+    best = min(seeds, key=lambda p: objective(p, budget_bytes))
+    current = set(best.checkpoints)
+    tensor_bytes = graph.graph["tensor_bytes"]
+    candidates = sorted(candidate_checkpoints(graph), key=lambda t: -tensor_bytes.get(t, 0))
+    evaluated = len(seeds)
+    improved = True
+    while improved and time.perf_counter() - started < time_limit_seconds:
+        improved = False
+        for t in candidates:
+            if time.perf_counter() - started >= time_limit_seconds:
+                break
+            trial = current ^ {t}
+            plan = make_plan(graph, "greedy", trial)
+            evaluated += 1
+            if objective(plan, budget_bytes) < objective(best, budget_bytes):
+                best, current, improved = plan, trial, True
+    best.strategy = "greedy"
+    best.notes.update(evaluated_plans=evaluated, search_seconds=time.perf_counter() - started)
+    return best

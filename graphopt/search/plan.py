@@ -1,0 +1,112 @@
+"""A plan (checkpoints + schedule) and the schedule that a checkpoint set implies.
+
+Given checkpoints C, the schedule runs the forward ops in order, then the backward ops in
+order; right before a backward op that reads a forward tensor which is neither resident,
+a checkpoint, nor already recomputed, it recomputes that tensor from what is available
+(checkpoints, resident tensors, earlier recomputations), the recomputed ops in forward
+order. A recomputed tensor stays until its last reader, so no op is recomputed twice:
+the overhead is at most one extra forward pass. Imports no ONNX.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import networkx as nx
+
+from ..costmodel import Simulation, Step, priority_order, simulate
+
+
+@dataclass
+class Plan:
+    strategy: str
+    checkpoints: frozenset[str]
+    schedule: list[Step]                 # the order written to the file
+    simulation: Simulation | None = None  # of the order the runtime will execute
+    notes: dict = field(default_factory=dict)
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.simulation.peak_bytes
+
+    @property
+    def recompute_seconds(self) -> float:
+        return self.simulation.recompute_seconds
+
+    @property
+    def recompute_ops(self) -> int:
+        return sum(1 for _, copy in self.schedule if copy)
+
+
+def forward_tensors(graph: nx.DiGraph) -> dict[str, str]:
+    """Forward tensor -> its producing forward op."""
+    out = {}
+    for op in graph.graph["forward_order"]:
+        for t in graph.nodes[op]["outputs"]:
+            out[t] = op
+    return out
+
+
+def forced_checkpoints(graph: nx.DiGraph) -> set[str]:
+    """Forward tensors that must be kept: outputs of ops that cannot be recomputed, and
+    graph outputs."""
+    forced = set()
+    kept = graph.graph["kept"]
+    for t, op in forward_tensors(graph).items():
+        if not graph.nodes[op]["recomputable"] or t in kept:
+            forced.add(t)
+    return forced
+
+
+def candidate_checkpoints(graph: nx.DiGraph) -> list[str]:
+    """Forward tensors a solver may choose to keep (the others forced or free), in forward order."""
+    forced = forced_checkpoints(graph)
+    tensor_bytes = graph.graph["tensor_bytes"]
+    return [t for t in forward_tensors(graph) if t not in forced and tensor_bytes.get(t, 0) > 0]
+
+
+def stashed_tensors(graph: nx.DiGraph) -> set[str]:
+    fwd = forward_tensors(graph)
+    return {t for op in graph.graph["backward_order"] for t in graph.nodes[op]["inputs"] if t in fwd}
+
+
+def schedule_for(graph: nx.DiGraph, checkpoints: set[str] | frozenset[str]) -> list[Step]:
+    """The schedule implied by keeping `checkpoints` (see the module docstring)."""
+    nodes = graph.nodes
+    fwd_order = graph.graph["forward_order"]
+    position = {op: i for i, op in enumerate(fwd_order)}
+    producer = forward_tensors(graph)
+    available = set(checkpoints) | forced_checkpoints(graph)
+    schedule: list[Step] = [(op, 0) for op in fwd_order]
+    copies: dict[str, int] = {}
+
+    def missing_ops(tensor, into):
+        stack = [tensor]
+        while stack:
+            t = stack.pop()
+            if t in available or t not in producer:
+                continue
+            op = producer[t]
+            if op in into:
+                continue
+            into.add(op)
+            stack.extend(nodes[op]["inputs"])
+
+    for op in graph.graph["backward_order"]:
+        todo: set[str] = set()
+        for t in nodes[op]["inputs"]:
+            if t in producer and t not in available:
+                missing_ops(t, todo)
+        for r in sorted(todo, key=position.__getitem__):
+            copies[r] = copies.get(r, 0) + 1
+            schedule.append((r, copies[r]))
+            available.update(nodes[r]["outputs"])
+        schedule.append((op, 0))
+    return schedule
+
+
+def make_plan(graph: nx.DiGraph, strategy: str, checkpoints, **notes) -> Plan:
+    """Plan for a checkpoint set, evaluated by the cost model on the runtime's order."""
+    checkpoints = frozenset(checkpoints)
+    schedule = schedule_for(graph, checkpoints)
+    executed = priority_order(graph, schedule)
+    return Plan(strategy, checkpoints, schedule, simulate(graph, executed), dict(notes))

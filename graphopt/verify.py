@@ -1,0 +1,108 @@
+"""Check that a rewritten graph reproduces the original's outputs.
+
+Runs are deterministic: one thread, ``use_deterministic_compute``, CPU arena off.
+(ORT's CPU ScatterND with ``reduction="add"`` — the gradient of an embedding Gather —
+gives wrong, run-to-run different results with two or more threads when indices
+repeat; see docs/ort-facts.md section 6.)
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+
+from graphopt.runtime.session import SessionSettings, open_session
+
+
+@dataclass
+class OutputComparison:
+    match: bool
+    max_relative_difference: float
+    per_output: dict[str, float] = field(default_factory=dict)  # relative difference per output name
+
+    def worst_output(self) -> str:
+        """Name of the output with the largest relative difference ("" when there are none)."""
+        if not self.per_output:
+            return ""
+        return max(self.per_output, key=lambda k: self.per_output[k])
+
+
+def run_outputs(
+    model: onnx.ModelProto | str | os.PathLike,
+    inputs: dict[str, np.ndarray],
+    settings: SessionSettings | None = None,
+    *,
+    threads: int = 1,
+    providers: list | None = None,
+) -> dict[str, np.ndarray]:
+    """Every graph output of one deterministic run, by name.
+
+    ``settings=None``: the model's metadata, else the defaults. ``providers=None``: CPU.
+    """
+    sess = open_session(
+        model, settings, providers=providers or ["CPUExecutionProvider"], threads=threads,
+        arena=False, deterministic=True,
+    )
+    names = [o.name for o in sess.get_outputs()]
+    known = {i.name for i in sess.get_inputs()}
+    feeds = {k: v for k, v in inputs.items() if k in known}
+    values = sess.run(names, feeds)
+    return dict(zip(names, values))
+
+
+def _relative_difference(a: np.ndarray, b: np.ndarray) -> float:
+    if a.size == 0:
+        return 0.0
+    if a.dtype.kind in "OUS":
+        return 0.0 if np.array_equal(a, b) else math.inf
+    a64 = a.astype(np.float64) if a.dtype.kind != "c" else a.astype(np.complex128)
+    b64 = b.astype(np.float64) if b.dtype.kind != "c" else b.astype(np.complex128)
+    nan_a, nan_b = np.isnan(a64), np.isnan(b64)
+    if not np.array_equal(nan_a, nan_b):
+        return math.inf
+    keep = ~nan_a
+    a64, b64 = a64[keep], b64[keep]
+    if a64.size == 0:
+        return 0.0
+    inf_a, inf_b = np.isinf(a64), np.isinf(b64)
+    if inf_a.any() or inf_b.any():
+        if not np.array_equal(a64[inf_a | inf_b], b64[inf_a | inf_b]):
+            return math.inf
+        keep = ~(inf_a | inf_b)
+        a64, b64 = a64[keep], b64[keep]
+        if a64.size == 0:
+            return 0.0
+    scale = max(float(np.max(np.abs(a64))), 1e-12)
+    return float(np.max(np.abs(a64 - b64))) / scale
+
+
+def compare_outputs(
+    reference: dict[str, np.ndarray],
+    candidate: dict[str, np.ndarray],
+    tolerance: float = 1e-5,
+) -> OutputComparison:
+    """Relative difference max|a−b| / max(max|a|, 1e-12) per output.
+
+    Output names, shapes and dtypes must agree: a missing, extra or misshapen output
+    (or a different dtype) gets difference ``inf``. NaN/inf must sit at the same
+    places with the same values. ``match`` is every difference ≤ ``tolerance``.
+    """
+    per: dict[str, float] = {}
+    for name, ref in reference.items():
+        if name not in candidate:
+            per[name] = math.inf
+            continue
+        a, b = np.asarray(ref), np.asarray(candidate[name])
+        if a.shape != b.shape or a.dtype != b.dtype:
+            per[name] = math.inf
+            continue
+        per[name] = _relative_difference(a, b)
+    for name in candidate:
+        if name not in reference:
+            per[name] = math.inf
+    worst = max(per.values(), default=0.0)
+    return OutputComparison(match=worst <= tolerance, max_relative_difference=worst, per_output=per)
