@@ -104,7 +104,7 @@ def _measure_all(original: onnx.ModelProto, rewritten: onnx.ModelProto, inputs, 
         paths = {}
         for label, model in (("original", original), ("optimized", rewritten)):
             paths[label] = os.path.join(tmp, f"{label}.onnx")
-            _save(model, paths[label])
+            save_model(model, paths[label])
         runs = {
             "original_default_session": (paths["original"], DEFAULT_SETTINGS),
             "original_optimizations_off": (paths["original"], ORIGINAL_UNOPTIMIZED),
@@ -114,7 +114,9 @@ def _measure_all(original: onnx.ModelProto, rewritten: onnx.ModelProto, inputs, 
                 for label, (path, settings) in runs.items()}
 
 
-def _save(model: onnx.ModelProto, path: str) -> None:
+def save_model(model: onnx.ModelProto, path) -> None:
+    """Save a model; one over protobuf's 2 GB limit gets its weights as external data."""
+    path = str(path)
     if model.ByteSize() > 2**31 - 2**24:
         onnx.save(model, path, save_as_external_data=True, all_tensors_to_one_file=True,
                   location=os.path.basename(path) + ".data")

@@ -1,0 +1,212 @@
+"""The `graphopt` command line (in-process)."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+import sys
+import time
+from pathlib import Path
+
+from .errors import GraphoptError
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_bytes(text: str) -> int:
+    """'123', '200MB', '1.5GiB' -> bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 500000000, 512MiB, 2GB)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def mib(n: int | float) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+class StageProgress:
+    """Prints each pipeline stage with the time it started (long steps show progress)."""
+
+    def __init__(self, stream=sys.stderr):
+        self.stream = stream
+        self.started = time.perf_counter()
+
+    def __call__(self, stage: str, fraction: float) -> None:
+        print(f"[{time.perf_counter() - self.started:6.1f}s {fraction:4.0%}] {stage}", file=self.stream, flush=True)
+
+
+def _input_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--input-dims", action="append", default=[], metavar="NAME=D1,D2,...",
+                        help="values of symbolic input dimensions, e.g. x=4,3,224,224 (repeatable)")
+    parser.add_argument("--inputs", type=Path, help="inputs as .npz (default: synthesized)")
+    parser.add_argument("--threads", type=int, default=1, help="ONNX Runtime intra-op threads (default 1)")
+
+
+def _load_inputs(args, model):
+    from .inputs import load_inputs, parse_input_dims, synthesize_inputs
+    if args.inputs:
+        return load_inputs(args.inputs)
+    return synthesize_inputs(model, parse_input_dims(args.input_dims))
+
+
+def cmd_optimize(args) -> int:
+    from .ingest import load_model
+    from .optimize import OptimizeOptions, optimize, save_model
+    model = load_model(args.model)
+    options = OptimizeOptions(loss=args.loss, budget_bytes=args.budget, strategy=args.strategy,
+                              inputs=_load_inputs(args, model), verify=not args.no_verify,
+                              measure=not args.no_measure, threads=args.threads,
+                              progress=StageProgress())
+    result = optimize(model, options)
+    save_model(result.model, args.output)
+    report = result.report
+    if args.report:
+        args.report.write_text(json.dumps(report, indent=2))
+    print(summary_text(report))
+    print(f"wrote {args.output}" + (f" and {args.report}" if args.report else ""))
+    return 0
+
+
+def summary_text(report: dict) -> str:
+    lines = [f"strategy {report['strategy']}: {len(report['checkpoints'])} checkpoints, "
+             f"{report['recompute_nodes']} recompute nodes, search {report['search_seconds']:.2f} s"]
+    predicted = report["predicted"]
+    lines.append(f"predicted peak: original (optimizations off) {mib(predicted['original_optimizations_off']['peak_bytes'])}, "
+                 f"optimized {mib(predicted['optimized']['peak_bytes'])}")
+    if "measured" in report:
+        m = report["measured"]
+        lines.append("measured peak of one training step in ONNX Runtime:")
+        for label in ("original_default_session", "original_optimizations_off", "optimized"):
+            lines.append(f"  {label:28s} {mib(m[label]['peak_bytes']):>12s}   step {m[label]['step_seconds']:.3f} s")
+        r = report["ratios"]
+        lines.append(f"optimized / original: peak {r['peak_vs_default_session']:.2f}x (default session), "
+                     f"{r['peak_vs_optimizations_off']:.2f}x (optimizations off); step time "
+                     f"{r['step_time_vs_default_session']:.2f}x / {r['step_time_vs_optimizations_off']:.2f}x")
+    if "outputs_match" in report:
+        lines.append(f"outputs identical: {report['outputs_match']} "
+                     f"(max relative difference {report['max_relative_difference']:.2e})")
+    return "\n".join(lines)
+
+
+def cmd_measure(args) -> int:
+    import tempfile
+
+    from .ingest import load_model
+    from .inputs import save_inputs
+    from .optimize import ORIGINAL_UNOPTIMIZED
+    from .runtime.measure import measure
+    from .runtime.session import DEFAULT_SETTINGS, read_settings
+    model = load_model(args.model)
+    settings = {"model": read_settings(model) or DEFAULT_SETTINGS, "default": DEFAULT_SETTINGS,
+                "off": ORIGINAL_UNOPTIMIZED}[args.session]
+    inputs = _load_inputs(args, model)
+    with tempfile.TemporaryDirectory(prefix="graphopt-") as tmp:
+        inputs_path = Path(tmp) / "inputs.npz"
+        save_inputs(inputs_path, inputs)
+        m = measure(args.model, inputs_path, settings, threads=args.threads, repeats=args.repeats)
+    result = {"model": str(args.model), "peak_bytes": m.peak_bytes, "step_seconds": m.step_seconds,
+              "provider": m.provider, "method": m.method, "session": settings.to_dict()}
+    print(json.dumps(result, indent=2) if args.json else
+          f"{args.model}: peak {mib(m.peak_bytes)} ({m.peak_bytes} bytes), step {m.step_seconds:.4f} s "
+          f"on {m.provider} ({args.session} session)")
+    return 0
+
+
+def cmd_train_graph(args) -> int:
+    from .build.train_graph import build_training_graph
+    from .ingest import load_model
+    from .optimize import save_model
+    forward = load_model(args.model)
+    train = build_training_graph(forward, loss=args.loss, freeze=args.freeze or ())
+    save_model(train, args.output)
+    grads = [o.name for o in train.graph.output][1:]
+    print(f"wrote {args.output}: loss {train.graph.output[0].name!r}, {len(grads)} gradients, "
+          f"{len(train.graph.node)} nodes")
+    return 0
+
+
+def cmd_strategies(args) -> int:
+    from .search import DEFAULT_STRATEGY, STRATEGIES
+    for name, fn in STRATEGIES.items():
+        doc = (sys.modules[fn.__module__].__doc__ or "").strip().splitlines()[0]
+        print(f"{name:12s}{' (default)' if name == DEFAULT_STRATEGY else '':10s} {doc}")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from .examples import EXAMPLES, training_example
+    from .optimize import OptimizeOptions, optimize, save_model
+    if args.example not in EXAMPLES:
+        raise GraphoptError(f"unknown example {args.example!r} (known: {EXAMPLES})")
+    print(f"building the {args.example!r} example training graph ...", file=sys.stderr)
+    model, inputs = training_example(args.example)
+    result = optimize(model, OptimizeOptions(inputs=inputs, progress=StageProgress()))
+    print(summary_text(result.report))
+    if args.output:
+        args.output.mkdir(parents=True, exist_ok=True)
+        save_model(model, args.output / f"{args.example}_train.onnx")
+        save_model(result.model, args.output / f"{args.example}_optimized.onnx")
+        (args.output / f"{args.example}_report.json").write_text(json.dumps(result.report, indent=2))
+        print(f"wrote {args.output}/")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .search import DEFAULT_STRATEGY, STRATEGIES
+    parser = argparse.ArgumentParser(prog="graphopt", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("optimize", help="plan checkpoints, rewrite with recomputation, verify, measure")
+    p.add_argument("model", type=Path)
+    p.add_argument("-o", "--output", type=Path, required=True)
+    p.add_argument("--budget", type=parse_bytes, help="peak-memory budget (bytes, or e.g. 512MiB)")
+    p.add_argument("--strategy", default=DEFAULT_STRATEGY, choices=sorted(STRATEGIES))
+    p.add_argument("--loss", help="name of the loss output (default: the first output)")
+    p.add_argument("--report", type=Path, help="write the JSON report here")
+    p.add_argument("--no-verify", action="store_true", help="skip the output comparison (not recommended)")
+    p.add_argument("--no-measure", action="store_true", help="skip the fresh-process peak measurements")
+    _input_options(p)
+    p.set_defaults(func=cmd_optimize)
+
+    p = sub.add_parser("measure", help="peak memory and step time of one run in ONNX Runtime")
+    p.add_argument("model", type=Path)
+    p.add_argument("--session", choices=["model", "default", "off"], default="model",
+                   help="model: the settings in its metadata (else defaults); default: a plain session; "
+                        "off: graph optimizations disabled")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--json", action="store_true")
+    _input_options(p)
+    p.set_defaults(func=cmd_measure)
+
+    p = sub.add_parser("train-graph", help="turn a forward model whose output is a loss into a training graph")
+    p.add_argument("model", type=Path)
+    p.add_argument("-o", "--output", type=Path, required=True)
+    p.add_argument("--loss", help="name of the loss output (default: the first output)")
+    p.add_argument("--freeze", nargs="*", help="initializers that are not trained")
+    p.set_defaults(func=cmd_train_graph)
+
+    p = sub.add_parser("strategies", help="list the checkpoint-search strategies")
+    p.set_defaults(func=cmd_strategies)
+
+    p = sub.add_parser("demo", help="build a bundled example, optimize it, print the measured saving")
+    p.add_argument("--example", default="mlp")
+    p.add_argument("-o", "--output", type=Path, help="folder for the models and the report")
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
+    try:
+        return args.func(args)
+    except GraphoptError as exc:
+        print(f"graphopt: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
