@@ -55,6 +55,8 @@ def load_model(path: str | os.PathLike, *, max_bytes: int | None = None) -> onnx
         model = onnx.load(str(path), load_external_data=False)
     except Exception as exc:  # protobuf raises DecodeError and friends
         raise InvalidModelError(f"{str(path)!r} is not a readable ONNX model: {exc}") from exc
+    if not model.HasField("graph"):  # protobuf parses an empty file (and more) as a ModelProto
+        raise InvalidModelError(f"{str(path)!r} is not an ONNX model: it has no graph")
     check_external_data(model, path.parent)
     try:
         onnx.load_external_data_for_model(model, str(path.parent))
