@@ -1,0 +1,55 @@
+"""Optimize every bundled example and print, side by side, the measured peak memory of one
+training step in ONNX Runtime (original under the default session, original with graph
+optimizations off, optimized), step-time ratios, the cost model's prediction error, and
+whether the outputs are identical.
+
+    python benchmarks/zoo_table.py [--examples mlp,resnet] [--strategy greedy] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from graphopt.examples import EXAMPLES, training_example
+from graphopt.optimize import OptimizeOptions, optimize
+
+
+def mib(n):
+    return f"{n / 2**20:.1f}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--examples", default=",".join(EXAMPLES))
+    parser.add_argument("--strategy", default="greedy")
+    parser.add_argument("--json", help="also write the reports here")
+    args = parser.parse_args()
+    rows, reports = [], {}
+    header = ("| model | nodes | peak default session MiB | peak optimizations off MiB | peak optimized MiB "
+              "| vs default | vs off | step time vs default | vs off | prediction error opt / orig "
+              "| recompute nodes | outputs identical |")
+    for name in args.examples.split(","):
+        print(f"optimizing {name} ...", file=sys.stderr, flush=True)
+        model, inputs = training_example(name)
+        report = optimize(model, OptimizeOptions(inputs=inputs, strategy=args.strategy)).report
+        reports[name] = report
+        m, r, e = report["measured"], report["ratios"], report["prediction_error"]
+        rows.append(
+            f"| {name} | {report['nodes']['original']} | {mib(m['original_default_session']['peak_bytes'])} "
+            f"| {mib(m['original_optimizations_off']['peak_bytes'])} | {mib(m['optimized']['peak_bytes'])} "
+            f"| {r['peak_vs_default_session']:.2f}x | {r['peak_vs_optimizations_off']:.2f}x "
+            f"| {r['step_time_vs_default_session']:.2f}x | {r['step_time_vs_optimizations_off']:.2f}x "
+            f"| {e['optimized']:+.1%} / {e['original_optimizations_off']:+.1%} "
+            f"| {report['recompute_nodes']} | {report['outputs_match']} |")
+    print(header)
+    print("|" + "---|" * (header.count("|") - 1))
+    print("\n".join(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(reports, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

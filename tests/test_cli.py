@@ -1,0 +1,79 @@
+"""The `graphopt` command line, run as a real subprocess."""
+import json
+import subprocess
+import sys
+
+import onnx
+import pytest
+
+from graphopt.examples import forward_example, training_example
+
+
+def graphopt(*args, check=True):
+    proc = subprocess.run([sys.executable, "-m", "graphopt.cli", *map(str, args)],
+                          capture_output=True, text=True, timeout=600)
+    if check and proc.returncode != 0:
+        raise AssertionError(proc.stderr)
+    return proc
+
+
+@pytest.fixture(scope="module")
+def small_training(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("cli")
+    model, _ = training_example("mlp", small=True)
+    path = folder / "train.onnx"
+    onnx.save(model, path)
+    return path
+
+
+def test_optimize_writes_model_and_report(small_training, tmp_path):
+    out, report_path = tmp_path / "opt.onnx", tmp_path / "r.json"
+    proc = graphopt("optimize", small_training, "-o", out, "--report", report_path)
+    assert "outputs identical: True" in proc.stdout
+    report = json.loads(report_path.read_text())
+    for key in ("checkpoints", "recompute_nodes", "search_seconds", "outputs_match", "predicted", "measured"):
+        assert key in report
+    for label in ("original_default_session", "original_optimizations_off", "optimized"):
+        assert report["measured"][label]["peak_bytes"] >= 0
+        assert report["measured"][label]["step_seconds"] > 0
+    model = onnx.load(out)
+    keys = {p.key for p in model.metadata_props}
+    assert {"graphopt.session", "graphopt.annotations", "graphopt.plan"} <= keys
+    onnx.checker.check_model(model)
+
+
+def test_measure_prints_peak(small_training):
+    proc = graphopt("measure", small_training, "--json", "--repeats", "1")
+    result = json.loads(proc.stdout)
+    assert result["peak_bytes"] > 0 and result["step_seconds"] > 0
+
+
+def test_train_graph_builds_training_graph(tmp_path):
+    forward = forward_example("mlp", small=True)
+    fwd, train = tmp_path / "fwd.onnx", tmp_path / "train.onnx"
+    onnx.save(forward, fwd)
+    graphopt("train-graph", fwd, "-o", train)
+    outputs = [o.name for o in onnx.load(train).graph.output]
+    assert outputs[0] == forward.graph.output[0].name
+    assert all(o.endswith("_grad") for o in outputs[1:]) and len(outputs) > 1
+
+
+def test_infeasible_budget_names_least_peak(small_training, tmp_path):
+    proc = graphopt("optimize", small_training, "-o", tmp_path / "x.onnx", "--budget", "1", check=False)
+    assert proc.returncode == 2
+    assert "cannot be met" in proc.stderr and "least peak" in proc.stderr
+    assert not (tmp_path / "x.onnx").exists()
+
+
+def test_not_onnx_is_a_clear_error(tmp_path):
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"\x00\x01garbage" * 10)
+    proc = graphopt("optimize", bad, "-o", tmp_path / "x.onnx", check=False)
+    assert proc.returncode == 2 and "error" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_strategies_lists_defaults():
+    proc = graphopt("strategies")
+    for name in ("greedy", "chen-sqrt", "store-all"):
+        assert name in proc.stdout
