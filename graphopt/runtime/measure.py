@@ -32,16 +32,44 @@ class Measurement:
     method: str = ""  # how the peak was taken: "VmHWM", "ru_maxrss", "nvml (...)"
 
 
-def _worker_env() -> dict[str, str]:
+def _worker_env(plain_allocator: bool = False) -> dict[str, str]:
     env = dict(os.environ)
+    for key in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"):
+        env.pop(key, None)
+    pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    if plain_allocator:
+        return env
     # Large buffers come from mmap and go back to the OS when freed, so RSS follows
     # what ORT really holds; the low trim threshold returns freed heap top as well.
     env["MALLOC_MMAP_THRESHOLD_"] = "65536"
     env["MALLOC_TRIM_THRESHOLD_"] = "131072"
-    # Make the worker import this very graphopt, wherever it lives.
-    pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
+
+
+def _run_worker(cmd: list[str], env: dict[str, str], model_path, timeout_seconds: float) -> dict:
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_seconds, env=env)
+    except subprocess.TimeoutExpired as e:
+        tail = (e.stderr or b"")
+        tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
+        raise MeasurementError(
+            f"measurement of {os.fspath(model_path)} timed out after {timeout_seconds} s; stderr tail:\n{tail[-3000:]}"
+        ) from None
+    if proc.returncode != 0:
+        raise MeasurementError(
+            f"measurement of {os.fspath(model_path)} failed (exit {proc.returncode}); stderr tail:\n"
+            f"{proc.stderr[-3000:]}"
+        )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
+    try:
+        d = json.loads(lines[-1])
+    except (IndexError, json.JSONDecodeError):
+        raise MeasurementError(
+            f"measurement worker printed no result; stdout tail:\n{proc.stdout[-2000:]}\n"
+            f"stderr tail:\n{proc.stderr[-2000:]}"
+        ) from None
+    return d
 
 
 def measure(
@@ -62,32 +90,18 @@ def measure(
     """
     cmd = [sys.executable, "-m", "graphopt.runtime._measure_worker",
            os.fspath(model_path), os.fspath(inputs_path),
-           "--threads", str(int(threads)), "--repeats", str(int(repeats))]
+           "--threads", str(int(threads))]
     if settings is not None:
         cmd += ["--settings", settings.to_json()]
     if provider is not None:
         cmd += ["--provider", provider]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_seconds, env=_worker_env())
-    except subprocess.TimeoutExpired as e:
-        tail = (e.stderr or b"")
-        tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
-        raise MeasurementError(
-            f"measurement of {os.fspath(model_path)} timed out after {timeout_seconds} s; stderr tail:\n{tail[-3000:]}"
-        ) from None
-    if proc.returncode != 0:
-        raise MeasurementError(
-            f"measurement of {os.fspath(model_path)} failed (exit {proc.returncode}); stderr tail:\n"
-            f"{proc.stderr[-3000:]}"
-        )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
-    try:
-        d = json.loads(lines[-1])
-    except (IndexError, json.JSONDecodeError):
-        raise MeasurementError(
-            f"measurement worker printed no result; stdout tail:\n{proc.stdout[-2000:]}\n"
-            f"stderr tail:\n{proc.stderr[-2000:]}"
-        ) from None
+    # Peak: in a process whose large buffers go back to the OS, so RSS follows what ORT holds.
+    peak = _run_worker(cmd + ["--repeats", "1"], _worker_env(), model_path, timeout_seconds)
+    # Step time: in a process with the allocator as users have it (returning every buffer to
+    # the OS makes each step pay page faults, which is not what a training loop sees).
+    timing = _run_worker(cmd + ["--repeats", str(int(repeats))], _worker_env(plain_allocator=True),
+                         model_path, timeout_seconds)
+    d = dict(peak, step_seconds=timing["step_seconds"])
     return Measurement(
         peak_bytes=int(d["peak_bytes"]),
         step_seconds=float(d["step_seconds"]),
