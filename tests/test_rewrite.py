@@ -1,0 +1,114 @@
+"""The rewrite survives the runtime: clones are not merged back by CSE, random ops are
+never recomputed, the planned order is the executed order, outputs are identical."""
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto, helper, numpy_helper
+
+from graphopt.analyze import analyze
+from graphopt.annotate import annotate
+from graphopt.costgraph import build_cost_graph
+from graphopt.examples import training_example
+from graphopt.ingest import name_nodes
+from graphopt.optimize import ORIGINAL_UNOPTIMIZED
+from graphopt.rewrite import PLANNED_SETTINGS, rewrite
+from graphopt.runtime.session import read_settings
+from graphopt.search.plan import forced_checkpoints, make_plan
+from graphopt.verify import compare_outputs, run_outputs
+
+
+def planned(model, inputs, checkpoints=()):
+    name_nodes(model)
+    training = analyze(model)
+    ann = annotate(model, inputs, ORIGINAL_UNOPTIMIZED)
+    graph = build_cost_graph(training, ann.tensor_bytes, ann.node_seconds)
+    plan = make_plan(graph, "test", set(checkpoints))
+    return training, graph, plan, rewrite(training, graph, plan)
+
+
+def clones(model):
+    return [n for n in model.graph.node if any(a.name == "__recompute_id" for a in n.attribute)]
+
+
+def test_clones_survive_common_subexpression_elimination(tmp_path):
+    model, inputs = training_example("mlp", small=True)
+    _, _, plan, rewritten = planned(model, inputs)  # keep nothing optional: many clones
+    assert plan.recompute_ops > 0 and len(clones(rewritten)) == plan.recompute_ops
+    onnx.checker.check_model(rewritten)
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC  # CSE on
+    so.optimized_model_filepath = str(tmp_path / "basic.onnx")
+    ort.InferenceSession(rewritten.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    after = onnx.load(tmp_path / "basic.onnx")
+    recomputed = [n for n in after.graph.node if "__rc" in n.name]
+    assert len(recomputed) == plan.recompute_ops
+
+
+def test_rewritten_metadata_and_outputs():
+    model, inputs = training_example("resnet", small=True)
+    training, graph, plan, rewritten = planned(model, inputs)
+    assert read_settings(rewritten) == PLANNED_SETTINGS
+    reference = run_outputs(training.model, inputs, ORIGINAL_UNOPTIMIZED)
+    assert compare_outputs(reference, run_outputs(rewritten, inputs)).match
+
+
+def dropout_training_graph(batch=64, width=128):
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array((rng.standard_normal((width, width)) * 0.1).astype(np.float32), "W")
+    consts = [numpy_helper.from_array(np.array(0.5, np.float32), "ratio"),
+              numpy_helper.from_array(np.array(True), "training"),
+              numpy_helper.from_array(np.array(1.0, np.float32), "one"),
+              numpy_helper.from_array(np.array(2.0, np.float32), "inv_keep")]
+    n = helper.make_node
+    nodes = [
+        n("MatMul", ["x", "W"], ["h"], name="mm"),
+        n("Dropout", ["h", "ratio", "training"], ["d", "mask"], name="drop", seed=7),
+        n("Tanh", ["d"], ["t"], name="tanh"),
+        n("Tanh", ["t"], ["t2"], name="tanh2"),
+        n("ReduceSum", ["t2"], ["loss"], name="sum", keepdims=0),
+        # backward
+        n("Mul", ["t2", "t2"], ["t2sq"], name="b_sq2"),
+        n("Sub", ["one", "t2sq"], ["g_t"], name="b_g_t"),
+        n("Mul", ["t", "t"], ["tsq"], name="b_sq"),
+        n("Sub", ["one", "tsq"], ["dtanh"], name="b_dtanh"),
+        n("Mul", ["g_t", "dtanh"], ["g_d"], name="b_g_d"),
+        n("Cast", ["mask"], ["maskf"], name="b_cast", to=TensorProto.FLOAT),
+        n("Mul", ["g_d", "maskf"], ["g_hm"], name="b_mask"),
+        n("Mul", ["g_hm", "inv_keep"], ["g_h"], name="b_scale"),
+        n("Transpose", ["x"], ["xt"], name="b_xt"),
+        n("MatMul", ["xt", "g_h"], ["W_grad"], name="b_dw"),
+    ]
+    graph = helper.make_graph(
+        nodes, "dropout", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, width])],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, []),
+         helper.make_tensor_value_info("W_grad", TensorProto.FLOAT, [width, width])],
+        [w] + consts)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    inputs = {"x": rng.standard_normal((batch, width)).astype(np.float32)}
+    return model, inputs
+
+
+def test_dropout_is_never_recomputed_and_its_mask_is_kept():
+    model, inputs = dropout_training_graph()
+    training, graph, plan, rewritten = planned(model, inputs)  # recompute everything allowed
+    assert plan.recompute_ops > 0                     # tanh outputs are recomputed ...
+    recomputed_ops = {n.op_type for n in clones(rewritten)}
+    assert "Dropout" not in recomputed_ops            # ... but never the Dropout
+    assert {"d", "mask"} <= forced_checkpoints(graph)
+    reads = {t for n in rewritten.graph.node for t in n.input}
+    assert "mask" in reads and "d" in reads           # the original mask and output are read
+    reference = run_outputs(training.model, inputs, ORIGINAL_UNOPTIMIZED)
+    assert compare_outputs(reference, run_outputs(rewritten, inputs)).match
+
+
+def test_unused_optional_outputs_are_dropped_from_clones():
+    model, inputs = training_example("transformer", small=True)
+    _, graph, plan, rewritten = planned(model, inputs)
+    read = {t for n in rewritten.graph.node for t in n.input} | {o.name for o in rewritten.graph.output}
+    norms = [n for n in clones(rewritten) if n.op_type == "LayerNormalization"]
+    assert norms
+    for node in norms:
+        assert len(node.output) == 1 or all(extra == "" or extra in read for extra in node.output[1:])
+        if node.op_type == "LayerNormalization":
+            for extra in node.output[1:]:
+                assert extra == "" or extra in read
