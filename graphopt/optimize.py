@@ -20,7 +20,7 @@ import onnx
 from .analyze import TrainingGraph, analyze
 from .annotate import Annotations, annotate, write_annotations
 from .costgraph import build_cost_graph
-from .costmodel import Step, simulate
+from .costmodel import Step, priority_order, simulate
 from .errors import BudgetInfeasibleError, InvalidModelError, VerificationError
 from .ingest import name_nodes
 from .inputs import save_inputs, synthesize_inputs
@@ -185,7 +185,7 @@ def optimize(model: onnx.ModelProto, options: OptimizeOptions | None = None) -> 
                 "nothing was returned")
         order = annotate(rewritten, inputs, PLANNED_SETTINGS, threads=options.threads).execution_order
         planned = [op if copy == 0 else f"{op}__rc{copy}"
-                   for op, copy in _executed(graph, plan)]
+                   for op, copy in priority_order(graph, plan.schedule)]
         report["order_followed"] = order == planned
 
     if options.measure:
@@ -211,8 +211,3 @@ def optimize(model: onnx.ModelProto, options: OptimizeOptions | None = None) -> 
     report["total_seconds"] = time.perf_counter() - started
     progress("done", 1.0)
     return OptimizeResult(rewritten, plan, report)
-
-
-def _executed(graph, plan: Plan) -> list[Step]:
-    from .costmodel import priority_order
-    return priority_order(graph, plan.schedule)
