@@ -78,16 +78,25 @@ def parse_model(data: bytes) -> onnx.ModelProto:
 
 
 def name_nodes(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Give every node a unique, non-empty name (in place; returns the model)."""
+    """Give every node a unique, non-empty name (in place; returns the model).
+
+    The first holder of a name keeps it; an unnamed node becomes ``<op_type>_<k>`` and a
+    later duplicate ``<name>_<k>``, never taking a name that another node already holds."""
+    nodes = model.graph.node
     taken: set[str] = set()
-    for node in model.graph.node:
+    renamed = []
+    for node in nodes:
         if node.name and node.name not in taken:
             taken.add(node.name)
-            continue
-        stem = node.name or f"{node.op_type}"
-        k = 0
+        else:
+            renamed.append(node)
+    counters: dict[str, int] = {}
+    for node in renamed:
+        stem = node.name or node.op_type
+        k = counters.get(stem, 0)
         while f"{stem}_{k}" in taken:
             k += 1
+        counters[stem] = k + 1
         node.name = f"{stem}_{k}"
         taken.add(node.name)
     return model

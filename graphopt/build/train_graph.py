@@ -22,15 +22,15 @@ differentiates graph *inputs* and works with a trailing seed axis, so this modul
 from __future__ import annotations
 
 import re
-from collections import defaultdict
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper, shape_inference
 
 from graphopt.errors import InvalidModelError, UnsupportedOpError
+from graphopt.ingest import name_nodes
 
-__all__ = ["build_training_graph", "cleanup_graph", "name_nodes"]
+__all__ = ["build_training_graph", "cleanup_graph"]
 
 FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16,
                TensorProto.BFLOAT16)
@@ -131,28 +131,6 @@ def _constant_values(model):
                 if attribute.name == "value" and np.prod(attribute.t.dims, dtype=np.int64) <= 64:
                     out[node.output[0]] = numpy_helper.to_array(attribute.t)
     return out
-
-
-def name_nodes(graph) -> None:
-    """Give every node a unique non-empty name (``<op_type>_<k>``), in place."""
-    taken = set()
-    counters = defaultdict(int)
-    for node in graph.node:
-        if node.name and node.name not in taken:
-            taken.add(node.name)
-            continue
-        node.name = ""
-    # second pass so that fresh names never collide with names kept in the first
-    for node in graph.node:
-        if node.name:
-            continue
-        while True:
-            candidate = "%s_%d" % (node.op_type, counters[node.op_type])
-            counters[node.op_type] += 1
-            if candidate not in taken:
-                break
-        node.name = candidate
-        taken.add(candidate)
 
 
 # -------------------------------------------------------------------- cleanup pass --
@@ -529,7 +507,7 @@ def _finish(model, loss, loss_shape, loss_type, params, initializers):
     outputs_set = {v.name for v in model.graph.output}
     model.graph.value_info.extend(v for v in inferred.graph.value_info
                                   if v.name not in outputs_set)
-    name_nodes(model.graph)
+    name_nodes(model)
     try:
         onnx.checker.check_model(model)
     except onnx.checker.ValidationError as exc:  # pragma: no cover - a bug if it happens
