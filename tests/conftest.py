@@ -1,2 +1,2 @@
 def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: long-running test; runs only with GRAPHOPT_SLOW=1")
+    config.addinivalue_line("markers", "slow: long-running test (deselect with -m 'not slow'; GRAPHOPT_SLOW=0 skips it)")

@@ -1,19 +1,16 @@
 """The example zoo: every model builds into a valid, runnable training graph."""
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 from onnx import numpy_helper
 
+from graphopt.runtime.session import open_session
 from graphopt.examples import EXAMPLES, forward_example, example_inputs, training_example
 
 
 def _session(model):
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 1  # ScatterND(add) is wrong with >1 thread (ort-facts 6)
-    options.inter_op_num_threads = 1
-    return ort.InferenceSession(model.SerializeToString(), options,
-                                providers=["CPUExecutionProvider"])
+    # one thread: ScatterND(add) is wrong with more (ort-facts 6)
+    return open_session(model, threads=1)
 
 
 def test_names():

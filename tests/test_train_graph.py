@@ -3,8 +3,9 @@ import io
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
+
+from graphopt.runtime.session import open_session
 from onnx import TensorProto, helper, numpy_helper
 
 from graphopt.build.train_graph import build_training_graph
@@ -25,11 +26,8 @@ def _export(module, args, input_names):
 
 
 def _session(model):
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 1  # ScatterND(add) is wrong with >1 thread (ort-facts 6)
-    options.inter_op_num_threads = 1
-    return ort.InferenceSession(model.SerializeToString(), options,
-                                providers=["CPUExecutionProvider"])
+    # one thread: ScatterND(add) is wrong with more (ort-facts 6)
+    return open_session(model, threads=1)
 
 
 def _check_against_torch(module, args, input_names, tol=1e-3):
