@@ -54,6 +54,8 @@ def _load_inputs(args, model):
 def cmd_optimize(args) -> int:
     from .ingest import load_model
     from .optimize import OptimizeOptions, optimize, save_model
+    if args.sweep is not None:
+        return cmd_sweep(args)
     model = load_model(args.model)
     options = OptimizeOptions(loss=args.loss, budget_bytes=args.budget, strategy=args.strategy,
                               inputs=_load_inputs(args, model), verify=not args.no_verify,
@@ -66,6 +68,34 @@ def cmd_optimize(args) -> int:
         args.report.write_text(json.dumps(report, indent=2))
     print(summary_text(report))
     print(f"wrote {args.output}" + (f" and {args.report}" if args.report else ""))
+    return 0
+
+
+def cmd_sweep(args) -> int:
+    """`optimize --sweep N`: the least-peak model to OUT, and the front's table and plot beside it."""
+    from .ingest import load_model
+    from .optimize import OptimizeOptions
+    from .sweep import markdown_table, sweep, write_outputs
+    if args.sweep < 1:
+        raise GraphoptError("--sweep needs at least 1 point")
+    if args.budget is not None:
+        raise GraphoptError("--sweep chooses its own budgets; drop --budget")
+    if args.no_measure:
+        raise GraphoptError("--sweep measures every point; drop --no-measure")
+    model = load_model(args.model)
+    options = OptimizeOptions(loss=args.loss, strategy=args.strategy, inputs=_load_inputs(args, model),
+                              verify=not args.no_verify, threads=args.threads, progress=StageProgress())
+    result = sweep(model, options, args.sweep)
+    paths = write_outputs(result, args.output, title=f"Memory-time front: {Path(args.model).name}")
+    if args.report:
+        args.report.write_text(json.dumps({"budgets": result.budgets, "notes": result.notes,
+                                           "seconds": result.seconds,
+                                           "rows": [r.as_record() for r in result.rows]}, indent=2))
+    print(markdown_table(result.rows))
+    for note in result.notes:
+        print(f"note: {note}")
+    print(f"wrote {args.output} (the least-peak plan), {paths['csv']}, {paths['md']}, {paths['png']}"
+          + (f" and {args.report}" if args.report else ""))
     return 0
 
 
@@ -168,6 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--report", type=Path, help="write the JSON report here")
     p.add_argument("--no-verify", action="store_true", help="skip the output comparison (not recommended)")
     p.add_argument("--no-measure", action="store_true", help="skip the fresh-process peak measurements")
+    p.add_argument("--sweep", type=int, nargs="?", const=8, default=None, metavar="N",
+                   help="measure the memory-time front: N budgets (default 8) from the least peak to "
+                        "store-all's; writes OUT (least peak) and <OUT stem>.sweep.csv/.md/.png")
     _input_options(p)
     p.set_defaults(func=cmd_optimize)
 
