@@ -1,0 +1,299 @@
+"""What a user would pick instead: the peak memory of one training step of each example in
+PyTorch (CPU) next to ONNX Runtime and graphopt's plan, measured the same way.
+
+    python benchmarks/pytorch_compare.py [--examples mlp,resnet] [--strategy greedy]
+        [--json out.json] [--torch-configs eager,compile,compile-budget]
+
+For each example at its default size, with the inputs of `training_example(name)`, on ONE
+thread (torch.set_num_threads(1); ORT intra-op threads 1):
+
+* ONNX Runtime and graphopt: `graphopt.optimize.optimize(model, OptimizeOptions(inputs,
+  strategy))`; its report's measured peaks of the original training graph under the default
+  session, with graph optimizations off, and of the rewritten (checkpointed) model.
+* PyTorch, on the twin module of benchmarks/torch_twins.py (same parameters, same inputs,
+  same loss and gradients), one step = forward + loss + backward, gradients produced (each
+  `.grad` is None before the step, as ORT allocates its gradient outputs), no optimizer
+  step:
+    - eager;
+    - torch.compile (default inductor; AOTAutograd's min-cut partitioner chooses what the
+      forward saves for the backward);
+    - torch.compile with torch._functorch.config.activation_memory_budget = 0.1 (the
+      partitioner recomputes to keep the saved activations near 10% of the default's).
+
+Each torch configuration is measured like graphopt measures ONNX Runtime
+(graphopt/runtime/_measure_worker.py): a fresh subprocess with MALLOC_MMAP_THRESHOLD_=65536
+and MALLOC_TRIM_THRESHOLD_=131072 (large buffers come from mmap and return to the OS when
+freed, so RSS follows what is live); parameters and inputs are created first (resident, not
+counted, like ORT's initializers and inputs); warm-up steps (compilation happens there);
+their loss and gradients are dropped, gc, malloc_trim; /proc/self/clear_refs <- 5 resets
+VmHWM; VmRSS is read; one step runs; peak = VmHWM - VmRSS_before. The step time is the
+median of 3 steps in a second fresh subprocess with the allocator as users have it (as
+graphopt's measure does).
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+TORCH_CONFIGS = ("eager", "compile", "compile-budget")
+BUDGET = 0.1
+WARMUP_STEPS = 2
+
+
+# ----------------------------------------------------------------- worker (subprocess) --
+
+def _status_kb(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def _malloc_trim() -> None:
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _reset_hwm() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return _status_kb("VmHWM") is not None
+
+
+def worker(name: str, config: str, repeats: int) -> dict:
+    """One configuration, in this (fresh) process: peak (repeats == 1) or step time."""
+    import torch
+
+    torch.set_num_threads(1)
+    sys.path.insert(0, HERE)
+    from torch_twins import torch_inputs, twin_example
+
+    module, _, inputs = twin_example(name)
+    args = torch_inputs(module, inputs)
+    params = list(module.parameters())
+    if config == "eager":
+        step_fn = module
+    elif config in ("compile", "compile-budget"):
+        if config == "compile-budget":
+            import torch._functorch.config as functorch_config
+            functorch_config.activation_memory_budget = BUDGET
+        step_fn = torch.compile(module)
+    else:
+        raise ValueError("unknown torch configuration %r" % config)
+
+    def step():
+        for p in params:
+            p.grad = None
+        loss = step_fn(*args)
+        loss.backward()
+        return loss
+
+    started = time.perf_counter()
+    for _ in range(WARMUP_STEPS):
+        loss = step()
+    warmup_seconds = time.perf_counter() - started
+    result = {"config": config, "loss": float(loss.detach()), "warmup_seconds": warmup_seconds}
+    del loss
+    for p in params:
+        p.grad = None
+    gc.collect()
+
+    if repeats == 1:
+        _malloc_trim()
+        have_hwm = _reset_hwm()
+        rss_before = _status_kb("VmRSS")
+        if not have_hwm or rss_before is None:
+            raise RuntimeError("needs a writable /proc/self/clear_refs and /proc/self/status")
+        loss = step()
+        peak_kb = _status_kb("VmHWM")
+        result["peak_bytes"] = max(0, (peak_kb - rss_before) * 1024)
+        result["rss_before_bytes"] = rss_before * 1024
+        result["grads_bytes"] = sum(p.grad.numel() * p.grad.element_size() for p in params
+                                    if p.grad is not None)
+        del loss
+    else:
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            loss = step()
+            times.append(time.perf_counter() - t0)
+            del loss
+        result["step_seconds"] = statistics.median(times)
+    return result
+
+
+def _worker_env(plain_allocator: bool) -> dict[str, str]:
+    env = dict(os.environ)
+    for key in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"):
+        env.pop(key, None)
+    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["OMP_NUM_THREADS"] = "1"
+    if not plain_allocator:
+        env["MALLOC_MMAP_THRESHOLD_"] = "65536"
+        env["MALLOC_TRIM_THRESHOLD_"] = "131072"
+    return env
+
+
+def _run_worker(name: str, config: str, repeats: int, timeout: float) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", name, config,
+           "--repeats", str(repeats)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                              env=_worker_env(plain_allocator=repeats > 1))
+    except subprocess.TimeoutExpired:
+        raise RuntimeError("timed out after %d s" % timeout) from None
+    lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
+    if proc.returncode != 0 or not lines:
+        tail = proc.stderr.strip().splitlines()
+        raise RuntimeError(tail[-1] if tail else "exit %d" % proc.returncode)
+    return json.loads(lines[-1])
+
+
+def measure_torch(name: str, config: str, timeout: float = 1800) -> dict:
+    """{"peak_bytes", "step_seconds", "warmup_seconds", "loss", "wall_seconds"} or {"error"}."""
+    started = time.perf_counter()
+    try:
+        peak = _run_worker(name, config, 1, timeout)
+        timing = _run_worker(name, config, 3, timeout)
+    except Exception as e:  # noqa: BLE001  (a failing configuration is a table cell)
+        return {"error": str(e)[:300], "wall_seconds": time.perf_counter() - started}
+    return dict(peak, step_seconds=timing["step_seconds"],
+                wall_seconds=time.perf_counter() - started)
+
+
+# ----------------------------------------------------------------------------- table --
+
+def measure_graphopt(name: str, strategy: str) -> dict:
+    from graphopt.examples import training_example
+    from graphopt.optimize import OptimizeOptions, optimize
+    started = time.perf_counter()
+    try:
+        model, inputs = training_example(name)
+        report = optimize(model, OptimizeOptions(inputs=inputs, strategy=strategy)).report
+    except Exception as e:  # noqa: BLE001
+        return {"error": "%s: %s" % (type(e).__name__, str(e)[:300]),
+                "wall_seconds": time.perf_counter() - started}
+    report["wall_seconds"] = time.perf_counter() - started
+    return report
+
+
+def _mib(n) -> str:
+    return "%.1f" % (n / 2**20)
+
+
+def _cell(d: dict) -> str:
+    if "error" in d:
+        return "error: " + d["error"].replace("|", "/").replace("\n", " ")[:120]
+    return _mib(d["peak_bytes"])
+
+
+def _time_cell(d: dict) -> str:
+    return "-" if "error" in d else "%.3f" % d["step_seconds"]
+
+
+def table(results: dict, configs) -> str:
+    ort_labels = (("original_default_session", "ORT default session"),
+                  ("original_optimizations_off", "ORT optimizations off"),
+                  ("optimized", "graphopt"))
+    torch_labels = {"eager": "torch eager", "compile": "torch.compile",
+                    "compile-budget": "torch.compile budget %g" % BUDGET}
+    head = ["model"] + [label for _, label in ort_labels] + [torch_labels[c] for c in configs] \
+        + ["graphopt / best torch"]
+    lines = ["Peak memory of one training step, MiB (measured, one thread)", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    times = ["Step time, seconds (median of 3)", "",
+             "| " + " | ".join(head[:-1] + ["graphopt / best torch"]) + " |", "|" + "---|" * len(head)]
+    for name, r in results.items():
+        g = r["graphopt"]
+        if "error" in g:
+            ort = [{"error": g["error"]}] * 3
+        else:
+            ort = [g["measured"][key] for key, _ in ort_labels]
+        tor = [r["torch"][c] for c in configs]
+        ok = [t for t in tor if "error" not in t]
+        if ok and "error" not in ort[2]:
+            best = min(t["peak_bytes"] for t in ok)
+            best_t = min(t["step_seconds"] for t in ok)
+            ratio = "%.2fx" % (ort[2]["peak_bytes"] / max(1, best))
+            ratio_t = "%.2fx" % (ort[2]["step_seconds"] / best_t)
+        else:
+            ratio = ratio_t = "-"
+        lines.append("| " + " | ".join([name] + [_cell(d) for d in ort + tor] + [ratio]) + " |")
+        times.append("| " + " | ".join([name] + [_time_cell(d) for d in ort + tor] + [ratio_t]) + " |")
+    return "\n".join(lines + [""] + times)
+
+
+def main(argv=None) -> int:
+    from graphopt.examples import EXAMPLES
+    from graphopt.search import DEFAULT_STRATEGY
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--examples", default=",".join(EXAMPLES))
+    parser.add_argument("--strategy", default=DEFAULT_STRATEGY)
+    parser.add_argument("--torch-configs", default=",".join(TORCH_CONFIGS))
+    parser.add_argument("--json", help="also write every measurement here")
+    parser.add_argument("--timeout", type=float, default=1800,
+                        help="seconds per torch measuring subprocess")
+    parser.add_argument("--worker", nargs=2, metavar=("EXAMPLE", "CONFIG"), help=argparse.SUPPRESS)
+    parser.add_argument("--repeats", type=int, default=1, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args.worker:
+        try:
+            result = worker(args.worker[0], args.worker[1], args.repeats)
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            sys.stderr.write("\n%s: %s\n" % (type(e).__name__, str(e).replace("\n", " ")[:300]))
+            return 1
+        sys.stdout.write("\n" + json.dumps(result) + "\n")
+        return 0
+
+    configs = [c for c in args.torch_configs.split(",") if c]
+    for c in configs:
+        if c not in TORCH_CONFIGS:
+            parser.error("unknown torch configuration %r (known: %s)" % (c, ", ".join(TORCH_CONFIGS)))
+    started = time.perf_counter()
+    results = {}
+    for name in args.examples.split(","):
+        print("%s: graphopt (%s) ..." % (name, args.strategy), file=sys.stderr, flush=True)
+        r = {"graphopt": measure_graphopt(name, args.strategy), "torch": {}}
+        print("  %.0f s" % r["graphopt"]["wall_seconds"], file=sys.stderr, flush=True)
+        for c in configs:
+            print("%s: torch %s ..." % (name, c), file=sys.stderr, flush=True)
+            r["torch"][c] = measure_torch(name, c, args.timeout)
+            d = r["torch"][c]
+            print("  %.0f s%s" % (d["wall_seconds"], " " + d["error"] if "error" in d else
+                                  " peak %s MiB" % _mib(d["peak_bytes"])), file=sys.stderr, flush=True)
+        results[name] = r
+    total = time.perf_counter() - started
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"strategy": args.strategy, "total_seconds": total, "budget": BUDGET,
+                       "results": results}, f, indent=2, default=str)
+    print(table(results, configs))
+    print("\nstrategy %s; whole run %.0f s" % (args.strategy, total))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
