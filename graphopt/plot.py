@@ -51,7 +51,7 @@ def plot_front(rows, path, title: str | None = None) -> None:
                 color="black", markersize=14, zorder=5, label="outputs differ")
     for kind, (marker, colour, text) in _MARKERS.items():
         for r in rows:
-            if r.kind != kind:
+            if r.kind != kind and not (kind in ("store-all", "chen-sqrt") and r.stands_for(kind)):
                 continue
             x, y = r.step_seconds, _mib(r.measured_peak_bytes)
             ax.plot(x, y, marker, color=colour, markersize=9, zorder=4, label=text,

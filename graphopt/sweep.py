@@ -61,11 +61,17 @@ class SweepRow:
     outputs_identical: bool | None = None    # None: not verified
     budget_met: bool | None = None           # measured peak <= budget_bytes (None: no budget)
     on_front: bool = False                   # the least-peak plan or a budget's plan
+    also: list[str] = field(default_factory=list)  # labels of the other plans that were this same plan
     note: str = ""
+
+    def stands_for(self, label: str) -> bool:
+        """Whether this row is the `label` plan ("store-all", "chen-sqrt", ...), itself or merged."""
+        return self.label == label or label in self.also
 
     def as_record(self) -> dict:
         d = asdict(self)
         d["budgets"] = " ".join(str(b) for b in self.budgets)
+        d["also"] = ";".join(self.also)
         return d
 
 
@@ -141,6 +147,7 @@ def sweep(model: onnx.ModelProto, options: OptimizeOptions | None = None,
         if key in entries:
             row = entries[key]
             row.on_front = row.on_front or on_front
+            row.also.append(label)
             row.note = _join(row.note, f"also the {label} plan")
             return row
         row = SweepRow(label=label, kind=kind, strategy=plan.strategy, predicted_peak_bytes=plan.peak_bytes,
@@ -281,6 +288,8 @@ def read_csv(path) -> list[SweepRow]:
             for k, v in rec.items():
                 if k == "budgets":
                     kw[k] = [int(b) for b in v.split()]
+                elif k == "also":
+                    kw[k] = v.split(";") if v else []
                 elif v == "":
                     kw[k] = {"on_front": False, "note": ""}.get(k)
                 elif k in ints:

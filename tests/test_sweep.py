@@ -115,6 +115,22 @@ def test_measured_peaks_fall_as_budgets_tighten(swept):
     assert measured[-1] < measured[0]
 
 
+def test_identical_plans_are_measured_once(tmp_path):
+    model, _ = training_example("mlp", small=True)
+    path, out = tmp_path / "m.onnx", tmp_path / "o.onnx"
+    onnx.save(model, path)
+    assert main(["optimize", str(path), "-o", str(out), "--strategy", "store-all", "--sweep", "3",
+                 "--no-verify"]) == 0
+    rows = read_csv(sweep_paths(out)["csv"])
+    plan_rows = [r for r in rows if r.kind in PLAN_KINDS]
+    names = [name for r in plan_rows for name in [r.label, *r.also]]
+    # store-all's least peak is store-all's peak: one budget, the same plan as least-peak and store-all
+    assert sorted(names) == sorted(["least-peak", "store-all", "chen-sqrt", "budget 1/1"])
+    least = next(r for r in rows if r.label == "least-peak")
+    assert least.stands_for("store-all") and least.stands_for("budget 1/1") and least.recompute_nodes == 0
+    assert all(r.outputs_identical is None for r in rows)  # --no-verify
+
+
 def test_sweep_rejects_budget_and_zero_points(tmp_path, capsys):
     model, _ = training_example("mlp", small=True)
     path = tmp_path / "m.onnx"
@@ -138,7 +154,7 @@ def test_csv_round_trip_and_plot_from_rows(tmp_path):
     rows = [
         SweepRow("original (default session)", "original-default", measured_peak_bytes=9 << 20, step_seconds=1.0),
         SweepRow("store-all", "store-all", "store-all", 8 << 20, [8 << 20], 8 << 20, (8 << 20) + 4096, 1.0,
-                 0.0, 30, 0, True, False, True, "also the budget 1/3 plan"),
+                 0.0, 30, 0, True, False, True, ["budget 1/3"], "also the budget 1/3 plan"),
         SweepRow("budget 2/3", "front", "greedy", 6 << 20, [6 << 20], 6 << 20, 6 << 20, 1.1, 0.1, 20, 5,
                  True, True, True),
         SweepRow("least-peak", "front", "greedy", 4 << 20, [4 << 20], 4 << 20, 4 << 20, 1.3, 0.3, 10, 12,
