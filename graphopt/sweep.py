@@ -114,8 +114,9 @@ def sweep(model: onnx.ModelProto, options: OptimizeOptions | None = None,
 
     `options.strategy` plans every point; `options.budget_bytes` is ignored; `options.progress`
     gets one line per point; `repeats` timed steps per measurement (their median is the step
-    time: a busy machine shows in it, the peak is not affected). Raises VerificationError when the least-peak plan's outputs differ
-    (another plan whose outputs differ is kept in the rows, marked, so the table shows it).
+    time: a busy machine shows in it, the peak is not affected). Raises VerificationError when
+    the least-peak plan's outputs differ (another plan whose outputs differ is kept in the rows,
+    marked, so the table shows it).
     """
     options = options or OptimizeOptions()
     progress = options.progress or (lambda message, fraction: None)
