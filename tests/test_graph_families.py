@@ -1,0 +1,79 @@
+"""The benchmark graph families: exact size, deterministic, realistic features, and store-all
+and Chen's plans on them are valid."""
+import sys
+from pathlib import Path
+
+import pytest
+
+from graphopt.costmodel import simulate
+from graphopt.search import chen_sqrt, store_all
+from graphopt.search.plan import forward_tensors
+
+from test_search import assert_valid
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from graph_families import FAMILIES, make_graph  # noqa: E402
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("n_total", [200, 201])
+def test_family_graph_is_valid_for_store_all_and_chen(family, n_total):
+    graph = make_graph(family, n_total, seed=3)
+    assert graph.number_of_nodes() == n_total
+    full, chen = store_all(graph), chen_sqrt(graph)
+    assert_valid(graph, full)
+    assert_valid(graph, chen)
+    assert full.recompute_ops == 0
+    assert chen.recompute_ops > 0
+    # the plans' peaks are those of the cost model on the runtime's order
+    assert simulate(graph, chen.schedule).peak_bytes > 0
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_has_training_graph_features(family):
+    graph = make_graph(family, 300, seed=1)
+    nodes = graph.nodes
+    kinds = {(nodes[op]["op_type"], nodes[op]["phase"]) for op in graph}
+    kept = graph.graph["kept"]
+    # parameter gradients are graph outputs, produced by the backward pass
+    weight_grads = [t for op in graph.graph["backward_order"] if nodes[op]["op_type"] == "Transpose"
+                    for t in nodes[op]["outputs"]]
+    assert weight_grads and set(weight_grads) <= kept
+    assert any(nodes[op]["alias"] for op in graph.graph["backward_order"])
+    assert ("Size", "backward") in kinds and any(nodes[op]["runs_first"] for op in graph)
+    assert max(len(nodes[op]["inputs"]) for op in graph.graph["backward_order"]) >= 2
+    if family != "chains":
+        # gradients arriving along several paths are accumulated
+        assert ("Sum", "backward") in kinds
+    if family == "dense":
+        assert max(len(nodes[op]["inputs"]) for op in graph.graph["forward_order"]
+                   if nodes[op]["op_type"] == "Concat") >= 4
+        # many-way gradient accumulation, with the work buffer of a Sum of 3+ inputs
+        sums = [op for op in graph.graph["backward_order"] if nodes[op]["op_type"] == "Sum"]
+        assert any(len(nodes[op]["inputs"]) >= 3 and nodes[op]["workspace"] > 0 for op in sums)
+    # every forward activation is read by the backward pass or a later forward op: all reach the loss
+    readers = {t for op in graph for t in nodes[op]["inputs"]}
+    for t in forward_tensors(graph):
+        assert t in readers or t in kept, t
+    activations = [graph.graph["tensor_bytes"][t] for op in graph.graph["forward_order"]
+                   if nodes[op]["op_type"] == "Conv" for t in nodes[op]["outputs"]]
+    assert max(activations) <= 16 * 2 ** 20 and sorted(activations)[len(activations) // 2] >= 2 ** 19
+    # an edge for every tensor a later op reads, and only those
+    producer = {t: op for op in graph.graph["forward_order"] + graph.graph["backward_order"]
+                for t in nodes[op]["outputs"]}
+    expected = {(producer[t], op) for op in graph for t in nodes[op]["inputs"] if t in producer}
+    assert set(graph.edges) == expected
+
+def test_families_are_deterministic_and_seeded():
+    for family in FAMILIES:
+        a, b = make_graph(family, 150, seed=7), make_graph(family, 150, seed=7)
+        assert list(a.nodes(data=True)) == list(b.nodes(data=True))
+        assert a.graph == b.graph
+    assert make_graph("random", 150, seed=1).graph != make_graph("random", 150, seed=2).graph
+
+
+def test_too_small_a_size_is_refused():
+    with pytest.raises(ValueError):
+        make_graph("dense", 5)
+    with pytest.raises(KeyError):
+        make_graph("mesh", 100)
