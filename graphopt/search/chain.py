@@ -346,10 +346,12 @@ def chain_budget(c: ChainCosts, bound, max_front: int | None = None):
     start = 0                                  # segments may not start before a forced position
     for e in range(1, n + 1):
         cands = []
-        for s in range(start, e):
-            if not front[s] or lowest[s] + seg(s, e) > bound:
-                continue
+        for s in range(e - 1, start - 1, -1):
             cost = seg(s, e)
+            if cost > bound:
+                break                           # seg grows as s moves left: none fit further
+            if not front[s] or lowest[s] + cost > bound:
+                continue
             last = last_need[e - 1]
             rec = rec_prefix[last] - rec_prefix[s] if last > s else 0.0
             add = c.a[e] if e < n else 0
@@ -499,42 +501,55 @@ def _plan_objective(plan: Plan, budget_bytes):
     return (max(0, plan.peak_bytes - budget_bytes), plan.recompute_seconds, plan.peak_bytes)
 
 
-def chain(graph: nx.DiGraph, budget_bytes: int | None = None, *, bounds: int = 12,
-          max_front: int = 64) -> Plan:
+def chain(graph: nx.DiGraph, budget_bytes: int | None = None, *, bounds: int = 8,
+          max_front: int | None = None) -> Plan:
     """Chain checkpointing on our cost graph.
 
     Builds the abstract chain of the whole forward order (`chain_costs`: non-chain positions
-    forced), finds the least model peak B* with `chain_linear`, then the least-recompute sets
-    under a sweep of model bounds from B* up to the store-all model peak (`chain_budget`). Each
-    distinct set becomes a plan evaluated by the cost model, store-all among them; returned:
-    the least cost-model peak (ties: least recompute), or with a budget, the least recompute
-    seconds whose peak fits (else the least peak)."""
+    forced) and finds the least model peak B* with `chain_linear`. Then the least-recompute
+    sets under a few model bounds (`chain_budget`): without a budget, bounds from B* up to
+    2 B*; with one, bounds around the budget scaled by (model peak / cost-model peak) of the
+    B* plan. Each distinct set becomes a plan evaluated by the cost model, store-all among
+    them; returned: the least cost-model peak (ties: least recompute), or with a budget, the
+    least recompute seconds whose peak fits (else the least peak). ``max_front`` (default:
+    64, less on long chains) caps the Pareto sets of `chain_budget`."""
     started = time.perf_counter()
     costs, tensors = chain_costs(graph)
-    free = sum(1 for p in range(1, costs.n) if not costs.forced[p])
+    n = costs.n
+    free = sum(1 for p in range(1, n) if not costs.forced[p])
+    if max_front is None:
+        max_front = max(4, min(64, 12800 // max(1, n)))
     plans: dict[frozenset, Plan] = {}
 
     def consider(positions, **notes):
         keep = frozenset(_checkpoint_tensors(graph, costs, tensors, positions))
         if keep not in plans:
             plans[keep] = make_plan(graph, "chain", keep, **notes)
+        return plans[keep]
 
     t0 = time.perf_counter()
     model_peak, positions = chain_linear(costs)
     linear_seconds = time.perf_counter() - t0
-    consider(positions, model_peak=model_peak)
-    all_free = tuple(range(1, costs.n))
-    consider(all_free, model_peak=chain_objective(costs, all_free) if costs.n < 64 else None)
-    top = _objective_fast(costs, _FastSegments(costs), all_free) if costs.n else 0
+    first = consider(positions, model_peak=model_peak)
+    all_free = tuple(range(1, n))
+    consider(all_free)
+    top = _objective_fast(costs, _FastSegments(costs), all_free) if n else 0
+    levels: set[int] = set()
     if free and top > model_peak:
-        levels = sorted({round(model_peak + (top - model_peak) * (k / bounds) ** 2)
-                         for k in range(bounds + 1)})
-        for level in levels:
-            found = chain_budget(costs, level, max_front=max_front)
-            if found is not None:
-                consider(found[1], model_peak=level)
+        if budget_bytes is None:
+            high = min(top, 2 * model_peak)
+            levels = {round(model_peak + (high - model_peak) * (k / bounds) ** 2)
+                      for k in range(bounds + 1)}
+        else:
+            target = budget_bytes * model_peak / max(1, first.peak_bytes)
+            levels = {round(target * r) for r in (0.7, 0.8, 0.9, 0.95, 1.0, 1.05, 1.1, 1.25)}
+            levels = {min(top, max(model_peak, x)) for x in levels} | {model_peak}
+    for level in sorted(levels):
+        found = chain_budget(costs, level, max_front=max_front)
+        if found is not None:
+            consider(found[1], model_peak=level)
     best = min(plans.values(), key=lambda p: _plan_objective(p, budget_bytes))
-    best.notes.update(chain_positions=costs.n, free_positions=free, model_peak=model_peak,
+    best.notes.update(chain_positions=n, free_positions=free, model_peak=model_peak,
                       linear_seconds=linear_seconds, evaluated_plans=len(plans),
                       search_seconds=time.perf_counter() - started)
     return best
