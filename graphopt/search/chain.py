@@ -480,8 +480,31 @@ def chain_costs(graph: nx.DiGraph):
         t[p] = sum(float(nodes[op].get("seconds", 0.0)) for op in layer)
         tensors[p] = [x for x in sorted(outputs[p - 1]) if x in candidates]
         forced[p] = bool(outputs[p - 1] & forced_t) or not readers[p - 1] <= {p}
-    for p in range(1, n + 1):
-        g[p] = a[p] + a[p - 1]               # gradient in and out (same shapes as x_p, x_{p-1})
+    # gradients alive at layer p's backward: in and out (the shapes of x_p and x_{p-1}) plus
+    # the kept backward outputs (weight gradients) written before it, which pile up to the end
+    backward = graph.graph["backward_order"]
+    kept = graph.graph["kept"]
+    first_reader: dict[str, int] = {}
+    root: dict[str, tuple[int, str]] = {}      # backward tensor -> (position, buffer) it lives in
+    for k, op in enumerate(backward):
+        attrs = nodes[op]
+        for x in attrs["inputs"]:
+            first_reader.setdefault(x, k)
+        for j, x in enumerate(attrs["outputs"]):
+            if j == 0 and attrs.get("alias") and attrs["inputs"] and attrs["inputs"][0] in root:
+                root[x] = root[attrs["inputs"][0]]
+            else:
+                root[x] = (k, x)
+    births = [0] * (len(backward) + 1)
+    for k, buffer in {root[x] for x in kept if x in root}:
+        births[k + 1] += int(tensor_bytes.get(buffer, 0))
+    piled = list(itertools.accumulate(births))
+    position = 0
+    for p in range(n, 0, -1):
+        reads = [first_reader[x] for x in outputs[p - 1] | (outputs[p - 2] if p > 1 else set())
+                 if x in first_reader]
+        position = max([position] + reads)
+        g[p] = a[p] + a[p - 1] + piled[position]
     forced[n] = False
     return ChainCosts(a, [bool(x) for x in need], f, g, t, [bool(x) for x in forced]), tensors
 
