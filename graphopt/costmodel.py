@@ -64,14 +64,21 @@ class VersionedStep:
     writes: list[tuple[str, int]]  # (tensor, version) per output
 
 
+def _node_attrs(graph: nx.DiGraph) -> dict:
+    """op -> attribute dict (networkx's own node dict: no view lookups in the hot loops)."""
+    node = getattr(graph, "_node", None)
+    return node if isinstance(node, dict) else dict(graph.nodes(data=True))
+
+
 def resolve_versions(graph: nx.DiGraph, schedule: list[Step]) -> list[VersionedStep]:
     """Which version of each tensor every step reads and writes (latest produced wins)."""
+    node = _node_attrs(graph)
     latest: dict[str, int] = {}
+    get = latest.get
     resolved = []
-    nodes = graph.nodes
     for op, copy in schedule:
-        attrs = nodes[op]
-        reads = [(t, latest.get(t, -1)) for t in attrs["inputs"]]
+        attrs = node[op]
+        reads = [(t, get(t, -1)) for t in attrs["inputs"]]
         writes = []
         for t in attrs["outputs"]:
             writes.append((t, copy))
@@ -83,10 +90,14 @@ def resolve_versions(graph: nx.DiGraph, schedule: list[Step]) -> list[VersionedS
 def check_schedule(graph: nx.DiGraph, schedule: list[Step]) -> None:
     """Raise ValueError unless every non-resident input is produced before it is read."""
     resident = graph.graph["resident"]
-    for i, step in enumerate(resolve_versions(graph, schedule)):
-        for tensor, version in step.reads:
-            if version < 0 and tensor not in resident:
-                raise ValueError(f"step {i} ({step.op}, copy {step.copy}) reads {tensor!r} before it exists")
+    node = _node_attrs(graph)
+    produced: set[str] = set()
+    for i, (op, copy) in enumerate(schedule):
+        attrs = node[op]
+        for tensor in attrs["inputs"]:
+            if tensor not in produced and tensor not in resident:
+                raise ValueError(f"step {i} ({op}, copy {copy}) reads {tensor!r} before it exists")
+        produced.update(attrs["outputs"])
 
 
 def simulate(graph: nx.DiGraph, schedule: list[Step]) -> Simulation:
@@ -95,86 +106,87 @@ def simulate(graph: nx.DiGraph, schedule: list[Step]) -> Simulation:
     resident = graph.graph["resident"]
     kept = graph.graph["kept"]
     droppable = graph.graph.get("droppable", frozenset())
-    nodes = graph.nodes
-    steps = resolve_versions(graph, schedule)
-    n = len(steps)
+    node = _node_attrs(graph)
+    n = len(schedule)
 
-    # storage of each version: aliases share their input's storage
-    storage_of: dict[tuple[str, int], int] = {}
+    # storage of the latest version of each tensor (a read resolves to the latest version):
+    # RESIDENT, or an index into the storage_* lists; aliases share their input's storage.
+    # Absent: the tensor was never produced (resident or not yet available).
+    # A storage was read iff its last use comes after its birth (a step's reads come before
+    # its writes, and an alias extends its input's storage only at a step that reads it).
+    RESIDENT = -1
+    current: dict[str, int] = {}
+    current_get = current.get
     storage_bytes: list[int] = []
     storage_born: list[int] = []
     storage_last: list[int] = []
     storage_kept: list[bool] = []
-    storage_read: list[bool] = []
-    RESIDENT = -1
+    storage_droppable: list[bool] = []
+    step_workspace: list[int] = []
+    compute = 0.0
+    recompute = 0.0
 
-    def storage(version):
-        tensor, v = version
-        if v < 0:
-            return RESIDENT if tensor in resident else None
-        return storage_of.get(version)
-
-    for i, step in enumerate(steps):
-        attrs = nodes[step.op]
-        for version in step.reads:
-            s = storage(version)
-            if s is not None and s != RESIDENT:
+    for i, (op, copy) in enumerate(schedule):
+        attrs = node[op]
+        inputs = attrs["inputs"]
+        for t in inputs:
+            s = current_get(t)
+            if s is not None and s >= 0:
                 storage_last[s] = i
-                storage_read[s] = True
+        workspace = attrs.get("workspace", 0)
+        step_workspace.append(int(workspace) if workspace else 0)
+        seconds = float(attrs.get("seconds", 0.0))
+        compute += seconds
+        if copy:
+            recompute += seconds
+        outputs = attrs["outputs"]
         if attrs.get("folded"):              # an initializer by the time the run starts
-            for version in step.writes:
-                storage_of[version] = RESIDENT
+            for t in outputs:
+                current[t] = RESIDENT
             continue
-        for k, version in enumerate(step.writes):
-            tensor = version[0]
-            if k == 0 and attrs.get("alias") and step.reads:
-                s = storage(step.reads[0])
+        alias = attrs.get("alias") and inputs
+        for k, tensor in enumerate(outputs):
+            if k == 0 and alias:
+                # the storage of the version input 0 resolved to before this step's writes
+                first = inputs[0]
+                s = src if (src := current_get(first)) is not None or first not in resident \
+                    else RESIDENT
                 if s is not None:
-                    storage_of[version] = s
-                    if s != RESIDENT:
-                        storage_last[s] = max(storage_last[s], i)
-                        if step.copy == 0 and tensor in kept:
-                            storage_kept[s] = True
+                    current[tensor] = s
+                    if s != RESIDENT and copy == 0 and tensor in kept:
+                        storage_kept[s] = True
                     continue
-            s = len(storage_bytes)
-            storage_of[version] = s
+            current[tensor] = len(storage_bytes)
             storage_bytes.append(int(tensor_bytes.get(tensor, 0)))
             storage_born.append(i)
             storage_last.append(i)
-            storage_kept.append(step.copy == 0 and tensor in kept)
-            storage_read.append(False)
-            if tensor in droppable:
-                storage_read[s] = None  # decided below: dropped if never read
+            storage_kept.append(copy == 0 and tensor in kept)
+            storage_droppable.append(tensor in droppable)
 
-    born_at: list[list[int]] = [[] for _ in range(n)]
-    freed_at: list[list[int]] = [[] for _ in range(n)]
+    n = len(schedule)
+    allocated = [0] * n
+    freed = [0] * n
     for s, nbytes in enumerate(storage_bytes):
-        if storage_read[s] is None:          # droppable and never read: not allocated
+        born, last = storage_born[s], storage_last[s]
+        if last == born:                     # never read
+            if not storage_droppable[s]:     # kept to the end (unless the rewrite drops it)
+                allocated[born] += nbytes
             continue
-        born_at[storage_born[s]].append(s)
-        if storage_kept[s] or not storage_read[s]:
-            continue                         # kept to the end (output, or never read)
-        freed_at[storage_last[s]].append(s)
+        allocated[born] += nbytes
+        if not storage_kept[s]:              # graph outputs are kept to the end
+            freed[last] += nbytes
 
     live = 0
     peak = 0
     peak_step = 0
     live_bytes = []
-    compute = 0.0
-    recompute = 0.0
-    for i, step in enumerate(steps):
-        for s in born_at[i]:
-            live += storage_bytes[s]
-        running = live + int(nodes[step.op].get("workspace", 0) or 0)
+    for i in range(n):
+        live += allocated[i]
+        running = live + step_workspace[i]
         live_bytes.append(running)
         if running > peak:
             peak, peak_step = running, i
-        for s in freed_at[i]:
-            live -= storage_bytes[s]
-        seconds = float(nodes[step.op].get("seconds", 0.0))
-        compute += seconds
-        if step.copy:
-            recompute += seconds
+        live -= freed[i]
     return Simulation(peak, peak_step, compute, recompute, live_bytes)
 
 
@@ -185,34 +197,115 @@ def priority_order(graph: nx.DiGraph, schedule: list[Step]) -> list[Step]:
     ops (Shape, Size) first, then the lowest position in the file. ``folded`` steps
     (Constant nodes: initializers once loaded) do not run and are left out.
     """
-    nodes = graph.nodes
-    schedule = [step for step in schedule if not nodes[step[0]].get("folded")]
-    steps = resolve_versions(graph, schedule)
+    node = _node_attrs(graph)
+    schedule = [step for step in schedule if not node[step[0]].get("folded")]
+    # Fast path. When no (tensor, version) is written twice (and no copy is negative), a read
+    # depends on the step that last wrote the tensor BEFORE it, so the file order is a
+    # topological order; Kahn's algorithm with "lowest position first" then returns the file
+    # order itself, except that a runs_first step is hoisted to the moment it is ready
+    # (and, ready together, runs_first steps go by position). Only the runs_first steps'
+    # dependencies are tracked. Otherwise: the general rule, `_priority_order_general`.
+    latest_step: dict[str, int] = {}
+    first_copy: dict[str, int] = {}
+    more_copies: dict[str, set[int]] = {}
+    first_deps: dict[int, set[int]] = {}     # runs_first step -> steps it waits for
+    for i, (op, copy) in enumerate(schedule):
+        attrs = node[op]
+        if attrs.get("runs_first"):
+            first_deps[i] = {latest_step[t] for t in attrs["inputs"] if t in latest_step}
+        for t in attrs["outputs"]:
+            c0 = first_copy.get(t)
+            if c0 is None:
+                if copy < 0:
+                    return _priority_order_general(node, schedule)
+                first_copy[t] = copy
+            else:
+                seen = more_copies.setdefault(t, set())
+                if copy == c0 or copy in seen or copy < 0:
+                    return _priority_order_general(node, schedule)
+                seen.add(copy)
+            latest_step[t] = i
+    if not first_deps:
+        return schedule
+    waiting: dict[int, int] = {}
+    unblocks: dict[int, list[int]] = {}
+    ready = []
+    for r, deps in first_deps.items():
+        waiting[r] = len(deps)
+        if not deps:
+            ready.append(r)
+        for d in deps:
+            unblocks.setdefault(d, []).append(r)
+    heapq.heapify(ready)
+    push, pop = heapq.heappush, heapq.heappop
+    order = []
+
+    def emit(i):
+        order.append(schedule[i])
+        for r in unblocks.get(i, ()):
+            waiting[r] -= 1
+            if waiting[r] == 0:
+                push(ready, r)
+
+    for j in range(len(schedule)):
+        while ready:
+            emit(pop(ready))
+        if j not in first_deps:
+            emit(j)
+    while ready:
+        emit(pop(ready))
+    assert len(order) == len(schedule)
+    return order
+
+
+def _priority_order_general(node: dict, schedule: list[Step]) -> list[Step]:
+    """`priority_order` by the letter: a read of version v of t depends on the LAST step of
+    the schedule that writes (t, v) (which may come later, making a cycle)."""
+    m = len(schedule)
+    latest: dict[str, int] = {}
+    latest_get = latest.get
     producer: dict[tuple[str, int], int] = {}
-    for i, step in enumerate(steps):
-        for w in step.writes:
-            producer[w] = i
-    indegree = [0] * len(steps)
-    consumers: list[list[int]] = [[] for _ in steps]
-    for i, step in enumerate(steps):
-        deps = {producer[r] for r in step.reads if r in producer}
+    step_reads = []
+    first = [False] * m
+    for i, (op, copy) in enumerate(schedule):
+        attrs = node[op]
+        step_reads.append([(t, latest_get(t, -1)) for t in attrs["inputs"]])
+        for t in attrs["outputs"]:
+            latest[t] = copy
+            producer[(t, copy)] = i
+        if attrs.get("runs_first"):
+            first[i] = True
+    producer_get = producer.get
+    indegree = [0] * m
+    consumers: list[list[int]] = [[] for _ in range(m)]
+    for i, reads in enumerate(step_reads):
+        if not reads:
+            continue
+        deps = {producer_get(r) for r in reads}
+        deps.discard(None)
         indegree[i] = len(deps)
         for d in deps:
             consumers[d].append(i)
+    return _kahn(schedule, first, indegree, consumers)
 
-    def key(i):
-        return (0 if nodes[steps[i].op].get("runs_first") else 1, i)
 
-    ready = [key(i) for i in range(len(steps)) if indegree[i] == 0]
+def _kahn(schedule: list[Step], first: list[bool], indegree: list[int],
+          consumers: list[list[int]]) -> list[Step]:
+    """Kahn's algorithm; among ready steps runs_first ones, then the lowest index."""
+    m = len(schedule)
+    # heap keys: runs_first steps before the others (key i - m < 0), then position in the file
+    ready = [i - m if first[i] else i for i in range(m) if indegree[i] == 0]
     heapq.heapify(ready)
     order = []
+    push, pop = heapq.heappush, heapq.heappop
     while ready:
-        _, i = heapq.heappop(ready)
+        key = pop(ready)
+        i = key + m if key < 0 else key
         order.append(schedule[i])
         for j in consumers[i]:
             indegree[j] -= 1
             if indegree[j] == 0:
-                heapq.heappush(ready, key(j))
-    if len(order) != len(schedule):
+                push(ready, j - m if first[j] else j)
+    if len(order) != m:
         raise ValueError("schedule has a dependency cycle")
     return order
