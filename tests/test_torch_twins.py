@@ -92,3 +92,22 @@ def test_randwire_wiring_is_read_from_the_graph():
     assert sum(len(p) > 1 for p in module.preds) == len(sums)
     for i, preds in enumerate(module.preds):
         assert all(p <= i for p in preds)  # output i is cell i-1 (0: the stem)
+
+
+def test_compare_harness_measures_what_the_step_holds():
+    """benchmarks/pytorch_compare.py's eager worker (a fresh, mmap-allocator process, like
+    graphopt's ORT measurement) on the default mlp: at the start of the backward pass the
+    16 tanh outputs [1536, 512] are all saved, and at the end all gradients are live, so the
+    measured peak is at least either; and the step is not charged for the resident
+    parameters and inputs, or much else."""
+    import pytorch_compare
+
+    r = pytorch_compare._run_worker("mlp", "eager", 1, timeout=300)
+    module, forward, inputs = twin_example("mlp")
+    saved = 16 * 1536 * 512 * 4
+    grads = sum(p.numel() * 4 for p in module.parameters())
+    assert r["grads_bytes"] == grads
+    assert r["peak_bytes"] >= max(saved, grads)
+    assert r["peak_bytes"] <= 2 * (saved + grads)
+    ort_loss = float(open_session(forward, threads=1).run(["loss"], inputs)[0])
+    assert abs(r["loss"] - ort_loss) <= 1e-4 * abs(ort_loss)
