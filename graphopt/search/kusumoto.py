@@ -77,7 +77,7 @@ import networkx as nx
 
 from .plan import Plan, forced_checkpoints, make_plan
 
-DEFAULT_MAX_LOWER_SETS = 20_000
+DEFAULT_MAX_LOWER_SETS = 1_000   # the exact DP's time grows with its square (see the report)
 
 
 # ----------------------------------------------------------------------------- the model
@@ -108,6 +108,7 @@ class Model:
     g_star: int
     always_kept: frozenset[str]
     _table: list[list[int]] = field(default_factory=list, repr=False)
+    _stages: dict = field(default_factory=dict, repr=False)
 
     @property
     def n(self) -> int:
@@ -337,6 +338,14 @@ class Stage:
 
 def stage(model: Model, lower: int, upper: int, stored: bool = False) -> Stage:
     """Costs of segment upper - lower (recomputed, or the stored segment when `stored`)."""
+    key = (lower, upper, stored)
+    cached = model._stages.get(key)
+    if cached is None:
+        cached = model._stages[key] = _stage(model, lower, upper, stored)
+    return cached
+
+
+def _stage(model: Model, lower: int, upper: int, stored: bool) -> Stage:
     seg = upper & ~lower
     outside = model.full & ~upper
     kept_bytes = 0
@@ -481,16 +490,21 @@ def closure_lower_sets(model: Model) -> list[int]:
 # ----------------------------------------------------------------------------- the DP
 
 
-def _pareto_insert(front: list, key2, entry) -> None:
-    """front: entries (a, b, payload...) with a ascending and b strictly descending."""
-    a, b = entry[0], entry[1]
-    # dominated?
-    for e in front:
-        if e[0] <= a and e[1] <= b:
-            return
-    front[:] = [e for e in front if not (a <= e[0] and b <= e[1])]
-    front.append(entry)
-    front.sort(key=lambda e: (e[0], e[1]))
+def _pareto(entries: list) -> list:
+    """The entries (a, b, ...) not dominated in (a, b), a ascending (b strictly descending)."""
+    entries.sort(key=lambda e: (e[0], e[1]))
+    front = []
+    for e in entries:
+        if not front or e[1] < front[-1][1]:
+            front.append(e)
+    return front
+
+
+def _push(fronts: list, k: int, entry) -> None:
+    bucket = fronts[k]
+    bucket.append(entry)
+    if len(bucket) >= 4096 and len(bucket) & (len(bucket) - 1) == 0:   # prune now and then
+        fronts[k] = _pareto(bucket)
 
 
 def solve_dp(model: Model, family: list[int], budget: int | None = None):
@@ -508,9 +522,9 @@ def solve_dp(model: Model, family: list[int], budget: int | None = None):
     fronts[0] = [(0, 0.0, model.g_star, None)]
     best = None
     for k, lower in enumerate(family):
-        front = fronts[k]
-        if not front:
+        if not fronts[k]:
             continue
+        front = fronts[k] = _pareto(fronts[k])
         # close with the stored segment
         st = stage(model, lower, full, stored=True)
         for kept, seconds, peak, parent in front:
@@ -532,7 +546,7 @@ def solve_dp(model: Model, family: list[int], budget: int | None = None):
                     break
                 entry = (kept + st.kept, seconds + st.rec_seconds,
                          max(peak, kept + st.local), (k, kept, seconds, parent))
-                _pareto_insert(fronts[k2], None, entry)
+                _push(fronts, k2, entry)
     if best is None:
         return None
     seconds, peak, node = best
@@ -553,9 +567,9 @@ def _least_peak(model: Model, family: list[int]) -> int:
     fronts[0] = [(0, model.g_star)]
     best = None
     for k, lower in enumerate(family):
-        front = fronts[k]
-        if not front:
+        if not fronts[k]:
             continue
+        front = fronts[k] = _pareto(fronts[k])
         st = stage(model, lower, full, stored=True)
         for kept, peak in front:
             p = max(peak, kept + st.local)
@@ -571,7 +585,7 @@ def _least_peak(model: Model, family: list[int]) -> int:
                 p = max(peak, kept + st.local)
                 if best is not None and p >= best:
                     continue
-                _pareto_insert(fronts[k2], None, (kept + st.kept, p))
+                _push(fronts, k2, (kept + st.kept, p))
     return best
 
 
