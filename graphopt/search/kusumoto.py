@@ -616,6 +616,7 @@ def _solve(graph: nx.DiGraph, budget_bytes: int | None, exact: bool, max_lower_s
         best = None
         internal = budget_bytes
         tried = [least_plan]
+        rounds = 0
         for _ in range(max_rounds):
             result = solve_dp(model, family, internal)
             if result is None:
@@ -625,7 +626,10 @@ def _solve(graph: nx.DiGraph, budget_bytes: int | None, exact: bool, max_lower_s
             if plan.peak_bytes <= budget_bytes:
                 best = plan
                 break
-            internal -= max(1, plan.peak_bytes - budget_bytes)
+            # the model under-estimated this plan: lower the internal budget by the excess,
+            # doubling the step each round
+            internal -= max(1, plan.peak_bytes - budget_bytes) * 2 ** rounds
+            rounds += 1
             if internal < least[0]:
                 break
         if best is None:
