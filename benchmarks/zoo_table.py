@@ -3,7 +3,7 @@ training step in ONNX Runtime (original under the default session, original with
 optimizations off, optimized), step-time ratios, the cost model's prediction error, and
 whether the outputs are identical.
 
-    python benchmarks/zoo_table.py [--examples mlp,resnet] [--strategy greedy] [--json out.json]
+    python benchmarks/zoo_table.py [--examples mlp,resnet] [--strategy auto] [--json out.json]
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import sys
 
 from graphopt.examples import EXAMPLES, training_example
 from graphopt.optimize import OptimizeOptions, optimize
+from graphopt.search import DEFAULT_STRATEGY
 
 
 def mib(n):
@@ -22,7 +23,7 @@ def mib(n):
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--examples", default=",".join(EXAMPLES))
-    parser.add_argument("--strategy", default="greedy")
+    parser.add_argument("--strategy", default=DEFAULT_STRATEGY)
     parser.add_argument("--json", help="also write the reports here")
     args = parser.parse_args()
     rows, reports = [], {}

@@ -158,10 +158,9 @@ def cmd_train_graph(args) -> int:
 
 
 def cmd_strategies(args) -> int:
-    from .search import DEFAULT_STRATEGY, STRATEGIES
-    for name, fn in STRATEGIES.items():
-        doc = (sys.modules[fn.__module__].__doc__ or "").strip().splitlines()[0]
-        print(f"{name:12s}{' (default)' if name == DEFAULT_STRATEGY else '':10s} {doc}")
+    from .search import DEFAULT_STRATEGY, DESCRIPTIONS, STRATEGIES
+    for name in STRATEGIES:
+        print(f"{name:16s}{' (default)' if name == DEFAULT_STRATEGY else '':10s} {DESCRIPTIONS[name]}")
     return 0
 
 

@@ -50,6 +50,8 @@ def test_chen_recomputes_and_saves_on_a_chain():
 def test_every_strategy_gives_a_valid_plan(n, seed, fanin, random_ops):
     graph = training_cost_graph(n, seed=seed, max_fanin=fanin, random_ops=random_ops)
     for name, solve in STRATEGIES.items():
+        if name == "milp" and n > 8:   # exact MILP: small graphs only (tests/test_kusumoto_milp.py)
+            continue
         plan = solve(graph)
         assert_valid(graph, plan)
         # random ops are never recomputed

@@ -28,10 +28,11 @@ def objective(plan: Plan, budget_bytes: int | None):
 
 
 def greedy(graph: nx.DiGraph, budget_bytes: int | None = None, *,
-           time_limit_seconds: float = 20.0, max_seeds: int = 24) -> Plan:
+           time_limit_seconds: float = 20.0, max_seeds: int = 24, seeds: list[Plan] = ()) -> Plan:
+    """Local search from the best of the built-in seeds and `seeds` (plans of other solvers)."""
     started = time.perf_counter()
     n = len(graph.graph["forward_order"])
-    seeds = [store_all(graph), chen_sqrt(graph)]
+    seeds = [*seeds, store_all(graph), chen_sqrt(graph)]
     counts = sorted({max(2, round(n ** (k / max_seeds))) for k in range(1, max_seeds + 1)} |
                     {max(1, round(math.sqrt(n)) // 2), 2 * round(math.sqrt(n))})
     for segments in counts:
@@ -53,6 +54,7 @@ def greedy(graph: nx.DiGraph, budget_bytes: int | None = None, *,
             evaluated += 1
             if objective(plan, budget_bytes) < objective(best, budget_bytes):
                 best, current, improved = plan, trial, True
+    best.notes["seed"] = best.notes.get("seed", best.strategy)
     best.strategy = "greedy"
     best.notes.update(evaluated_plans=evaluated, search_seconds=time.perf_counter() - started)
     return best

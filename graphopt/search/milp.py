@@ -262,7 +262,9 @@ def milp(graph: nx.DiGraph, budget_bytes: int | None = None, time_limit_seconds:
     status, objective, values, gap = _solve(B, time_limit_seconds, "time", peak)
     notes.update(status=status, objective=objective, mip_gap=gap)
     if values is None:
-        raise RuntimeError(f"milp: no plan within the budget ({status})")
+        if budget_bytes is not None:   # no plan fits: the least-peak plan (the caller reports it)
+            return milp(graph, None, time_limit_seconds)
+        raise RuntimeError(f"milp: no solution ({status})")
     chain = []
     for s in range(1, len(x)):
         mask = sum(1 << v for v in range(model.n) if values[x[s][v]] > 0.5)
