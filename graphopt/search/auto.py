@@ -29,45 +29,52 @@ from .kusumoto import kusumoto, kusumoto_approx
 from .plan import Plan, candidate_checkpoints
 from .store_all import store_all
 
-# candidate tensors above which a solver is left out (its time grows too fast)
+# candidate tensors above which a solver is left out (its time grows too fast to pay off
+# within the default time limit on a 2-core machine; see benchmarks/solver_timing.py)
 SOLVER_LIMITS = {
-    "feng-huang": 600,
-    "kusumoto": 120,
-    "kusumoto-approx": 1_500,
-    "chain": 6_000,
-    "chen-greedy": 20_000,
-    "chen-sqrt": None,
     "store-all": None,
+    "chen-sqrt": None,
+    "chen-greedy": 20_000,
+    "feng-huang": 2_000,      # has its own deadline (then a beam)
+    "kusumoto-approx": 400,
+    "kusumoto": 120,          # exact below its width guard, else approximate
+    "chain": 1_000,
 }
 SOLVERS = {
-    "feng-huang": feng_huang,
-    "kusumoto": kusumoto,
-    "kusumoto-approx": kusumoto_approx,
-    "chain": chain,
-    "chen-greedy": chen_greedy,
-    "chen-sqrt": chen_sqrt,
     "store-all": store_all,
+    "chen-sqrt": chen_sqrt,
+    "chen-greedy": chen_greedy,
+    "feng-huang": lambda graph, budget_bytes=None, time_limit_seconds=None:
+        feng_huang(graph, budget_bytes, time_limit_seconds=time_limit_seconds),
+    "kusumoto-approx": kusumoto_approx,
+    "kusumoto": kusumoto,
+    "chain": chain,
 }
 
 
 def auto(graph: nx.DiGraph, budget_bytes: int | None = None, *,
          time_limit_seconds: float = 8.0) -> Plan:
     started = time.perf_counter()
+    deadline = started + time_limit_seconds
     candidates = len(candidate_checkpoints(graph))
     seeds: list[Plan] = []
     seed_seconds = {}
     for name, solve in SOLVERS.items():
         limit = SOLVER_LIMITS[name]
-        if limit is not None and candidates > limit:
+        remaining = deadline - time.perf_counter()
+        if (limit is not None and candidates > limit) or (seeds and remaining < 0.4 * time_limit_seconds):
             continue
         t = time.perf_counter()
-        plan = solve(graph, budget_bytes=budget_bytes)
+        if name == "feng-huang":
+            plan = solve(graph, budget_bytes, time_limit_seconds=0.3 * remaining)
+        else:
+            plan = solve(graph, budget_bytes=budget_bytes)
         seed_seconds[name] = time.perf_counter() - t
         plan.notes["seed"] = name
         seeds.append(plan)
     seeds.sort(key=lambda p: objective(p, budget_bytes))
-    remaining = max(0.5, time_limit_seconds - (time.perf_counter() - started))
-    best = greedy(graph, budget_bytes, time_limit_seconds=remaining, seeds=seeds[:3])
+    remaining = max(0.5, deadline - time.perf_counter())
+    best = greedy(graph, budget_bytes, time_limit_seconds=remaining, seeds=seeds[:3], max_seeds=0)
     if objective(seeds[0], budget_bytes) <= objective(best, budget_bytes):
         best = seeds[0]
     best.notes.update(

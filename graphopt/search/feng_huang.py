@@ -160,10 +160,11 @@ def threshold_bound(model: SegmentModel) -> tuple[int, frozenset[int]]:
     return best
 
 
-def least_kept_bytes(model: SegmentModel, max_term: int, below: int, max_states: int):
+def least_kept_bytes(model: SegmentModel, max_term: int, below: int, max_states: int,
+                     deadline: float | None = None):
     """The linear solver for one max term: least Σ checkpoint bytes such that every component
     is at most `max_term` bytes, among sets whose cost could be below `below`.
-    Returns (Σ kept bytes, kept mask, exact) or None when no such set exists."""
+    Returns ((Σ kept bytes, kept mask) or None when no such set exists, exact)."""
     n = len(model.tensors)
     exact = True
     # state: frontier members with their component labels -> Pareto labels (open weights, Σ kept, mask)
@@ -204,6 +205,8 @@ def least_kept_bytes(model: SegmentModel, max_term: int, below: int, max_states:
                     bucket[:] = [o for o in bucket
                                  if not (new_total <= o[1] and all(a <= b for a, b in zip(w2, o[0])))]
                     bucket.append((w2, new_total, new_mask))
+        if deadline is not None and max_states > SMALL_BEAM and time.perf_counter() > deadline:
+            max_states = SMALL_BEAM          # out of time: finish this probe as a narrow beam
         if sum(len(v) for v in nxt.values()) > max_states:
             exact = False
             flat = sorted(((lab[1], k, lab) for k, labs in nxt.items() for lab in labs),
@@ -213,12 +216,15 @@ def least_kept_bytes(model: SegmentModel, max_term: int, below: int, max_states:
                 nxt.setdefault(k, []).append(lab)
         states = nxt
         if not states:
-            return None
+            return None, exact
     best = min((lab for labs in states.values() for lab in labs), key=lambda lab: lab[1], default=None)
-    return None if best is None else (best[1], best[2], exact)
+    return (None if best is None else (best[1], best[2])), exact
 
 
-def solve(model: SegmentModel, max_states: int = 20_000):
+SMALL_BEAM = 64
+
+
+def solve(model: SegmentModel, max_states: int = 20_000, time_limit_seconds: float | None = None):
     """Least cost(C) by Feng & Huang's max-term enumeration, as a branch and bound over the
     max term instead of a loop over all O(n²) candidate values.
 
@@ -228,8 +234,11 @@ def solve(model: SegmentModel, max_states: int = 20_000):
     cost) returns a set whose largest component m' ≤ m: max terms in (m', m] cannot beat it,
     [a, m'-1] is bounded by f(m') + a and (m, b] by f(b) + m + 1. The first probe is the max
     term of a threshold heuristic, which usually lands next to the optimum.
+    Past `time_limit_seconds` the running probe finishes as a narrow beam and no new probe
+    starts: the best set so far is returned, not exact.
     Returns (cost, kept indices, exact, probes)."""
     n = len(model.tensors)
+    deadline = None if time_limit_seconds is None else time.perf_counter() + time_limit_seconds
     best_cost, best_kept = threshold_bound(model)
     floor = max((model.bytes_[i] for i in range(n) if not model.candidate[i]), default=0)
     guess = segment_cost(model, set(best_kept))[1]
@@ -241,15 +250,18 @@ def solve(model: SegmentModel, max_states: int = 20_000):
         a, b, f_low = intervals.pop(0)
         if a > b or f_low + a >= best_cost:
             continue
+        if deadline is not None and time.perf_counter() > deadline:
+            exact = False
+            break
         m = guess if a <= guess <= b else (a + b) // 2
         guess = -1
-        found = least_kept_bytes(model, m, best_cost, max_states)
+        found, exact_here = least_kept_bytes(model, m, best_cost, max_states, deadline)
+        exact = exact and exact_here
         if m < b:
             intervals.append((m + 1, b, f_low))
         if found is None:                 # nothing with max term <= m beats the best
             continue
-        kept_bytes, mask, exact_here = found
-        exact = exact and exact_here
+        kept_bytes, mask = found
         kept = frozenset(i for i in range(n) if mask >> i & 1)
         largest = segment_cost(model, set(kept))[1]
         probes.append((m, largest, kept_bytes))
@@ -259,10 +271,13 @@ def solve(model: SegmentModel, max_states: int = 20_000):
     return best_cost, best_kept, exact, probes
 
 
-def feng_huang(graph: nx.DiGraph, budget_bytes: int | None = None, *, max_states: int = 20_000) -> Plan:
+def feng_huang(graph: nx.DiGraph, budget_bytes: int | None = None, *, max_states: int = 20_000,
+               time_limit_seconds: float | None = 30.0) -> Plan:
+    """The least-cost plan of the segment model (the paper has no budget or time objective:
+    `budget_bytes` is not used; `auto` and `kusumoto` serve budgets)."""
     started = time.perf_counter()
     model = segment_model(graph)
-    cost, kept, exact, front = solve(model, max_states=max_states)
+    cost, kept, exact, front = solve(model, max_states=max_states, time_limit_seconds=time_limit_seconds)
     checkpoints = {model.tensors[i] for i in kept}
     return make_plan(graph, "feng-huang", checkpoints, model_cost_bytes=cost, exact=exact,
                      probes=len(front), search_seconds=time.perf_counter() - started)

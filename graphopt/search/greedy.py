@@ -34,7 +34,7 @@ def greedy(graph: nx.DiGraph, budget_bytes: int | None = None, *,
     n = len(graph.graph["forward_order"])
     seeds = [*seeds, store_all(graph), chen_sqrt(graph)]
     counts = sorted({max(2, round(n ** (k / max_seeds))) for k in range(1, max_seeds + 1)} |
-                    {max(1, round(math.sqrt(n)) // 2), 2 * round(math.sqrt(n))})
+                    {max(1, round(math.sqrt(n)) // 2), 2 * round(math.sqrt(n))}) if max_seeds else []
     for segments in counts:
         if segments < n:
             seeds.append(make_plan(graph, "greedy", segment_checkpoints(graph, segments)))
