@@ -41,6 +41,11 @@ ORIGINAL_UNOPTIMIZED = SessionSettings(graph_optimization_level="ORT_DISABLE_ALL
 
 Progress = Callable[[str, float], None]
 
+# With a budget, how many times a plan whose MEASURED peak is over the budget is planned
+# again for a budget lowered by the overshoot (the runtime holds a little more than the
+# cost model predicts: allocator rounding, small buffers).
+BUDGET_RETRIES = 3
+
 
 @dataclass
 class OptimizeOptions:
@@ -117,6 +122,37 @@ def _measure_all(original: onnx.ModelProto, rewritten: onnx.ModelProto, inputs, 
                 for label, (path, settings) in runs.items()}
 
 
+def _measure_one(model: onnx.ModelProto, inputs, options) -> Measurement:
+    provider = options.providers[0] if options.providers else None
+    with tempfile.TemporaryDirectory(prefix="graphopt-") as tmp:
+        inputs_path = os.path.join(tmp, "inputs.npz")
+        save_inputs(inputs_path, inputs)
+        path = os.path.join(tmp, "optimized.onnx")
+        save_model(model, path)
+        return measure(path, inputs_path, None, provider=provider, threads=options.threads)
+
+
+def _order_followed(graph, plan: Plan, rewritten: onnx.ModelProto, inputs, options) -> bool:
+    """Whether ONNX Runtime's profile shows the rewritten model ran in the planned order."""
+    order = annotate(rewritten, inputs, PLANNED_SETTINGS, threads=options.threads).execution_order
+    planned = [op if copy == 0 else f"{op}__rc{copy}" for op, copy in priority_order(graph, plan.schedule)]
+    return order == planned
+
+
+def _check_outputs(training: TrainingGraph, rewritten: onnx.ModelProto, inputs, options, report: dict) -> None:
+    """Raise VerificationError unless the rewritten model's outputs equal the original's."""
+    reference = run_outputs(training.model, inputs, ORIGINAL_UNOPTIMIZED, threads=1)
+    candidate = run_outputs(rewritten, inputs, None, threads=1)
+    comparison = compare_outputs(reference, candidate, options.tolerance)
+    report["outputs_match"] = comparison.match
+    report["max_relative_difference"] = comparison.max_relative_difference
+    if not comparison.match:
+        raise VerificationError(
+            f"the rewritten model's output {comparison.worst_output()!r} differs from the original "
+            f"(relative difference {comparison.max_relative_difference:.3g} > {options.tolerance}); "
+            "nothing was returned")
+
+
 def save_model(model: onnx.ModelProto, path) -> None:
     """Save a model; one over protobuf's 2 GB limit gets its weights as external data."""
     path = str(path)
@@ -147,7 +183,6 @@ def optimize(model: onnx.ModelProto, options: OptimizeOptions | None = None) -> 
     progress("rewrite", 0.5)
     rewritten = rewrite(training, graph, plan, PLANNED_SETTINGS)
     write_annotations(rewritten, annotations)
-
     report = {
         "loss": training.loss,
         "strategy": plan.strategy,
@@ -173,24 +208,48 @@ def optimize(model: onnx.ModelProto, options: OptimizeOptions | None = None) -> 
 
     if options.verify:
         progress("verify", 0.6)
-        reference = run_outputs(training.model, inputs, ORIGINAL_UNOPTIMIZED, threads=1)
-        candidate = run_outputs(rewritten, inputs, None, threads=1)
-        comparison = compare_outputs(reference, candidate, options.tolerance)
-        report["outputs_match"] = comparison.match
-        report["max_relative_difference"] = comparison.max_relative_difference
-        if not comparison.match:
-            raise VerificationError(
-                f"the rewritten model's output {comparison.worst_output()!r} differs from the original "
-                f"(relative difference {comparison.max_relative_difference:.3g} > {options.tolerance}); "
-                "nothing was returned")
-        order = annotate(rewritten, inputs, PLANNED_SETTINGS, threads=options.threads).execution_order
-        planned = [op if copy == 0 else f"{op}__rc{copy}"
-                   for op, copy in priority_order(graph, plan.schedule)]
-        report["order_followed"] = order == planned
+        _check_outputs(training, rewritten, inputs, options, report)
+        report["order_followed"] = _order_followed(graph, plan, rewritten, inputs, options)
 
     if options.measure:
         progress("measure", 0.7)
         measured = _measure_all(training.model, rewritten, inputs, options)
+        attempts = [{"planned_for_bytes": options.budget_bytes, "predicted_peak_bytes": plan.peak_bytes,
+                     "measured_peak_bytes": measured["optimized"].peak_bytes}]
+        while (options.budget_bytes is not None and measured["optimized"].peak_bytes > options.budget_bytes
+               and len(attempts) <= BUDGET_RETRIES):
+            # the runtime held more than predicted: plan again for a budget lower by the overshoot
+            overshoot = measured["optimized"].peak_bytes - plan.peak_bytes
+            target = options.budget_bytes - max(overshoot, 0) - (len(attempts) - 1) * max(overshoot, 1 << 16)
+            progress(f"budget missed by measurement ({measured['optimized'].peak_bytes} > "
+                     f"{options.budget_bytes} bytes): planning for {target}", 0.75)
+            retry = STRATEGIES[options.strategy](graph, budget_bytes=target)
+            if retry.peak_bytes > target or retry.checkpoints == plan.checkpoints:
+                break
+            plan = retry
+            rewritten = rewrite(training, graph, plan, PLANNED_SETTINGS)
+            write_annotations(rewritten, annotations)
+            if options.verify:
+                _check_outputs(training, rewritten, inputs, options, report)
+                report["order_followed"] = _order_followed(graph, plan, rewritten, inputs, options)
+            measured["optimized"] = _measure_one(rewritten, inputs, options)
+            attempts.append({"planned_for_bytes": target, "predicted_peak_bytes": plan.peak_bytes,
+                             "measured_peak_bytes": measured["optimized"].peak_bytes})
+        if options.budget_bytes is not None:
+            report["budget_attempts"] = attempts
+            report.update(checkpoints=sorted(plan.checkpoints), recompute_nodes=plan.recompute_ops,
+                          strategy=plan.strategy)
+            report["predicted"]["optimized"] = {"peak_bytes": plan.peak_bytes,
+                                                "step_seconds": plan.simulation.compute_seconds,
+                                                "recompute_seconds": plan.recompute_seconds}
+            report["nodes"]["optimized"] = len(rewritten.graph.node)
+            if measured["optimized"].peak_bytes > options.budget_bytes:
+                least = min(a["measured_peak_bytes"] for a in attempts)
+                raise BudgetInfeasibleError(
+                    f"budget of {options.budget_bytes} bytes is not met by measurement: the plans for it "
+                    f"measured {[a['measured_peak_bytes'] for a in attempts]} bytes (predicted "
+                    f"{[a['predicted_peak_bytes'] for a in attempts]}); the least measured was {least} bytes",
+                    least_feasible_peak_bytes=least)
         report["measured"] = {k: {"peak_bytes": m.peak_bytes, "step_seconds": m.step_seconds,
                                   "provider": m.provider, "method": m.method}
                               for k, m in measured.items()}

@@ -69,6 +69,47 @@ def stashed_tensors(graph: nx.DiGraph) -> set[str]:
     return {t for op in graph.graph["backward_order"] for t in graph.nodes[op]["inputs"] if t in fwd}
 
 
+def sunk_backward_order(graph: nx.DiGraph) -> list[str]:
+    """The backward order with each op that only adds memory moved to right before its first
+    reader (as late as possible): an op whose inputs are resident, computed from resident
+    tensors only (e.g. the split and transpose of a weight for a gradient MatMul, which move
+    with it) or still read by a later op holds its output from where the
+    training graph puts it (often the start of the backward pass) to its reader; moved, it holds
+    it only there, and it extends no input's life. Ops whose outputs nobody in the backward
+    reads (gradients: graph outputs) stay. Computed once per cost graph."""
+    cached = graph.graph.get("_sunk_backward")
+    if cached is not None:
+        return cached
+    nodes = graph.nodes
+    order = graph.graph["backward_order"]
+    resident = graph.graph["resident"]
+    position = {op: i for i, op in enumerate(order)}
+    readers: dict[str, list[int]] = {}
+    for i, op in enumerate(order):
+        for t in nodes[op]["inputs"]:
+            readers.setdefault(t, []).append(i)
+    # ops computed from resident tensors only (a weight's Split, Transpose, Reshape, ...)
+    derived: set[str] = set()
+    for op in order:
+        if all(t in resident or t in derived for t in nodes[op]["inputs"]):
+            derived.update(nodes[op]["outputs"])
+    key: dict[str, tuple] = {}
+    for i in range(len(order) - 1, -1, -1):
+        op = order[i]
+        consumers = sorted({j for t in nodes[op]["outputs"] for j in readers.get(t, ()) if j > i})
+        key[op] = (i, 0)
+        if not consumers or nodes[op].get("runs_first"):
+            continue
+        target = min(key[order[j]] for j in consumers)
+        safe = all(t in resident or t in derived or any(j >= target[0] for j in readers.get(t, ()) if j != i)
+                   for t in nodes[op]["inputs"])
+        if safe and target[0] > i:
+            key[op] = (target[0], target[1] - 1)
+    sunk = sorted(order, key=lambda op: (key[op], position[op]))
+    graph.graph["_sunk_backward"] = sunk
+    return sunk
+
+
 def schedule_for(graph: nx.DiGraph, checkpoints: set[str] | frozenset[str]) -> list[Step]:
     """The schedule implied by keeping `checkpoints` (see the module docstring)."""
     nodes = graph.nodes
@@ -91,7 +132,7 @@ def schedule_for(graph: nx.DiGraph, checkpoints: set[str] | frozenset[str]) -> l
             into.add(op)
             stack.extend(nodes[op]["inputs"])
 
-    for op in graph.graph["backward_order"]:
+    for op in sunk_backward_order(graph):
         todo: set[str] = set()
         for t in nodes[op]["inputs"]:
             if t in producer and t not in available:
