@@ -28,16 +28,20 @@ def objective(plan: Plan, budget_bytes: int | None):
 
 
 def greedy(graph: nx.DiGraph, budget_bytes: int | None = None, *,
-           time_limit_seconds: float = 20.0, max_seeds: int = 24, seeds: list[Plan] = ()) -> Plan:
-    """Local search from the best of the built-in seeds and `seeds` (plans of other solvers)."""
+           time_limit_seconds: float = 20.0, max_seeds: int = 24, seeds: list[Plan] = (),
+           refresh_gap: int | None = None) -> Plan:
+    """Local search from the best of the built-in seeds and `seeds` (plans of other solvers),
+    every plan scheduled with `refresh_gap` (see `schedule_for`)."""
     started = time.perf_counter()
     n = len(graph.graph["forward_order"])
     seeds = [*seeds, store_all(graph), chen_sqrt(graph)]
+    if refresh_gap is not None:
+        seeds = [make_plan(graph, p.strategy, p.checkpoints, refresh_gap, **p.notes) for p in seeds]
     counts = sorted({max(2, round(n ** (k / max_seeds))) for k in range(1, max_seeds + 1)} |
                     {max(1, round(math.sqrt(n)) // 2), 2 * round(math.sqrt(n))}) if max_seeds else []
     for segments in counts:
         if segments < n:
-            seeds.append(make_plan(graph, "greedy", segment_checkpoints(graph, segments)))
+            seeds.append(make_plan(graph, "greedy", segment_checkpoints(graph, segments), refresh_gap))
     best = min(seeds, key=lambda p: objective(p, budget_bytes))
     current = set(best.checkpoints)
     tensor_bytes = graph.graph["tensor_bytes"]
@@ -50,7 +54,7 @@ def greedy(graph: nx.DiGraph, budget_bytes: int | None = None, *,
             if time.perf_counter() - started >= time_limit_seconds:
                 break
             trial = current ^ {t}
-            plan = make_plan(graph, "greedy", trial)
+            plan = make_plan(graph, "greedy", trial, refresh_gap)
             evaluated += 1
             if objective(plan, budget_bytes) < objective(best, budget_bytes):
                 best, current, improved = plan, trial, True

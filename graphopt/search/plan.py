@@ -23,6 +23,7 @@ class Plan:
     schedule: list[Step]                 # the order written to the file
     simulation: Simulation | None = None  # of the order the runtime will execute
     notes: dict = field(default_factory=dict)
+    refresh_gap: int | None = None       # see schedule_for
 
     @property
     def peak_bytes(self) -> int:
@@ -110,8 +111,14 @@ def sunk_backward_order(graph: nx.DiGraph) -> list[str]:
     return sunk
 
 
-def schedule_for(graph: nx.DiGraph, checkpoints: set[str] | frozenset[str]) -> list[Step]:
-    """The schedule implied by keeping `checkpoints` (see the module docstring)."""
+def schedule_for(graph: nx.DiGraph, checkpoints: set[str] | frozenset[str],
+                 refresh_gap: int | None = None) -> list[Step]:
+    """The schedule implied by keeping `checkpoints` (see the module docstring).
+
+    `refresh_gap`: a recomputed tensor whose next backward reader is more than this many
+    backward ops away is dropped after its reader and recomputed again when needed (a copy
+    2, 3, ...), instead of being held across the gap. None: each op is recomputed at most
+    once (the tensor is held until its last reader)."""
     nodes = graph.nodes
     fwd_order = graph.graph["forward_order"]
     position = {op: i for i, op in enumerate(fwd_order)}
@@ -132,22 +139,40 @@ def schedule_for(graph: nx.DiGraph, checkpoints: set[str] | frozenset[str]) -> l
             into.add(op)
             stack.extend(nodes[op]["inputs"])
 
-    for op in sunk_backward_order(graph):
+    backward = sunk_backward_order(graph)
+    reads_at: dict[str, list[int]] = {}
+    if refresh_gap is not None:
+        for i, op in enumerate(backward):
+            for t in nodes[op]["inputs"]:
+                if t in producer:
+                    reads_at.setdefault(t, []).append(i)
+    recomputed: set[str] = set()
+    for i, op in enumerate(backward):
         todo: set[str] = set()
         for t in nodes[op]["inputs"]:
             if t in producer and t not in available:
                 missing_ops(t, todo)
-        for r in sorted(todo, key=position.__getitem__):
-            copies[r] = copies.get(r, 0) + 1
-            schedule.append((r, copies[r]))
-            available.update(nodes[r]["outputs"])
+        if todo:
+            for r in sorted(todo, key=position.__getitem__):
+                copies[r] = copies.get(r, 0) + 1
+                schedule.append((r, copies[r]))
+                available.update(nodes[r]["outputs"])
+                recomputed.update(nodes[r]["outputs"])
         schedule.append((op, 0))
+        if refresh_gap is not None and recomputed:
+            for t in list(recomputed):
+                later = [j for j in reads_at.get(t, ()) if j > i]
+                if not later or later[0] - i > refresh_gap:
+                    recomputed.discard(t)
+                    available.discard(t)
     return schedule
 
 
-def make_plan(graph: nx.DiGraph, strategy: str, checkpoints, **notes) -> Plan:
+def make_plan(graph: nx.DiGraph, strategy: str, checkpoints, refresh_gap: int | None = None, **notes) -> Plan:
     """Plan for a checkpoint set, evaluated by the cost model on the runtime's order."""
     checkpoints = frozenset(checkpoints)
-    schedule = schedule_for(graph, checkpoints)
+    schedule = schedule_for(graph, checkpoints, refresh_gap)
     executed = priority_order(graph, schedule)
-    return Plan(strategy, checkpoints, schedule, simulate(graph, executed), dict(notes))
+    plan = Plan(strategy, checkpoints, schedule, simulate(graph, executed), dict(notes))
+    plan.refresh_gap = refresh_gap
+    return plan
