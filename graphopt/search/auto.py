@@ -15,7 +15,9 @@ that recomputes several times more for a 0.5% lower peak is not what users want)
 budget, least recompute seconds among plans whose peak fits (the least peak when none fits).
 
 Time: the exact solvers are skipped on graphs too large for them (their own guards make
-them approximate first) and the local search gets what is left of `time_limit_seconds`.
+them approximate first); each local search gets EVALUATIONS_PER_SCHEDULE plan evaluations,
+so the plan does not depend on the machine's speed. A wall-clock limit is only a safety net
+(60 s; 8 s above LARGE_GRAPH_OPS ops, where it decides: 10,000 ops are planned in < 10 s).
 """
 from __future__ import annotations
 
@@ -76,9 +78,22 @@ def choose(plans: list[Plan], budget_bytes: int | None, cap_bytes: int | None = 
     return min(near, key=lambda p: (p.recompute_seconds, p.peak_bytes))
 
 
+def default_time_limit_seconds(graph: nx.DiGraph) -> float:
+    """A safety net: below it the evaluation budget decides, so plans do not depend on the
+    machine's speed; large graphs (over LARGE_GRAPH_OPS ops) are cut at 8 s (10,000 ops
+    planned in under 10 s on 2 cores)."""
+    return 8.0 if graph.number_of_nodes() > LARGE_GRAPH_OPS else 60.0
+
+
+LARGE_GRAPH_OPS = 3_000
+EVALUATIONS_PER_SCHEDULE = 600   # local-search plan evaluations per refresh gap
+
+
 def auto(graph: nx.DiGraph, budget_bytes: int | None = None, *,
-         time_limit_seconds: float = 8.0) -> Plan:
+         time_limit_seconds: float | None = None) -> Plan:
     started = time.perf_counter()
+    if time_limit_seconds is None:
+        time_limit_seconds = default_time_limit_seconds(graph)
     deadline = started + time_limit_seconds
     candidates = len(candidate_checkpoints(graph))
     seeds: list[Plan] = []
@@ -86,7 +101,7 @@ def auto(graph: nx.DiGraph, budget_bytes: int | None = None, *,
     for name, solve in SOLVERS.items():
         limit = SOLVER_LIMITS[name]
         remaining = deadline - time.perf_counter()
-        if (limit is not None and candidates > limit) or (seeds and remaining < 0.4 * time_limit_seconds):
+        if (limit is not None and candidates > limit) or (seeds and remaining < 0.5 * time_limit_seconds):
             continue
         t = time.perf_counter()
         if name == "feng-huang":
@@ -101,7 +116,7 @@ def auto(graph: nx.DiGraph, budget_bytes: int | None = None, *,
     for k, gap in enumerate(REFRESH_GAPS):
         share = (deadline - time.perf_counter()) / (len(REFRESH_GAPS) - k)
         found.append(greedy(graph, budget_bytes, time_limit_seconds=max(0.3, share), seeds=seeds[:3],
-                            max_seeds=0, refresh_gap=gap))
+                            max_seeds=0, refresh_gap=gap, max_evaluations=EVALUATIONS_PER_SCHEDULE))
     best = choose(found, budget_bytes, cap_bytes=seeds[0].peak_bytes)
     best.notes.update(
         seed=best.notes.get("seed", best.strategy),

@@ -29,7 +29,7 @@ def objective(plan: Plan, budget_bytes: int | None):
 
 def greedy(graph: nx.DiGraph, budget_bytes: int | None = None, *,
            time_limit_seconds: float = 20.0, max_seeds: int = 24, seeds: list[Plan] = (),
-           refresh_gap: int | None = None) -> Plan:
+           refresh_gap: int | None = None, max_evaluations: int | None = None) -> Plan:
     """Local search from the best of the built-in seeds and `seeds` (plans of other solvers),
     every plan scheduled with `refresh_gap` (see `schedule_for`)."""
     started = time.perf_counter()
@@ -48,10 +48,14 @@ def greedy(graph: nx.DiGraph, budget_bytes: int | None = None, *,
     candidates = sorted(candidate_checkpoints(graph), key=lambda t: -tensor_bytes.get(t, 0))
     evaluated = len(seeds)
     improved = True
-    while improved and time.perf_counter() - started < time_limit_seconds:
+    def out_of_budget():
+        return (time.perf_counter() - started >= time_limit_seconds
+                or (max_evaluations is not None and evaluated >= max_evaluations))
+
+    while improved and not out_of_budget():
         improved = False
         for t in candidates:
-            if time.perf_counter() - started >= time_limit_seconds:
+            if out_of_budget():
                 break
             trial = current ^ {t}
             plan = make_plan(graph, "greedy", trial, refresh_gap)
@@ -60,5 +64,6 @@ def greedy(graph: nx.DiGraph, budget_bytes: int | None = None, *,
                 best, current, improved = plan, trial, True
     best.notes["seed"] = best.notes.get("seed", best.strategy)
     best.strategy = "greedy"
-    best.notes.update(evaluated_plans=evaluated, search_seconds=time.perf_counter() - started)
+    best.notes.update(evaluated_plans=evaluated, search_seconds=time.perf_counter() - started,
+                      stopped_by_time=time.perf_counter() - started >= time_limit_seconds)
     return best
