@@ -3,16 +3,86 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from graphopt.costmodel import check_schedule, priority_order, resolve_versions, simulate
-from graphopt.search import STRATEGIES, chen_sqrt, greedy, store_all
-from graphopt.search.plan import forced_checkpoints, forward_tensors, make_plan, stashed_tensors
+from graphopt.search import STRATEGIES, auto, chen_sqrt, feng_huang, greedy, store_all
+from graphopt.search.plan import Plan, forced_checkpoints, forward_tensors, make_plan, stashed_tensors
 
 from synthetic import training_cost_graph
+
+# solvers whose time grows fast with the graph: the property tests give them a time limit
+TIME_LIMITED = {"auto": 2.0, "feng-huang": 2.0}
+
+
+def run_strategy(name, graph, **kwargs):
+    if name in TIME_LIMITED:
+        kwargs.setdefault("time_limit_seconds", TIME_LIMITED[name])
+    return STRATEGIES[name](graph, **kwargs)
+
+
+def assert_no_read_after_free(graph, plan):
+    """Run the order the runtime executes (`priority_order` of the file order) with the names
+    the rewrite writes (versions resolved on the FILE order) under the cost model's freeing
+    rule (versions resolved on the EXECUTED order, as the cost model does: a buffer is freed
+    after its last reader; an alias shares its input's buffer; graph outputs (copy 0) and
+    resident tensors are never freed; a buffer nobody reads stays, or costs nothing if
+    droppable): every version a step reads was produced earlier and is not freed yet.
+    Written apart from `simulate`, so that a disagreement between the schedule, the runtime's
+    order and the cost model's accounting shows."""
+    nodes = graph.nodes
+    schedule = plan.schedule
+    assert len(set(schedule)) == len(schedule), "a step appears twice in the schedule"
+    named = {(s.op, s.copy): s for s in resolve_versions(graph, schedule)}
+    executed = priority_order(graph, schedule)
+    assert sorted(executed) == sorted(s for s in schedule if not nodes[s[0]].get("folded"))
+    resident = set(graph.graph["resident"])
+    for (op, _), s in named.items():
+        if nodes[op].get("folded"):        # initializers once loaded
+            resident.update(t for t, _ in s.writes)
+    kept = graph.graph["kept"]
+    droppable = graph.graph.get("droppable", frozenset())
+    # the cost model's accounting: buffers, where each is born and after which step it is freed
+    buffer_of, born, last_read, never_freed = {}, {}, {}, set()
+    for i, step in enumerate(resolve_versions(graph, executed)):
+        for version in step.reads:
+            if version in buffer_of:
+                last_read[buffer_of[version]] = i
+        attrs = nodes[step.op]
+        for k, (t, v) in enumerate(step.writes):
+            if k == 0 and attrs.get("alias") and attrs["inputs"]:
+                b = buffer_of.get(step.reads[0], "resident")
+            else:
+                b = (t, v)
+                born[b] = i
+            buffer_of[(t, v)] = b
+            if v == 0 and t in kept:
+                never_freed.add(b)
+    freed_after = {}
+    for b, i in born.items():
+        if b in never_freed:
+            continue
+        if b in last_read:
+            freed_after[b] = last_read[b]
+        elif b[0] in droppable:           # never read and dropped: never allocated
+            freed_after[b] = i - 1
+    # the run, with the rewrite's names
+    produced = set()
+    for i, step in enumerate(executed):
+        op, copy = step
+        for t, v in named[step].reads:
+            if v == -1 or t in resident:
+                assert t in resident, (i, op, copy, t, "read before it exists")
+                continue
+            assert (t, v) in produced, (i, op, copy, t, v, "read before this version is produced")
+            b = buffer_of[(t, v)]
+            assert freed_after.get(b, i) >= i, (i, op, copy, t, v, "read after it was freed at step",
+                                                freed_after.get(b))
+        produced.update(named[step].writes)
 
 
 def assert_valid(graph, plan):
     check_schedule(graph, plan.schedule)
     executed = priority_order(graph, plan.schedule)
     check_schedule(graph, executed)
+    assert_no_read_after_free(graph, plan)
     forward = forward_tensors(graph)
     available_forward = set(plan.checkpoints) | forced_checkpoints(graph)
     for step in resolve_versions(graph, executed):
@@ -25,6 +95,41 @@ def assert_valid(graph, plan):
     # every op of the training graph runs once as itself
     originals = [op for op, copy in plan.schedule if copy == 0]
     assert sorted(originals) == sorted(graph.nodes)
+
+
+def _hazard_graph():
+    """x -> a -> t -> s (runs first, like Shape) -> shp, read by d (forward), b1 and b2
+    (backward); c is an unrelated forward op."""
+    import networkx as nx
+    g = nx.DiGraph()
+
+    def op(name, inputs, outputs, phase, runs_first=False):
+        g.add_node(name, inputs=inputs, outputs=outputs, seconds=1.0, phase=phase, alias=False,
+                   recomputable=True, runs_first=runs_first)
+    op("a", ("x",), ("t",), "forward")
+    op("s", ("t",), ("shp",), "forward", runs_first=True)
+    op("d", ("shp",), ("dd",), "forward")
+    op("c", ("x",), ("u",), "forward")
+    op("b1", ("shp", "u", "dd"), ("g1",), "backward")
+    op("b2", ("shp", "g1"), ("g2",), "backward")
+    g.graph.update(tensor_bytes={"t": 10, "shp": 1, "dd": 1, "u": 10, "g1": 5, "g2": 5},
+                   resident=frozenset({"x"}), kept=frozenset({"g2"}), droppable=frozenset(),
+                   forward_order=["a", "s", "d", "c"], backward_order=["b1", "b2"])
+    return g
+
+
+def test_read_after_free_check_catches_a_stale_version():
+    """The file recomputes t and shp after b1's position... except that shp's copy runs first:
+    the runtime runs (s, 1) before b1, so the cost model resolves b1's read of shp to the copy
+    and frees the original after d, while the file has b1 read the original."""
+    g = _hazard_graph()
+    good = [("a", 0), ("s", 0), ("d", 0), ("c", 0), ("b1", 0), ("a", 1), ("s", 1), ("b2", 0)]
+    assert_no_read_after_free(g, Plan("test", frozenset(), good))
+    stale = [("a", 0), ("s", 0), ("d", 0), ("a", 1), ("c", 0), ("b1", 0), ("s", 1), ("b2", 0)]
+    check_schedule(g, stale)                     # name-level: nothing wrong
+    assert priority_order(g, stale).index(("s", 1)) < priority_order(g, stale).index(("b1", 0))
+    with pytest.raises(AssertionError, match="read after it was freed"):
+        assert_no_read_after_free(g, Plan("test", frozenset(), stale))
 
 
 def test_chain_store_all_counts_every_activation():
@@ -44,20 +149,55 @@ def test_chen_recomputes_and_saves_on_a_chain():
     assert chen.peak_bytes < full.peak_bytes
 
 
-@settings(max_examples=60, deadline=None)
-@given(n=st.integers(2, 40), seed=st.integers(0, 10_000), fanin=st.integers(1, 3),
+def assert_recomputes_no_random_op(graph, plan):
+    for op, copy in plan.schedule:
+        if copy:
+            assert graph.nodes[op]["recomputable"], op
+
+
+@settings(max_examples=50, deadline=None)
+@given(n=st.integers(2, 26), seed=st.integers(0, 10_000), fanin=st.integers(1, 3),
        random_ops=st.sampled_from([0.0, 0.2]))
 def test_every_strategy_gives_a_valid_plan(n, seed, fanin, random_ops):
     graph = training_cost_graph(n, seed=seed, max_fanin=fanin, random_ops=random_ops)
-    for name, solve in STRATEGIES.items():
+    for name in STRATEGIES:
         if name == "milp" and n > 8:   # exact MILP: small graphs only (tests/test_kusumoto_milp.py)
             continue
-        plan = solve(graph)
+        plan = run_strategy(name, graph)
         assert_valid(graph, plan)
-        # random ops are never recomputed
-        for op, copy in plan.schedule:
-            if copy:
-                assert graph.nodes[op]["recomputable"], op
+        assert_recomputes_no_random_op(graph, plan)   # random ops are never recomputed
+
+
+FAST = ["chain", "greedy", "chen-greedy", "chen-sqrt", "store-all", "kusumoto-approx"]
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(25, 70), seed=st.integers(0, 10_000), fanin=st.integers(1, 3),
+       random_ops=st.sampled_from([0.0, 0.2]))
+def test_fast_strategies_give_valid_plans_on_larger_graphs(n, seed, fanin, random_ops):
+    graph = training_cost_graph(n, seed=seed, max_fanin=fanin, random_ops=random_ops)
+    for name in FAST:
+        plan = run_strategy(name, graph)
+        assert_valid(graph, plan)
+        assert_recomputes_no_random_op(graph, plan)
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(2, 20), seed=st.integers(0, 10_000), fanin=st.integers(1, 3),
+       random_ops=st.sampled_from([0.0, 0.2]))
+def test_auto_never_worse_than_chen_store_all_or_feng_huang(n, seed, fanin, random_ops):
+    """`auto` scores these solvers' plans with the cost model: its peak is never above theirs.
+    On these sizes Feng & Huang is exact (about 1 s at most) well within its share of this
+    time limit (auto stops early once its local search converges), so auto's run of it is the
+    same plan as this one's."""
+    graph = training_cost_graph(n, seed=seed, max_fanin=fanin, random_ops=random_ops)
+    best = auto(graph, time_limit_seconds=30)
+    assert_valid(graph, best)
+    fh = feng_huang(graph, time_limit_seconds=None)
+    assert fh.notes["exact"]
+    assert best.peak_bytes <= chen_sqrt(graph).peak_bytes
+    assert best.peak_bytes <= store_all(graph).peak_bytes
+    assert best.peak_bytes <= fh.peak_bytes, (best.notes, fh.peak_bytes)
 
 
 @settings(max_examples=60, deadline=None)
