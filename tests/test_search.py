@@ -1,10 +1,12 @@
 """Solvers on synthetic cost graphs: plans are valid, and never worse than Chen's sqrt(n)."""
+import random
+
 import pytest
 from hypothesis import given, settings, strategies as st
 
 from graphopt.costmodel import check_schedule, priority_order, resolve_versions, simulate
 from graphopt.search import STRATEGIES, auto, chen_sqrt, feng_huang, greedy, store_all
-from graphopt.search.plan import Plan, forced_checkpoints, forward_tensors, make_plan, stashed_tensors
+from graphopt.search.plan import Plan, candidate_checkpoints, forced_checkpoints, forward_tensors, make_plan, stashed_tensors
 
 from synthetic import training_cost_graph
 
@@ -207,6 +209,21 @@ def test_greedy_never_worse_than_chen_or_store_all(n, seed, fanin):
     best = greedy(graph)
     assert best.peak_bytes <= chen_sqrt(graph).peak_bytes
     assert best.peak_bytes <= store_all(graph).peak_bytes
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(2, 40), seed=st.integers(0, 10_000), fanin=st.integers(1, 3),
+       random_ops=st.sampled_from([0.0, 0.2]), gap=st.sampled_from([0, 1, 2, 5]),
+       keep=st.floats(0.0, 0.6))
+def test_refresh_gap_schedules_are_valid(n, seed, fanin, random_ops, gap, keep):
+    """Dropping a recomputed tensor across a backward gap and recomputing it again (copies
+    2, 3, ...): every read still finds its version produced and not freed."""
+    graph = training_cost_graph(n, seed=seed, max_fanin=fanin, random_ops=random_ops)
+    rng = random.Random(seed)
+    checkpoints = {t for t in candidate_checkpoints(graph) if rng.random() < keep}
+    plan = make_plan(graph, "test", checkpoints, refresh_gap=gap)
+    assert_valid(graph, plan)
+    assert_recomputes_no_random_op(graph, plan)
 
 
 def test_recompute_runs_each_op_at_most_once_more():
