@@ -21,8 +21,8 @@ thread (torch.set_num_threads(1); ORT intra-op threads 1):
       partitioner recomputes to keep the saved activations near 10% of the default's).
 
 Each torch configuration is measured like graphopt measures ONNX Runtime
-(graphopt/runtime/_measure_worker.py): a fresh subprocess with MALLOC_MMAP_THRESHOLD_=65536
-and MALLOC_TRIM_THRESHOLD_=131072 (large buffers come from mmap and return to the OS when
+(graphopt/runtime/_measure_worker.py): a fresh subprocess with the same allocator settings,
+graphopt.runtime.measure.malloc_env() (buffers of a page or more come from mmap and return to the OS when
 freed, so RSS follows what is live); parameters and inputs are created first (resident, not
 counted, like ORT's initializers and inputs); warm-up steps (compilation happens there);
 their loss and gradients are dropped, gc, malloc_trim; /proc/self/clear_refs <- 5 resets
@@ -45,6 +45,9 @@ import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+
+from graphopt.runtime.measure import malloc_env  # noqa: E402
 
 TORCH_CONFIGS = ("eager", "compile", "compile-budget")
 BUDGET = 0.1
@@ -149,8 +152,7 @@ def _worker_env(plain_allocator: bool) -> dict[str, str]:
     env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env["OMP_NUM_THREADS"] = "1"
     if not plain_allocator:
-        env["MALLOC_MMAP_THRESHOLD_"] = "65536"
-        env["MALLOC_TRIM_THRESHOLD_"] = "131072"
+        env.update(malloc_env())   # exactly what graphopt's ORT measurements use
     return env
 
 

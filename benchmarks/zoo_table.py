@@ -1,7 +1,7 @@
 """Optimize every bundled example and print, side by side, the measured peak memory of one
 training step in ONNX Runtime (original under the default session, original with graph
-optimizations off, optimized), step-time ratios, the cost model's prediction error, and
-whether the outputs are identical.
+optimizations off, Chen's sqrt(n) plan, optimized), step-time ratios, the cost model's
+prediction error, and whether the outputs are identical.
 
     python benchmarks/zoo_table.py [--examples mlp,resnet] [--strategy auto] [--json out.json]
 """
@@ -12,7 +12,9 @@ import json
 import sys
 
 from graphopt.examples import EXAMPLES, training_example
-from graphopt.optimize import OptimizeOptions, optimize
+from graphopt.optimize import OptimizeOptions, _annotate, _measure_one, _prepare, optimize
+from graphopt.rewrite import PLANNED_SETTINGS, rewrite
+from graphopt.search import chen_sqrt
 from graphopt.search import DEFAULT_STRATEGY
 
 
@@ -27,19 +29,26 @@ def main() -> int:
     parser.add_argument("--json", help="also write the reports here")
     args = parser.parse_args()
     rows, reports = [], {}
-    header = ("| model | nodes | peak default session MiB | peak optimizations off MiB | peak optimized MiB "
-              "| vs default | vs off | step time vs default | vs off | prediction error opt / orig "
-              "| recompute nodes | outputs identical |")
+    header = ("| model | nodes | peak default session MiB | peak optimizations off MiB | peak Chen sqrt(n) MiB "
+              "| peak optimized MiB | vs default | vs off | vs Chen | step time vs default | vs off "
+              "| prediction error opt / orig | recompute nodes | outputs identical |")
     for name in args.examples.split(","):
         print(f"optimizing {name} ...", file=sys.stderr, flush=True)
         model, inputs = training_example(name)
         report = optimize(model, OptimizeOptions(inputs=inputs, strategy=args.strategy)).report
+        options = OptimizeOptions(inputs=inputs)
+        training, _ = _prepare(model, options)
+        _, graph = _annotate(training, inputs, options)
+        chen = _measure_one(rewrite(training, graph, chen_sqrt(graph), PLANNED_SETTINGS), inputs, options)
+        report["measured"]["chen_sqrt"] = {"peak_bytes": chen.peak_bytes, "step_seconds": chen.step_seconds}
         reports[name] = report
         m, r, e = report["measured"], report["ratios"], report["prediction_error"]
         rows.append(
             f"| {name} | {report['nodes']['original']} | {mib(m['original_default_session']['peak_bytes'])} "
-            f"| {mib(m['original_optimizations_off']['peak_bytes'])} | {mib(m['optimized']['peak_bytes'])} "
+            f"| {mib(m['original_optimizations_off']['peak_bytes'])} | {mib(m['chen_sqrt']['peak_bytes'])} "
+            f"| {mib(m['optimized']['peak_bytes'])} "
             f"| {r['peak_vs_default_session']:.2f}x | {r['peak_vs_optimizations_off']:.2f}x "
+            f"| {m['optimized']['peak_bytes'] / m['chen_sqrt']['peak_bytes']:.2f}x "
             f"| {r['step_time_vs_default_session']:.2f}x | {r['step_time_vs_optimizations_off']:.2f}x "
             f"| {e['optimized']:+.1%} / {e['original_optimizations_off']:+.1%} "
             f"| {report['recompute_nodes']} | {report['outputs_match']} |")

@@ -32,6 +32,22 @@ class Measurement:
     method: str = ""  # how the peak was taken: "VmHWM", "ru_maxrss", "nvml (...)"
 
 
+# Allocations of at least this many bytes come from mmap and go back to the OS when freed, so
+# RSS follows what the runtime holds at page granularity. With 65536 (the threshold in
+# shared/docs/ort-facts.md) the 4-64 KiB buffers (small weights' gradients, per-channel
+# statistics) share glibc's heap, whose top cannot shrink past a live chunk: measured on the
+# randwire example's plan (predicted 28.34 MiB), 30.23 MiB with 65536 and 28.39 MiB with 4096.
+# That extra is heap fragmentation of glibc, not memory the runtime holds.
+MMAP_THRESHOLD_BYTES = 4096
+TRIM_THRESHOLD_BYTES = 131072
+
+
+def malloc_env() -> dict[str, str]:
+    """The allocator settings of a peak-measuring process (used for torch comparisons too)."""
+    return {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD_BYTES),
+            "MALLOC_TRIM_THRESHOLD_": str(TRIM_THRESHOLD_BYTES)}
+
+
 def _worker_env(plain_allocator: bool = False) -> dict[str, str]:
     env = dict(os.environ)
     for key in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"):
@@ -40,10 +56,9 @@ def _worker_env(plain_allocator: bool = False) -> dict[str, str]:
     env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     if plain_allocator:
         return env
-    # Large buffers come from mmap and go back to the OS when freed, so RSS follows
-    # what ORT really holds; the low trim threshold returns freed heap top as well.
-    env["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    env["MALLOC_TRIM_THRESHOLD_"] = "131072"
+    # buffers come from mmap and go back to the OS when freed, so RSS follows what ORT
+    # really holds; the low trim threshold returns freed heap top as well
+    env.update(malloc_env())
     return env
 
 
