@@ -1,10 +1,15 @@
 """End to end on the six example training graphs: optimize, verify, measure in fresh
 ONNX Runtime processes. Memory ratios are measured (not timed), so they are asserted here;
 step-time ratios are printed by benchmarks/zoo_table.py."""
+import statistics
+
 import pytest
 
+from graphopt.errors import BudgetInfeasibleError
 from graphopt.examples import EXAMPLES, training_example
-from graphopt.optimize import OptimizeOptions, optimize
+from graphopt.optimize import OptimizeOptions, _annotate, _measure_one, _prepare, optimize
+from graphopt.rewrite import PLANNED_SETTINGS, rewrite
+from graphopt.search import chen_sqrt
 
 _reports = {}
 
@@ -36,3 +41,53 @@ def test_measured_peak_saving(name):
     ratios = report_for(name)["ratios"]
     assert ratios["peak_vs_default_session"] <= 0.6, ratios
     assert ratios["peak_vs_optimizations_off"] <= 0.75, ratios
+
+
+_chen = {}
+
+
+def chen_peak_bytes(name):
+    """Measured peak of Chen's sqrt(n) plan, rewritten and run like graphopt's own plan."""
+    if name not in _chen:
+        model, inputs = training_example(name)
+        options = OptimizeOptions(inputs=inputs)
+        training, inputs = _prepare(model, options)
+        _, graph = _annotate(training, inputs, options)
+        rewritten = rewrite(training, graph, chen_sqrt(graph), PLANNED_SETTINGS)
+        _chen[name] = _measure_one(rewritten, inputs, options).peak_bytes
+    return _chen[name]
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_least_peak_never_above_chen(name):
+    ours = report_for(name)["measured"]["optimized"]["peak_bytes"]
+    assert ours <= chen_peak_bytes(name), (ours, chen_peak_bytes(name))
+
+
+def test_median_against_chen_and_default_session():
+    vs_chen = [report_for(n)["measured"]["optimized"]["peak_bytes"] / chen_peak_bytes(n) for n in EXAMPLES]
+    vs_default = [report_for(n)["ratios"]["peak_vs_default_session"] for n in EXAMPLES]
+    assert statistics.median(vs_chen) <= 0.75, vs_chen
+    assert statistics.median(vs_default) <= 0.40, vs_default
+
+
+@pytest.mark.parametrize("fraction", [0.25, 0.6])
+def test_budget_met_by_measurement(fraction):
+    """A budget between the least peak and store-all is met by the measured peak."""
+    least = report_for("resnet")
+    low = least["measured"]["optimized"]["peak_bytes"]
+    high = least["measured"]["original_optimizations_off"]["peak_bytes"]
+    budget = int(low + fraction * (high - low))
+    model, inputs = training_example("resnet")
+    report = optimize(model, OptimizeOptions(inputs=inputs, budget_bytes=budget)).report
+    assert report["outputs_match"] and report["order_followed"]
+    assert report["measured"]["optimized"]["peak_bytes"] <= budget, report["budget_attempts"]
+    assert report["budget_met"]
+    # least time under the budget: less recomputation than the least-peak plan
+    assert report["predicted"]["optimized"]["recompute_seconds"] <= least["predicted"]["optimized"]["recompute_seconds"]
+
+
+def test_impossible_budget_names_the_least_peak():
+    model, inputs = training_example("mlp", small=True)
+    with pytest.raises(BudgetInfeasibleError, match="least peak"):
+        optimize(model, OptimizeOptions(inputs=inputs, budget_bytes=1, measure=False, verify=False))
