@@ -33,7 +33,6 @@ graphopt's measure does).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gc
 import json
 import os
@@ -48,6 +47,9 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
 from graphopt.runtime.measure import malloc_env  # noqa: E402
+from graphopt.runtime.rss import malloc_trim as _malloc_trim  # noqa: E402
+from graphopt.runtime.rss import reset_peak_rss as _reset_hwm  # noqa: E402
+from graphopt.runtime.rss import status_kb as _status_kb  # noqa: E402
 
 TORCH_CONFIGS = ("eager", "compile", "compile-budget")
 BUDGET = 0.1
@@ -55,33 +57,6 @@ WARMUP_STEPS = 2
 
 
 # ----------------------------------------------------------------- worker (subprocess) --
-
-def _status_kb(field: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
-
-
-def _malloc_trim() -> None:
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-def _reset_hwm() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        return False
-    return _status_kb("VmHWM") is not None
-
 
 def worker(name: str, config: str, repeats: int) -> dict:
     """One configuration, in this (fresh) process: peak (repeats == 1) or step time."""

@@ -37,33 +37,7 @@ import statistics
 import sys
 import time
 
-
-def _status_kb(field: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
-
-
-def _malloc_trim() -> None:
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-def _reset_hwm() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        return False
-    return _status_kb("VmHWM") is not None
+from graphopt.runtime.rss import malloc_trim as _malloc_trim, reset_peak_rss as _reset_hwm, status_kb as _status_kb
 
 
 class _Nvml:
