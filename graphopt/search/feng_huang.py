@@ -25,17 +25,21 @@ never above this objective's accounting of the checkpoints.
 
 The algorithm. Feng & Huang enumerate every candidate max term m (O(n²) segment costs on a
 chain), solve a shortest path in an "accessibility graph" for each, and split arbitrary
-graphs into a division tree of independent segments: about O(n⁴) on chains. Here one pass
-over the tensors in topological order (a path decomposition) carries, for every state of
-the frontier (which tensors not kept still have later neighbours, how they are grouped into
-open components and the bytes of each), the Pareto set of (Σ checkpoint bytes, largest
-closed component): the max term is carried instead of enumerated. Where the graph splits
-into independent segments the frontier is one tensor, so runs of independent segments and
-chains cost O(n · P) with P the Pareto labels per state (bounded by the best cost found so
-far, which prunes). The division tree is the frontier structure itself: a branch widens the
-frontier for its length, a "complicated" node is solved exactly inside. Exactness holds
-while the number of frontier states stays under `max_states`; above it the states with the
-lowest lower bound are kept (a beam) and ``notes["exact"]`` is False.
+graphs into a division tree of independent segments: about O(n⁴) on chains. Here:
+- the linear solver for one max term m (`least_kept_bytes`) is one pass over the tensors in
+  topological order (a path decomposition) that carries, for every state of the frontier
+  (which tensors not kept still have later neighbours, how they are grouped into open
+  components), the Pareto set of (bytes of each open component, Σ checkpoint bytes), with
+  components over m cut off and labels that cannot beat the best plan pruned. Where the
+  graph splits into independent segments the frontier is one tensor, so runs of independent
+  segments and chains cost O(n · P), P the labels per state; a branch widens the frontier
+  for its length and a "complicated" node is solved exactly inside (the division tree is
+  the frontier structure itself);
+- the max terms are not all enumerated: `solve` runs a branch and bound over m, probing only
+  where a cheaper plan can still be (see its docstring).
+Exactness holds while the labels per step stay under `max_states` and no deadline passes;
+otherwise the labels with the least Σ checkpoint bytes are kept (a beam) and
+``notes["exact"]`` is False.
 """
 from __future__ import annotations
 
