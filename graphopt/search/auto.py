@@ -7,8 +7,8 @@ Kusumoto (time-centric under a budget, memory-centric without), Chen's greedy, t
 solver, Chen √n and store-all, scores each plan with the one cost model on the order the
 runtime will execute, and hands the best ones to `greedy`'s local search as seeds, once per
 recomputation schedule (each op recomputed once; recomputed tensors dropped across long gaps
-and recomputed again: more time, less memory). The result is never worse, under the cost
-model, than any of those solvers' plans by more than the tolerance below.
+and recomputed again: more time, less memory). The result's peak is never above, under
+the cost model, the best of those solvers' plans (the tolerance below never crosses it).
 
 Objective: least peak bytes; among plans within 1% of it, least recompute seconds (a plan
 that recomputes several times more for a 0.5% lower peak is not what users want). With a
@@ -16,8 +16,9 @@ budget, least recompute seconds among plans whose peak fits (the least peak when
 
 Time: the exact solvers are skipped on graphs too large for them (their own guards make
 them approximate first); each local search gets EVALUATIONS_PER_SCHEDULE plan evaluations,
-so the plan does not depend on the machine's speed. A wall-clock limit is only a safety net
-(60 s; 8 s above LARGE_GRAPH_OPS ops, where it decides: 10,000 ops are planned in < 10 s).
+so the plan does not depend on the machine's speed (except when Feng & Huang reaches its
+FENG_HUANG_SECONDS cap). A wall-clock limit is only a safety net (60 s; 8 s above
+LARGE_GRAPH_OPS ops, where it decides: 10,000 ops are planned in < 10 s).
 """
 from __future__ import annotations
 
