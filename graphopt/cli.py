@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import re
 import sys
 import time
@@ -20,6 +21,11 @@ def parse_bytes(text: str) -> int:
     if not match or match.group(2).lower() not in _UNITS:
         raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 500000000, 512MiB, 2GB)")
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def env_default(name: str, default):
+    """$GRAPHOPT_<NAME> when set (argparse converts it with the option's type), else `default`."""
+    return os.environ.get(f"GRAPHOPT_{name}") or default
 
 
 def mib(n: int | float) -> str:
@@ -51,11 +57,22 @@ def _load_inputs(args, model):
     return synthesize_inputs(model, parse_input_dims(args.input_dims))
 
 
+def _server_options(parser: argparse.ArgumentParser, required: bool = False) -> None:
+    parser.add_argument("--server", metavar="HOST:PORT", required=required,
+                        help="run on a graphopt server (default: in this process)")
+    parser.add_argument("--token-file", type=Path, help="bearer token for the server (or $GRAPHOPT_TOKEN)")
+    parser.add_argument("--tls-ca", help="CA certificate to trust the server's TLS certificate")
+    parser.add_argument("--deadline-seconds", type=float, help="give up (and stop the server's work) after this")
+
+
 def cmd_optimize(args) -> int:
     from .ingest import load_model
     from .optimize import OptimizeOptions, optimize, save_model
     if args.sweep is not None:
         return cmd_sweep(args)
+    if args.server:
+        from graphopt_service import commands
+        return commands.optimize(args, StageProgress())
     model = load_model(args.model)
     options = OptimizeOptions(loss=args.loss, budget_bytes=args.budget, strategy=args.strategy,
                               inputs=_load_inputs(args, model), verify=not args.no_verify,
@@ -157,7 +174,34 @@ def cmd_train_graph(args) -> int:
     return 0
 
 
+def cmd_analyze(args) -> int:
+    if args.server:
+        from graphopt_service import commands
+        return commands.analyze(args)
+    from .ingest import load_model
+    from .inputs import parse_input_dims
+    from .optimize import OptimizeOptions, analyze_model
+    model = load_model(args.model)
+    options = OptimizeOptions(loss=args.loss, budget_bytes=args.budget, strategy=args.strategy,
+                              input_dims=parse_input_dims(args.input_dims), threads=args.threads)
+    print(json.dumps(analyze_model(model, options, plan=args.plan), indent=2))
+    return 0
+
+
+def cmd_serve(args) -> int:
+    from graphopt_service import commands
+    return commands.serve(args)
+
+
+def cmd_health(args) -> int:
+    from graphopt_service import commands
+    return commands.health(args)
+
+
 def cmd_strategies(args) -> int:
+    if args.server:
+        from graphopt_service import commands
+        return commands.strategies(args)
     from .search import DEFAULT_STRATEGY, DESCRIPTIONS, STRATEGIES
     for name in STRATEGIES:
         print(f"{name:16s}{' (default)' if name == DEFAULT_STRATEGY else '':10s} {DESCRIPTIONS[name]}")
@@ -201,7 +245,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="measure the memory-time front: N budgets (default 8) from the least peak to "
                         "store-all's; writes OUT (least peak) and <OUT stem>.sweep.csv/.md/.png")
     _input_options(p)
+    _server_options(p)
     p.set_defaults(func=cmd_optimize)
+
+    p = sub.add_parser("analyze", help="annotate in ONNX Runtime and predict peaks; no rewrite (JSON)")
+    p.add_argument("model", type=Path)
+    p.add_argument("--plan", action="store_true", help="also run the search and predict its peak")
+    p.add_argument("--budget", type=parse_bytes, help="peak-memory budget for --plan")
+    p.add_argument("--strategy", default=DEFAULT_STRATEGY, choices=sorted(STRATEGIES))
+    p.add_argument("--loss", help="name of the loss output (default: the first output)")
+    p.add_argument("--input-dims", action="append", default=[], metavar="NAME=D1,D2,...")
+    p.add_argument("--threads", type=int, default=1)
+    _server_options(p)
+    p.set_defaults(func=cmd_analyze)
 
     p = sub.add_parser("measure", help="peak memory and step time of one run in ONNX Runtime")
     p.add_argument("model", type=Path)
@@ -221,7 +277,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_train_graph)
 
     p = sub.add_parser("strategies", help="list the checkpoint-search strategies")
+    _server_options(p)
     p.set_defaults(func=cmd_strategies)
+
+    p = sub.add_parser("serve", help="run the gRPC service (health, reflection, worker processes)")
+    p.add_argument("--host", default=env_default("HOST", "[::]"), help="address to listen on ($GRAPHOPT_HOST)")
+    p.add_argument("--port", type=int, default=env_default("PORT", 50051),
+                   help="port ($GRAPHOPT_PORT, default 50051; 0 picks a free one)")
+    p.add_argument("--workers", type=int, default=env_default("WORKERS", 2),
+                   help="worker processes doing the optimization ($GRAPHOPT_WORKERS)")
+    p.add_argument("--queue", type=int, default=env_default("QUEUE", 8),
+                   help="calls that may wait for a worker; more are refused ($GRAPHOPT_QUEUE)")
+    p.add_argument("--max-model-bytes", type=parse_bytes, default=env_default("MAX_MODEL_BYTES", 4 << 30),
+                   help="limit on a model's files in all ($GRAPHOPT_MAX_MODEL_BYTES)")
+    p.add_argument("--max-message-bytes", type=parse_bytes, default=env_default("MAX_MESSAGE_BYTES", 16 << 20),
+                   help="limit on one gRPC message ($GRAPHOPT_MAX_MESSAGE_BYTES)")
+    p.add_argument("--work-dir", default=env_default("WORK_DIR", None),
+                   help="where per-call folders go ($GRAPHOPT_WORK_DIR; default: the temp dir)")
+    p.add_argument("--token-file", type=Path, help="require this bearer token (or $GRAPHOPT_TOKEN)")
+    p.add_argument("--tls-cert", default=env_default("TLS_CERT", None), help="TLS certificate (PEM)")
+    p.add_argument("--tls-key", default=env_default("TLS_KEY", None), help="TLS private key (PEM)")
+    p.add_argument("--drain-seconds", type=float, default=env_default("DRAIN_SECONDS", 25.0),
+                   help="on SIGTERM, how long calls in flight may finish")
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("health", help="ask a server's grpc.health.v1 service; exit 0 when SERVING")
+    p.add_argument("--server", default=f"127.0.0.1:{env_default('PORT', 50051)}", metavar="HOST:PORT",
+                   help="default 127.0.0.1:$GRAPHOPT_PORT")
+    p.add_argument("--service", default="", help="service name (default: the whole server)")
+    p.add_argument("--timeout", type=float, default=5.0)
+    p.add_argument("--token-file", type=Path)
+    p.add_argument("--tls-ca")
+    p.set_defaults(func=cmd_health)
 
     p = sub.add_parser("demo", help="build a bundled example, optimize it, print the measured saving")
     p.add_argument("--example", default="mlp")

@@ -27,3 +27,7 @@ class VerificationError(GraphoptError):
 
 class LimitExceededError(GraphoptError):
     """An input is over a configured size limit."""
+
+
+class InvalidOptionError(GraphoptError):
+    """An option is unknown or out of range (unknown strategy, unavailable execution provider, ...)."""

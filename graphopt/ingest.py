@@ -43,6 +43,23 @@ def check_external_data(model: onnx.ModelProto, base_dir: str | os.PathLike) -> 
                 f"initializer {tensor.name!r}: external data file {location!r} does not exist")
 
 
+def external_data_files(model_path: str | os.PathLike) -> list[str]:
+    """The external-data files a model file references, as distinct relative locations in
+    first-use order, each checked to be inside the model's folder and to exist."""
+    path = Path(model_path)
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception as exc:
+        raise InvalidModelError(f"{str(path)!r} is not a readable ONNX model: {exc}") from exc
+    check_external_data(model, path.parent)
+    locations: list[str] = []
+    for tensor in _external_tensors(model):
+        location = Path(ExternalDataInfo(tensor).location).as_posix()
+        if location not in locations:
+            locations.append(location)
+    return locations
+
+
 def load_model(path: str | os.PathLike, *, max_bytes: int | None = None) -> onnx.ModelProto:
     """Load an ONNX model file with its external data (checked to stay in its folder)."""
     path = Path(path)

@@ -21,7 +21,7 @@ from .analyze import TrainingGraph, analyze
 from .annotate import Annotations, annotate, write_annotations
 from .costgraph import build_cost_graph
 from .costmodel import Step, priority_order, simulate
-from .errors import BudgetInfeasibleError, InvalidModelError, VerificationError
+from .errors import BudgetInfeasibleError, InvalidOptionError, VerificationError
 from .ingest import name_nodes
 from .inputs import save_inputs, synthesize_inputs
 from .rewrite import PLANNED_SETTINGS, rewrite
@@ -69,7 +69,23 @@ class OptimizeResult:
     report: dict
 
 
+def check_options(options: OptimizeOptions) -> None:
+    """Reject unknown strategies, unavailable providers and bad numbers before any work."""
+    import onnxruntime as ort
+    if options.strategy not in STRATEGIES:
+        raise InvalidOptionError(f"unknown strategy {options.strategy!r} (known: {sorted(STRATEGIES)})")
+    available = ort.get_available_providers()
+    for provider in options.providers or []:
+        if provider not in available:
+            raise InvalidOptionError(f"execution provider {provider!r} is not available here (available: {available})")
+    if options.budget_bytes is not None and options.budget_bytes <= 0:
+        raise InvalidOptionError(f"budget must be positive, got {options.budget_bytes} bytes")
+    if options.threads < 1:
+        raise InvalidOptionError(f"threads must be at least 1, got {options.threads}")
+
+
 def _prepare(model: onnx.ModelProto, options: OptimizeOptions):
+    check_options(options)
     working = onnx.ModelProto()
     working.CopyFrom(model)
     name_nodes(working)
@@ -93,7 +109,7 @@ def _profiled_schedule(graph, order: list[str]) -> list[Step]:
 def plan_model(graph, options: OptimizeOptions) -> Plan:
     """Run the chosen strategy; with a budget, fail clearly when it cannot be met."""
     if options.strategy not in STRATEGIES:
-        raise InvalidModelError(f"unknown strategy {options.strategy!r} (known: {sorted(STRATEGIES)})")
+        raise InvalidOptionError(f"unknown strategy {options.strategy!r} (known: {sorted(STRATEGIES)})")
     plan = STRATEGIES[options.strategy](graph, budget_bytes=options.budget_bytes)
     if options.budget_bytes is not None and plan.peak_bytes > options.budget_bytes:
         least = STRATEGIES[DEFAULT_STRATEGY](graph).peak_bytes
@@ -161,6 +177,38 @@ def save_model(model: onnx.ModelProto, path) -> None:
                   location=os.path.basename(path) + ".data")
     else:
         onnx.save(model, path)
+
+
+def analyze_model(model: onnx.ModelProto, options: OptimizeOptions | None = None, plan: bool = False) -> dict:
+    """Annotate `model` in ONNX Runtime and predict its peak; with `plan`, also run the search
+    and predict the plan's peak. Rewrites nothing. Returns plain data (JSON-ready)."""
+    options = options or OptimizeOptions()
+    progress = options.progress or (lambda stage, fraction: None)
+    progress("analyze", 0.0)
+    training, inputs = _prepare(model, options)
+    progress("annotate", 0.2)
+    annotations, graph = _annotate(training, inputs, options)
+    predicted_original = simulate(graph, _profiled_schedule(graph, annotations.execution_order))
+    result = {
+        "loss": training.loss,
+        "nodes": {"total": len(training.model.graph.node), "forward": len(training.forward),
+                  "backward": len(training.backward)},
+        "stashed_tensors": sorted(training.stashed),
+        "provider": annotations.provider,
+        "predicted_peak_bytes": {"original_optimizations_off": predicted_original.peak_bytes},
+        "tensor_bytes": annotations.tensor_bytes,
+        "node_seconds": annotations.node_seconds,
+        "execution_order": annotations.execution_order,
+    }
+    if plan:
+        progress("plan", 0.6)
+        chosen = plan_model(graph, options)
+        result["predicted_peak_bytes"]["planned"] = chosen.peak_bytes
+        result["plan"] = {"strategy": chosen.strategy, "checkpoints": sorted(chosen.checkpoints),
+                          "recompute_nodes": chosen.recompute_ops,
+                          "recompute_seconds": chosen.recompute_seconds}
+    progress("done", 1.0)
+    return result
 
 
 def optimize(model: onnx.ModelProto, options: OptimizeOptions | None = None) -> OptimizeResult:

@@ -1,0 +1,98 @@
+"""The command-line side of the service: `graphopt serve`, `graphopt health`, and the
+`--server HOST:PORT` forms of optimize, analyze and strategies (graphopt/cli.py dispatches
+here, so the library itself never imports gRPC)."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+
+import grpc
+
+ENV_PREFIX = "GRAPHOPT_"
+
+
+def _token(args) -> str | None:
+    if getattr(args, "token_file", None):
+        return args.token_file.read_text().strip()
+    return os.environ.get(ENV_PREFIX + "TOKEN") or None
+
+
+def _client(args):
+    from .client import Client
+    return Client(args.server, token=_token(args), tls_ca_path=getattr(args, "tls_ca", None))
+
+
+def rpc_error_exit(exc: grpc.RpcError) -> int:
+    print(f"graphopt: error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+    return 2
+
+
+def serve(args) -> int:
+    from .logs import configure
+    from .server import ServerConfig, serve as run
+    configure(logging.DEBUG if args.verbose else logging.INFO)
+    config = ServerConfig(host=args.host, port=args.port, workers=args.workers, queue_limit=args.queue,
+                          max_model_bytes=args.max_model_bytes, max_message_bytes=args.max_message_bytes,
+                          work_dir=args.work_dir, token=_token(args), tls_cert_path=args.tls_cert,
+                          tls_key_path=args.tls_key, drain_seconds=args.drain_seconds)
+    return run(config)
+
+
+def health(args) -> int:
+    try:
+        with _client(args) as client:
+            status = client.health(args.service, timeout_seconds=args.timeout)
+    except grpc.RpcError as exc:
+        return rpc_error_exit(exc)
+    print(status)
+    return 0 if status == "SERVING" else 1
+
+
+def optimize(args, progress) -> int:
+    from graphopt.cli import summary_text
+    if args.inputs:
+        print("graphopt: error: --inputs is not sent to a server; give --input-dims (the server "
+              "synthesizes inputs) or run in-process", file=sys.stderr)
+        return 2
+    from graphopt.inputs import parse_input_dims
+    try:
+        with _client(args) as client:
+            report = client.optimize(
+                args.model, args.output, progress=progress, timeout_seconds=args.deadline_seconds,
+                budget_bytes=args.budget, strategy=args.strategy, input_dims=parse_input_dims(args.input_dims),
+                verify=not args.no_verify, measure=not args.no_measure, loss=args.loss or "",
+                threads=args.threads)
+    except grpc.RpcError as exc:
+        return rpc_error_exit(exc)
+    if args.report:
+        args.report.write_text(json.dumps(report, indent=2))
+    print(summary_text(report))
+    print(f"wrote {args.output}" + (f" and {args.report}" if args.report else "") + f" (server {args.server})")
+    return 0
+
+
+def analyze(args) -> int:
+    from graphopt.inputs import parse_input_dims
+    try:
+        with _client(args) as client:
+            analysis = client.analyze(args.model, timeout_seconds=args.deadline_seconds, plan=args.plan,
+                                      strategy=args.strategy, budget_bytes=args.budget,
+                                      input_dims=parse_input_dims(args.input_dims), loss=args.loss or "",
+                                      threads=args.threads)
+    except grpc.RpcError as exc:
+        return rpc_error_exit(exc)
+    print(json.dumps(analysis, indent=2))
+    return 0
+
+
+def strategies(args) -> int:
+    try:
+        with _client(args) as client:
+            listed = client.list_strategies()
+    except grpc.RpcError as exc:
+        return rpc_error_exit(exc)
+    for s in listed:
+        print(f"{s.name:16s}{' (default)' if s.is_default else '':10s} {s.description}")
+    return 0
