@@ -1,0 +1,274 @@
+#!/usr/bin/env node
+'use strict';
+// graphopt-node: command line of the graphopt gRPC service (Node.js client).
+// Exit status: 0 ok, 1 usage or local error, 2 the server answered with an error status,
+// 3 (health) the server is not SERVING.
+
+const fs = require('fs');
+const path = require('path');
+const { parseArgs } = require('util');
+const { GraphoptClient, GraphoptError } = require('../src/client');
+
+const USAGE = `usage:
+  graphopt-node optimize MODEL -o OUT --server HOST:PORT [--budget BYTES] [--strategy S]
+                [--input-dims NAME=D1,D2,...]... [--loss NAME] [--no-verify] [--no-measure]
+                [--report FILE] [--provider P] [--threads N]
+  graphopt-node analyze MODEL --server HOST:PORT [--plan] [--budget BYTES] [--strategy S]
+                [--input-dims NAME=D1,D2,...]... [--loss NAME]
+  graphopt-node strategies --server HOST:PORT
+  graphopt-node health --server HOST:PORT [--service NAME]
+
+common options:
+  --server HOST:PORT         the graphopt server (or env GRAPHOPT_SERVER)
+  --token T                  bearer token (or env GRAPHOPT_TOKEN)
+  --tls-ca FILE              use TLS, trusting the CA certificate in FILE (PEM)
+  --deadline-seconds N       give up after N seconds (DEADLINE_EXCEEDED)
+  --chunk-bytes N            upload chunk size (default 1 MiB)
+  --max-message-bytes N      largest gRPC message sent or received (default 64 MiB)
+  --proto FILE               graphopt.proto (default: env GRAPHOPT_PROTO, else the repository's)
+  -h, --help                 this help
+
+BYTES: 123, 500MB, 512MiB, 1.5GiB`;
+
+const COMMON = {
+  server: { type: 'string' },
+  token: { type: 'string' },
+  'tls-ca': { type: 'string' },
+  'deadline-seconds': { type: 'string' },
+  'chunk-bytes': { type: 'string' },
+  'max-message-bytes': { type: 'string' },
+  proto: { type: 'string' },
+  help: { type: 'boolean', short: 'h' },
+};
+
+const MODEL_OPTIONS = {
+  budget: { type: 'string' },
+  strategy: { type: 'string' },
+  'input-dims': { type: 'string', multiple: true },
+  loss: { type: 'string' },
+  provider: { type: 'string' },
+  threads: { type: 'string' },
+};
+
+const COMMANDS = {
+  optimize: {
+    positionals: 1,
+    options: {
+      ...COMMON, ...MODEL_OPTIONS,
+      output: { type: 'string', short: 'o' },
+      'no-verify': { type: 'boolean' },
+      'no-measure': { type: 'boolean' },
+      report: { type: 'string' },
+    },
+  },
+  analyze: { positionals: 1, options: { ...COMMON, ...MODEL_OPTIONS, plan: { type: 'boolean' } } },
+  strategies: { positionals: 0, options: { ...COMMON } },
+  health: { positionals: 0, options: { ...COMMON, service: { type: 'string' } } },
+};
+
+class UsageError extends Error {}
+
+const UNITS = { '': 1, b: 1, kb: 1e3, mb: 1e6, gb: 1e9, kib: 2 ** 10, mib: 2 ** 20, gib: 2 ** 30 };
+
+/** '123', '200MB', '1.5GiB' -> bytes (as graphopt's own CLI reads them). */
+function parseBytes(text) {
+  const match = /^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$/.exec(text);
+  if (!match || !(match[2].toLowerCase() in UNITS)) {
+    throw new UsageError(`not a byte size: ${JSON.stringify(text)} (e.g. 500000000, 512MiB, 2GB)`);
+  }
+  return Math.floor(parseFloat(match[1]) * UNITS[match[2].toLowerCase()]);
+}
+
+function parsePositiveInt(text, flag) {
+  if (!/^\s*[0-9]+\s*$/.test(text) || Number(text) < 1 || !Number.isSafeInteger(Number(text))) {
+    throw new UsageError(`${flag}: not a positive integer: ${JSON.stringify(text)}`);
+  }
+  return Number(text);
+}
+
+function parsePositiveNumber(text, flag) {
+  const value = Number(text);
+  if (text.trim() === '' || !Number.isFinite(value) || value <= 0) {
+    throw new UsageError(`${flag}: not a positive number: ${JSON.stringify(text)}`);
+  }
+  return value;
+}
+
+/** ["x=8,3,32,32", "y="] -> {x: [8,3,32,32], y: []} (as graphopt.inputs.parse_input_dims). */
+function parseInputDims(specs) {
+  const out = {};
+  for (const spec of specs || []) {
+    const at = spec.lastIndexOf('=');
+    if (at < 0) throw new UsageError(`--input-dims ${JSON.stringify(spec)}: expected NAME=D0,D1,... (for example x=8,3,32,32)`);
+    const name = spec.slice(0, at).trim();
+    const dimsText = spec.slice(at + 1).trim();
+    if (!name) throw new UsageError(`--input-dims ${JSON.stringify(spec)}: the input name is empty`);
+    if (Object.prototype.hasOwnProperty.call(out, name)) {
+      throw new UsageError(`--input-dims: input ${JSON.stringify(name)} is given twice`);
+    }
+    const dims = [];
+    if (dimsText) {
+      for (const part of dimsText.split(',')) {
+        const p = part.trim();
+        if (!/^[0-9]+$/.test(p)) {
+          throw new UsageError(`--input-dims ${JSON.stringify(spec)}: dimension ${JSON.stringify(p)} is not a non-negative integer`);
+        }
+        dims.push(Number(p));
+      }
+    }
+    out[name] = dims;
+  }
+  return out;
+}
+
+/** argv (without node and the script) -> {command, model, values}; throws UsageError. */
+function parseCommandLine(argv) {
+  if (argv.length === 0) throw new UsageError('no command (optimize, analyze, strategies, health)');
+  if (argv[0] === '-h' || argv[0] === '--help' || argv[0] === 'help') return { command: 'help' };
+  const command = argv[0];
+  const spec = COMMANDS[command];
+  if (!spec) throw new UsageError(`unknown command ${JSON.stringify(command)} (optimize, analyze, strategies, health)`);
+  let parsed;
+  try {
+    parsed = parseArgs({ args: argv.slice(1), options: spec.options, allowPositionals: true, strict: true });
+  } catch (err) {
+    throw new UsageError(err.message);
+  }
+  const { values, positionals } = parsed;
+  if (values.help) return { command: 'help' };
+  if (positionals.length !== spec.positionals) {
+    throw new UsageError(spec.positionals
+      ? `${command} takes one MODEL file (got ${positionals.length} arguments)`
+      : `${command} takes no positional arguments (got ${positionals.join(' ')})`);
+  }
+  const server = values.server || process.env.GRAPHOPT_SERVER;
+  if (!server) throw new UsageError('--server HOST:PORT is required (or set GRAPHOPT_SERVER)');
+  const clientOptions = {
+    token: values.token || process.env.GRAPHOPT_TOKEN || undefined,
+    tlsCaPath: values['tls-ca'],
+    protoPath: values.proto,
+  };
+  if (values['deadline-seconds'] !== undefined) {
+    clientOptions.deadlineSeconds = parsePositiveNumber(values['deadline-seconds'], '--deadline-seconds');
+  }
+  if (values['chunk-bytes'] !== undefined) clientOptions.chunkBytes = parseBytes(values['chunk-bytes']);
+  if (values['max-message-bytes'] !== undefined) clientOptions.maxMessageBytes = parseBytes(values['max-message-bytes']);
+
+  const options = {};
+  if (command === 'optimize' || command === 'analyze') {
+    if (values.budget !== undefined) options.budgetBytes = parseBytes(values.budget);
+    if (values.strategy) options.strategy = values.strategy;
+    if (values['input-dims']) options.inputDims = parseInputDims(values['input-dims']);
+    if (values.loss) options.loss = values.loss;
+    if (values.provider) options.executionProvider = values.provider;
+    if (values.threads !== undefined) options.threads = parsePositiveInt(values.threads, '--threads');
+  }
+  if (command === 'optimize') {
+    if (!values.output) throw new UsageError('optimize needs -o OUT');
+    if (values['no-verify']) options.verify = false;
+    if (values['no-measure']) options.measure = false;
+  }
+  if (command === 'analyze' && values.plan) options.plan = true;
+  return {
+    command, server, clientOptions, options,
+    model: positionals[0], output: values.output, report: values.report, service: values.service || '',
+  };
+}
+
+function mib(bytes) {
+  return `${(Number(bytes) / 2 ** 20).toFixed(1)} MiB`;
+}
+
+function progressLine(stage, fraction, message) {
+  const pct = String(Math.round(Math.max(0, Math.min(1, fraction)) * 100)).padStart(3);
+  return `[${pct}%] ${stage}${message ? ': ' + message : ''}`;
+}
+
+function summary(report) {
+  const lines = [`wrote ${report.files.join(', ')}`];
+  lines.push(`strategy ${report.strategy}: ${report.checkpoints} checkpoints, ${report.recompute_nodes} recompute nodes`);
+  const predicted = report.predicted_peak_bytes || {};
+  const measured = report.measured_peak_bytes || {};
+  lines.push(`predicted peak: ${mib(predicted.original_optimizations_off)} -> ${mib(predicted.optimized)}`);
+  if (Number(measured.optimized) > 0) {
+    lines.push(`measured peak: ${mib(measured.original_default_session)} (default session), ` +
+      `${mib(measured.original_optimizations_off)} (optimizations off) -> ${mib(measured.optimized)}`);
+  } else {
+    lines.push('measured peak: not measured');
+  }
+  lines.push(`outputs match: ${report.outputs_match ? 'yes' : 'not verified'}; ${Number(report.total_seconds).toFixed(1)} s`);
+  return lines.join('\n');
+}
+
+async function run(argv, io = { stdout: process.stdout, stderr: process.stderr }) {
+  let parsed;
+  try {
+    parsed = parseCommandLine(argv);
+  } catch (err) {
+    if (!(err instanceof UsageError)) throw err;
+    io.stderr.write(`error: ${err.message}\n(graphopt-node --help shows the usage)\n`);
+    return 1;
+  }
+  if (parsed.command === 'help') {
+    io.stdout.write(USAGE + '\n');
+    return 0;
+  }
+  let client;
+  try {
+    client = new GraphoptClient(parsed.server, parsed.clientOptions);
+    switch (parsed.command) {
+      case 'optimize': {
+        const report = await client.optimize(parsed.model, parsed.output, parsed.options,
+          (stage, fraction, message) => io.stderr.write(progressLine(stage, fraction, message) + '\n'));
+        if (parsed.report) {
+          fs.writeFileSync(parsed.report, JSON.stringify(report.full, null, 2) + '\n');
+        }
+        io.stdout.write(summary(report) + '\n');
+        if (parsed.report) io.stdout.write(`report: ${parsed.report}\n`);
+        return 0;
+      }
+      case 'analyze': {
+        const response = await client.analyze(parsed.model, parsed.options);
+        const out = { ...response };
+        delete out.json;
+        io.stdout.write(JSON.stringify(out, null, 2) + '\n');
+        return 0;
+      }
+      case 'strategies': {
+        const strategies = await client.listStrategies();
+        const width = Math.max(0, ...strategies.map((s) => s.name.length));
+        for (const s of strategies) {
+          io.stdout.write(`${s.name.padEnd(width)}  ${s.is_default ? '(default) ' : ''}${s.description}\n`);
+        }
+        return 0;
+      }
+      case 'health': {
+        const status = await client.health(parsed.service);
+        io.stdout.write(status + '\n');
+        return status === 'SERVING' ? 0 : 3;
+      }
+      default:
+        throw new Error(`unhandled command ${parsed.command}`);
+    }
+  } catch (err) {
+    if (err instanceof GraphoptError) {
+      io.stderr.write(`error: ${err.codeName}: ${err.details}\n`);
+      return 2;
+    }
+    io.stderr.write(`error: ${err && err.message ? err.message : String(err)}\n`);
+    return 1;
+  } finally {
+    if (client) client.close();
+  }
+}
+
+module.exports = { run, parseCommandLine, parseBytes, parseInputDims, progressLine, UsageError };
+
+if (require.main === module) {
+  run(process.argv.slice(2)).then((code) => {
+    process.exitCode = code;
+  }, (err) => {
+    process.stderr.write(`error: ${err && err.stack ? err.stack : err}\n`);
+    process.exitCode = 1;
+  });
+}

@@ -1,0 +1,186 @@
+'use strict';
+// Unit checks that need no server: `node --test clients/node/test/`
+// (tests/test_node_client.py runs them too).
+
+const test = require('node:test');
+const assert = require('node:assert');
+const crypto = require('crypto');
+const fs = require('fs');
+const os = require('os');
+const path = require('path');
+
+const { parseCommandLine, parseBytes, parseInputDims, progressLine, run } = require('../bin/graphopt-node');
+const { toProtoOptions, loadPackage, DEFAULT_PROTO_PATH, HEALTH_PROTO_PATH, GraphoptClient, ClientError } = require('../src/client');
+const { resolveLocation, externalDataFiles, ExternalDataError } = require('../src/onnx_refs');
+
+test('the service definitions load', () => {
+  const pkg = loadPackage(DEFAULT_PROTO_PATH);
+  const service = pkg.graphopt.v1.Graphopt.service;
+  assert.deepStrictEqual(Object.keys(service).sort(), ['Analyze', 'ListStrategies', 'Optimize']);
+  assert.strictEqual(service.Optimize.requestStream, true);
+  assert.strictEqual(service.Optimize.responseStream, true);
+  assert.strictEqual(service.Analyze.requestStream, true);
+  assert.strictEqual(service.Analyze.responseStream, false);
+  const health = loadPackage(HEALTH_PROTO_PATH).grpc.health.v1.Health.service;
+  assert.strictEqual(health.Check.path, '/grpc.health.v1.Health/Check');
+});
+
+test('options map onto graphopt.v1.OptimizeOptions', () => {
+  assert.deepStrictEqual(toProtoOptions({}), {});
+  assert.deepStrictEqual(toProtoOptions({
+    budgetBytes: 512 * 2 ** 20, strategy: 'feng-huang', inputDims: { x: [8, 3, 32, 32], s: [] },
+    verify: false, measure: false, loss: 'loss', threads: 2, executionProvider: 'CPUExecutionProvider',
+  }), {
+    budget_bytes: '536870912', strategy: 'feng-huang',
+    input_dims: [{ name: 'x', dims: ['8', '3', '32', '32'] }, { name: 's', dims: [] }],
+    skip_verify: true, skip_measure: true, loss: 'loss', threads: 2,
+    execution_provider: 'CPUExecutionProvider',
+  });
+  assert.deepStrictEqual(toProtoOptions({ budgetBytes: 0 }), { budget_bytes: '0' });
+  assert.throws(() => toProtoOptions({ budget: 5 }), /unknown option "budget"/);
+  assert.throws(() => toProtoOptions({ budgetBytes: -1 }), /non-negative integer/);
+  // an encodable message
+  const pkg = loadPackage(DEFAULT_PROTO_PATH);
+  const Request = pkg.graphopt.v1.Graphopt.service.Optimize.requestSerialize;
+  const bytes = Request({ options: toProtoOptions({ budgetBytes: 2 ** 40, inputDims: { x: [1] } }) });
+  const back = pkg.graphopt.v1.Graphopt.service.Optimize.requestDeserialize(bytes);
+  assert.strictEqual(back.item, 'options');
+  assert.strictEqual(back.options.budget_bytes, String(2 ** 40));
+  assert.deepStrictEqual(back.options.input_dims[0].dims, ['1']);
+  const unset = pkg.graphopt.v1.Graphopt.service.Optimize.requestDeserialize(Request({ options: {} }));
+  assert.strictEqual(unset.options.budget_bytes, undefined, 'an unset budget stays unset (proto3 optional)');
+});
+
+test('byte sizes and input dims read like graphopt\'s CLI', () => {
+  assert.strictEqual(parseBytes('123'), 123);
+  assert.strictEqual(parseBytes('512MiB'), 512 * 2 ** 20);
+  assert.strictEqual(parseBytes('1.5GiB'), 1.5 * 2 ** 30);
+  assert.strictEqual(parseBytes('2GB'), 2e9);
+  assert.throws(() => parseBytes('12 parsecs'), /not a byte size/);
+  assert.throws(() => parseBytes('-3'), /not a byte size/);
+  assert.deepStrictEqual(parseInputDims(['x=8,3,32,32', 'y=']), { x: [8, 3, 32, 32], y: [] });
+  assert.throws(() => parseInputDims(['x']), /expected NAME=/);
+  assert.throws(() => parseInputDims(['=3']), /name is empty/);
+  assert.throws(() => parseInputDims(['x=1', 'x=2']), /given twice/);
+  assert.throws(() => parseInputDims(['x=1,-2']), /not a non-negative integer/);
+});
+
+test('command lines', () => {
+  const p = parseCommandLine(['optimize', 'm.onnx', '-o', 'out.onnx', '--server', '127.0.0.1:5',
+    '--budget', '64MiB', '--strategy', 'chen-sqrt', '--input-dims', 'x=2,3', '--input-dims', 'y=2',
+    '--loss', 'L', '--no-verify', '--no-measure', '--report', 'r.json', '--token', 't0k',
+    '--tls-ca', 'ca.pem', '--deadline-seconds', '30']);
+  assert.strictEqual(p.command, 'optimize');
+  assert.strictEqual(p.model, 'm.onnx');
+  assert.strictEqual(p.output, 'out.onnx');
+  assert.strictEqual(p.server, '127.0.0.1:5');
+  assert.strictEqual(p.report, 'r.json');
+  assert.deepStrictEqual(p.options, { budgetBytes: 64 * 2 ** 20, strategy: 'chen-sqrt',
+    inputDims: { x: [2, 3], y: [2] }, loss: 'L', verify: false, measure: false });
+  assert.deepStrictEqual(p.clientOptions, { token: 't0k', tlsCaPath: 'ca.pem', protoPath: undefined,
+    deadlineSeconds: 30 });
+  assert.deepStrictEqual(parseCommandLine(['analyze', 'm.onnx', '--server', 'h:1', '--plan']).options, { plan: true });
+  assert.strictEqual(parseCommandLine(['health', '--server', 'h:1']).command, 'health');
+  assert.strictEqual(parseCommandLine(['strategies', '--help']).command, 'help');
+  for (const [argv, message] of [
+    [['frobnicate'], /unknown command/],
+    [['optimize', 'm.onnx', '--server', 'h:1'], /-o OUT/],
+    [['optimize', '-o', 'x', '--server', 'h:1'], /one MODEL/],
+    [['strategies', '--server', 'h:1', 'extra'], /no positional/],
+    [['strategies', '--bogus', '--server', 'h:1'], /bogus/],
+    [['analyze', 'm.onnx', '--server', 'h:1', '--no-verify'], /no-verify/],
+    [['optimize', 'm', '-o', 'x', '--server', 'h:1', '--deadline-seconds', 'soon'], /not a positive number/],
+  ]) {
+    assert.throws(() => parseCommandLine(argv), message, argv.join(' '));
+  }
+  const saved = process.env.GRAPHOPT_SERVER;
+  delete process.env.GRAPHOPT_SERVER;
+  try {
+    assert.throws(() => parseCommandLine(['health']), /--server/);
+  } finally {
+    if (saved !== undefined) process.env.GRAPHOPT_SERVER = saved;
+  }
+  assert.strictEqual(progressLine('plan', 0.4, ''), '[ 40%] plan');
+  assert.strictEqual(progressLine('done', 1, 'ok'), '[100%] done: ok');
+});
+
+test('usage errors exit 1, with the error on stderr', async () => {
+  const out = [];
+  const err = [];
+  const io = { stdout: { write: (s) => out.push(s) }, stderr: { write: (s) => err.push(s) } };
+  assert.strictEqual(await run(['optimize', 'm.onnx', '--server', 'h:1'], io), 1);
+  assert.match(err.join(''), /^error: optimize needs -o OUT/);
+  assert.strictEqual(await run(['--help'], io), 0);
+  assert.match(out.join(''), /usage:/);
+});
+
+test('external-data locations stay inside the model folder', () => {
+  const dir = path.resolve('/models/m');
+  assert.strictEqual(resolveLocation(dir, 'weights.bin', 't'), path.join(dir, 'weights.bin'));
+  assert.strictEqual(resolveLocation(dir, 'data/w.bin', 't'), path.join(dir, 'data', 'w.bin'));
+  assert.strictEqual(resolveLocation(dir, './a/../w.bin', 't'), path.join(dir, 'w.bin'));
+  assert.throws(() => resolveLocation(dir, '/etc/passwd', 't'), /is absolute/);
+  assert.throws(() => resolveLocation(dir, 'C:\\w.bin', 't'), /is absolute/);
+  assert.throws(() => resolveLocation(dir, '../w.bin', 't'), /outside the model's folder/);
+  assert.throws(() => resolveLocation(dir, 'a/../../w.bin', 't'), /outside the model's folder/);
+  assert.throws(() => resolveLocation(dir, '.', 't'), /outside the model's folder/);
+  assert.throws(() => resolveLocation(dir, '', 't'), /without a location/);
+});
+
+test('bytes that are not protobuf reference no files', () => {
+  const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'graphopt-node-'));
+  try {
+    const file = path.join(dir, 'm.onnx');
+    fs.writeFileSync(file, 'this is not an ONNX model\n');
+    assert.deepStrictEqual(externalDataFiles(file), []);
+  } finally {
+    fs.rmSync(dir, { recursive: true, force: true });
+  }
+});
+
+test('client settings are checked', () => {
+  assert.throws(() => new GraphoptClient('h:1', { chunkBytes: 0 }), ClientError);
+  assert.throws(() => new GraphoptClient('h:1', { chunkBytes: 2 ** 20, maxMessageBytes: 2 ** 20 }), /maxMessageBytes/);
+  assert.throws(() => new GraphoptClient('h:1', { tlsCaPath: '/nonexistent/ca.pem' }), /TLS CA file/);
+  assert.throws(() => new GraphoptClient('h:1', { protoPath: '/nonexistent/x.proto' }), /service definition/);
+  const client = new GraphoptClient('h:1', { chunkBytes: 4096, token: 'abc' });
+  assert.strictEqual(client.metadata().get('authorization')[0], 'Bearer abc');
+  client.close();
+});
+
+test('an upload plan lists the model then each distinct external file with size and sha256', async () => {
+  const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'graphopt-node-'));
+  try {
+    // A hand-encoded ModelProto: graph{initializer{external_data{location=...}, data_location=1}} x3,
+    // two of them naming the same file.
+    const protobuf = require('protobufjs');
+    const { PARTIAL_ONNX } = require('../src/onnx_refs');
+    const Model = protobuf.parse(PARTIAL_ONNX, { keepCase: true }).root.lookupType('graphopt_partial_onnx.ModelProto');
+    const tensor = (name, location) => ({ name, data_location: 1,
+      external_data: [{ key: 'location', value: location }, { key: 'offset', value: '0' }] });
+    const bytes = Model.encode(Model.fromObject({ graph: {
+      initializer: [tensor('a', 'w.bin'), tensor('b', './w.bin'), tensor('c', 'sub/v.bin')],
+      node: [{ attribute: [{ name: 'value', t: tensor('d', 'sub/v.bin') }] }],
+    } })).finish();
+    fs.writeFileSync(path.join(dir, 'm.onnx'), bytes);
+    fs.writeFileSync(path.join(dir, 'w.bin'), Buffer.alloc(10, 1));
+    fs.mkdirSync(path.join(dir, 'sub'));
+    fs.writeFileSync(path.join(dir, 'sub', 'v.bin'), Buffer.alloc(3, 2));
+    const client = new GraphoptClient('h:1');
+    const plan = await client.uploadPlan(path.join(dir, 'm.onnx'));
+    client.close();
+    const sha = (b) => crypto.createHash('sha256').update(b).digest('hex');
+    assert.deepStrictEqual(plan.map((f) => [f.path, f.size, f.sha256]), [
+      ['m.onnx', bytes.length, sha(bytes)],
+      ['w.bin', 10, sha(Buffer.alloc(10, 1))],
+      ['sub/v.bin', 3, sha(Buffer.alloc(3, 2))],
+    ]);
+    fs.rmSync(path.join(dir, 'sub', 'v.bin'));
+    assert.throws(() => externalDataFiles(path.join(dir, 'm.onnx')), /"sub\/v.bin" does not exist/);
+    const escaping = Model.encode(Model.fromObject({ graph: { initializer: [tensor('e', '../x.bin')] } })).finish();
+    fs.writeFileSync(path.join(dir, 'e.onnx'), escaping);
+    assert.throws(() => externalDataFiles(path.join(dir, 'e.onnx')), ExternalDataError);
+  } finally {
+    fs.rmSync(dir, { recursive: true, force: true });
+  }
+});
