@@ -20,7 +20,7 @@ const USAGE = `usage:
 
 common options:
   --server HOST:PORT         the graphopt server (or env GRAPHOPT_SERVER)
-  --token T                  bearer token (or env GRAPHOPT_TOKEN)
+  --token T                  bearer token (or --token-file FILE, or env GRAPHOPT_TOKEN)
   --tls-ca FILE              use TLS, trusting the CA certificate in FILE (PEM)
   --deadline-seconds N       give up after N seconds (DEADLINE_EXCEEDED)
   --chunk-bytes N            upload chunk size (default 1 MiB)
@@ -33,6 +33,7 @@ BYTES: 123, 500MB, 512MiB, 1.5GiB`;
 const COMMON = {
   server: { type: 'string' },
   token: { type: 'string' },
+  'token-file': { type: 'string' },
   'tls-ca': { type: 'string' },
   'deadline-seconds': { type: 'string' },
   'chunk-bytes': { type: 'string' },
@@ -143,8 +144,18 @@ function parseCommandLine(argv) {
   }
   const server = values.server || process.env.GRAPHOPT_SERVER;
   if (!server) throw new UsageError('--server HOST:PORT is required (or set GRAPHOPT_SERVER)');
+  if (values.token && values['token-file']) throw new UsageError('give --token or --token-file, not both');
+  let token = values.token;
+  if (values['token-file']) {
+    try {
+      token = fs.readFileSync(values['token-file'], 'utf8').trim();
+    } catch (err) {
+      throw new UsageError(`--token-file: cannot read ${values['token-file']}: ${err.message}`);
+    }
+    if (!token) throw new UsageError(`--token-file: ${values['token-file']} is empty`);
+  }
   const clientOptions = {
-    token: values.token || process.env.GRAPHOPT_TOKEN || undefined,
+    token: token || process.env.GRAPHOPT_TOKEN || undefined,
     tlsCaPath: values['tls-ca'],
     protoPath: values.proto,
   };
@@ -175,8 +186,13 @@ function parseCommandLine(argv) {
   };
 }
 
-function mib(bytes) {
-  return `${(Number(bytes) / 2 ** 20).toFixed(1)} MiB`;
+/** 123 B, 4.5 KiB, 12.0 MiB, 1.50 GiB */
+function human(bytes) {
+  const n = Number(bytes);
+  if (n < 2 ** 10) return `${n} B`;
+  if (n < 2 ** 20) return `${(n / 2 ** 10).toFixed(1)} KiB`;
+  if (n < 2 ** 30) return `${(n / 2 ** 20).toFixed(1)} MiB`;
+  return `${(n / 2 ** 30).toFixed(2)} GiB`;
 }
 
 function progressLine(stage, fraction, message) {
@@ -189,10 +205,10 @@ function summary(report) {
   lines.push(`strategy ${report.strategy}: ${report.checkpoints} checkpoints, ${report.recompute_nodes} recompute nodes`);
   const predicted = report.predicted_peak_bytes || {};
   const measured = report.measured_peak_bytes || {};
-  lines.push(`predicted peak: ${mib(predicted.original_optimizations_off)} -> ${mib(predicted.optimized)}`);
+  lines.push(`predicted peak: ${human(predicted.original_optimizations_off)} -> ${human(predicted.optimized)}`);
   if (Number(measured.optimized) > 0) {
-    lines.push(`measured peak: ${mib(measured.original_default_session)} (default session), ` +
-      `${mib(measured.original_optimizations_off)} (optimizations off) -> ${mib(measured.optimized)}`);
+    lines.push(`measured peak: ${human(measured.original_default_session)} (default session), ` +
+      `${human(measured.original_optimizations_off)} (optimizations off) -> ${human(measured.optimized)}`);
   } else {
     lines.push('measured peak: not measured');
   }
@@ -262,9 +278,23 @@ async function run(argv, io = { stdout: process.stdout, stderr: process.stderr }
   }
 }
 
-module.exports = { run, parseCommandLine, parseBytes, parseInputDims, progressLine, UsageError };
+module.exports = { run, parseCommandLine, parseBytes, parseInputDims, progressLine, human, UsageError };
 
 if (require.main === module) {
+  // grpc-js sets the TLS server name to the target's host even when that is an IP address
+  // (--server 127.0.0.1:P with --tls-ca), and Node warns about it (DEP0123) on every call;
+  // the certificate is still checked against the IP. Drop that one warning, keep the rest.
+  const emitWarning = process.emitWarning;
+  process.emitWarning = function filtered(warning, ...rest) {
+    const code = rest[0] && typeof rest[0] === 'object' ? rest[0].code : rest[1];
+    if (code === 'DEP0123') return;
+    emitWarning.call(process, warning, ...rest);
+  };
+  // `graphopt-node strategies ... | head`: a closed stdout is not an error
+  process.stdout.on('error', (err) => {
+    if (err.code === 'EPIPE') process.exit(process.exitCode || 0);
+    throw err;
+  });
   run(process.argv.slice(2)).then((code) => {
     process.exitCode = code;
   }, (err) => {

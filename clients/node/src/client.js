@@ -119,7 +119,22 @@ function toProtoOptions(options = {}) {
   return out;
 }
 
+/**
+ * Drop the virtual fields proto-loader adds for proto3 `optional` fields (`oneofs: true`
+ * names each synthetic oneof `_<field>`), so that objects print like the messages.
+ */
+function withoutSyntheticOneofs(message) {
+  if (!message || typeof message !== 'object' || Buffer.isBuffer(message)) return message;
+  if (Array.isArray(message)) return message.map(withoutSyntheticOneofs);
+  for (const key of Object.keys(message)) {
+    if (key.startsWith('_') && message[key] === key.slice(1)) delete message[key];
+    else message[key] = withoutSyntheticOneofs(message[key]);
+  }
+  return message;
+}
+
 function parseJsonField(message) {
+  withoutSyntheticOneofs(message);
   if (message && typeof message.json === 'string' && message.json !== '') {
     try {
       message.full = JSON.parse(message.json);
