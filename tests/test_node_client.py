@@ -364,25 +364,35 @@ def test_not_onnx_is_invalid_argument(node, server, tmp_path):
     assert done.returncode == 1 and "-o OUT" in done.stderr
 
 
+def test_deadline_exceeded(node, server, resnet, tmp_path):
+    """Measuring takes seconds: a 1 s deadline ends the call, and nothing is written."""
+    model_path = tmp_path / "resnet.onnx"
+    onnx.save(resnet, str(model_path))
+    out = tmp_path / "out" / "opt.onnx"
+    started = time.monotonic()
+    done = run_cli(node, "optimize", model_path, "-o", out, "--server", server, "--deadline-seconds", "1",
+                   check=False)
+    assert done.returncode == 2, done.stderr
+    assert "error: DEADLINE_EXCEEDED: " in done.stderr
+    assert time.monotonic() - started < 30
+    assert not out.parent.exists()
+    # the server stopped that work and serves the next call
+    done = run_cli(node, "strategies", "--server", server)
+    assert done.stdout.split()[0] == list(STRATEGIES)[0]
+
+
 # --- TLS and a bearer token -------------------------------------------------------------
 
 def _certificates(folder: Path) -> tuple[Path, Path, Path]:
-    """A throwaway CA and a server certificate for 127.0.0.1 (openssl)."""
-    openssl = shutil.which("openssl")
-    if openssl is None:
-        pytest.skip("openssl is not installed: cannot make a test certificate")
-
-    def run(*args):
-        subprocess.run([openssl, *args], cwd=folder, check=True, capture_output=True, timeout=60)
-    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
-        "-subj", "/CN=graphopt test CA", "-addext", "basicConstraints=critical,CA:TRUE",
-        "-addext", "keyUsage=critical,keyCertSign")
-    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr",
-        "-subj", "/CN=127.0.0.1")
-    (folder / "san.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    run("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-        "-out", "server.pem", "-days", "2", "-extfile", "san.cnf")
-    return folder / "ca.pem", folder / "server.pem", folder / "server.key"
+    """A throwaway CA and a server certificate for 127.0.0.1 (trustme, in the test extra)."""
+    import trustme
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1", "localhost")
+    paths = folder / "ca.pem", folder / "server.pem", folder / "server.key"
+    ca.cert_pem.write_to_path(str(paths[0]))
+    cert.cert_chain_pems[0].write_to_path(str(paths[1]))
+    cert.private_key_pem.write_to_path(str(paths[2]))
+    return paths
 
 
 def test_tls_and_token(node, tmp_path):

@@ -346,7 +346,9 @@ class Download {
         try { await fsp.unlink(file.temp); } catch { /* gone */ }
       }
     }
-    for (const dir of this.createdDirs) {
+    // deepest first: a folder is empty only once the ones below it are gone
+    const dirs = [...new Set(this.createdDirs)].sort((a, b) => b.length - a.length);
+    for (const dir of dirs) {
       try { await fsp.rmdir(dir); } catch { /* not empty or gone */ }
     }
   }
@@ -579,6 +581,7 @@ class GraphoptClient {
 
 module.exports = {
   GraphoptClient,
+  Download,
   GraphoptError,
   ClientError,
   toProtoOptions,

@@ -184,3 +184,152 @@ test('an upload plan lists the model then each distinct external file with size 
     fs.rmSync(dir, { recursive: true, force: true });
   }
 });
+
+// --- a scripted in-process server: what the client does with bad responses -------------
+
+const grpc = require('@grpc/grpc-js');
+
+function sha(buffer) {
+  return crypto.createHash('sha256').update(buffer).digest('hex');
+}
+
+/** A Graphopt server whose Optimize records the upload, then sends `script(upload)`. */
+async function scriptedServer(script) {
+  const pkg = loadPackage(DEFAULT_PROTO_PATH);
+  const server = new grpc.Server();
+  const seen = { uploads: [], metadata: [] };
+  server.addService(pkg.graphopt.v1.Graphopt.service, {
+    Optimize(call) {
+      const upload = [];
+      seen.metadata.push(call.metadata.get('authorization'));
+      call.on('data', (m) => upload.push(m));
+      call.on('end', () => {
+        seen.uploads.push(upload);
+        const replies = script(upload);
+        for (const reply of replies) {
+          if (reply.status) {
+            call.emit('error', { code: reply.status, details: reply.details });
+            return;
+          }
+          call.write(reply);
+        }
+        call.end();
+      });
+    },
+    Analyze(call, callback) { callback({ code: grpc.status.UNIMPLEMENTED, details: 'not here' }); },
+    ListStrategies(call, callback) {
+      callback(null, { strategies: [{ name: 'auto', description: 'd', is_default: true }] });
+    },
+  });
+  const port = await new Promise((resolve, reject) => server.bindAsync('127.0.0.1:0',
+    grpc.ServerCredentials.createInsecure(), (err, p) => (err ? reject(err) : resolve(p))));
+  return { target: `127.0.0.1:${port}`, seen, close: () => server.forceShutdown() };
+}
+
+function fileReplies(path_, data, chunkBytes = 3, overrides = {}) {
+  const replies = [{ file: { path: path_, size_bytes: String(data.length), sha256: sha(data), ...overrides } }];
+  for (let offset = 0; offset < data.length; offset += chunkBytes) {
+    replies.push({ chunk: { offset: String(offset), data: data.subarray(offset, offset + chunkBytes) } });
+  }
+  return replies;
+}
+
+const REPORT = { report: { strategy: 'auto', checkpoints: 2, json: '{"strategy": "auto", "checkpoints": ["a", "b"]}' } };
+
+test('optimize against a scripted server: upload as the contract says, downloads checked and atomic', async (t) => {
+  const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'graphopt-node-'));
+  const model = Buffer.from('model bytes: any, the scripted server does not parse them');
+  fs.writeFileSync(path.join(dir, 'm.onnx'), model);
+  const good = Buffer.from('rewritten model');
+  const extra = Buffer.from('external data of the rewritten model');
+  let replies = [];
+  const srv = await scriptedServer(() => replies);
+  const client = new GraphoptClient(srv.target, { chunkBytes: 7, token: 'tok' });
+  t.after(() => { client.close(); srv.close(); fs.rmSync(dir, { recursive: true, force: true }); });
+  const listing = () => fs.readdirSync(path.join(dir, 'out'), { recursive: true }).sort();
+
+  // a good answer: progress, two files, the report
+  replies = [{ progress: { stage: 'plan', fraction: 0.4, message: '' } },
+    ...fileReplies('optimized.onnx', good), ...fileReplies('data/w.bin', extra), REPORT];
+  const events = [];
+  const report = await client.optimize(path.join(dir, 'm.onnx'), path.join(dir, 'out', 'o.onnx'),
+    { strategy: 'auto', measure: false }, (...e) => events.push(e));
+  assert.deepStrictEqual(events, [['plan', 0.4, '']]);
+  assert.deepStrictEqual(report.full, { strategy: 'auto', checkpoints: ['a', 'b'] });
+  assert.strictEqual(report.checkpoints, 2);
+  assert.deepStrictEqual(report.files, [path.join(dir, 'out', 'o.onnx'), path.join(dir, 'out', 'data', 'w.bin')]);
+  assert.deepStrictEqual(fs.readFileSync(path.join(dir, 'out', 'o.onnx')), good);
+  assert.deepStrictEqual(fs.readFileSync(path.join(dir, 'out', 'data', 'w.bin')), extra);
+  assert.deepStrictEqual(srv.seen.metadata[0], ['Bearer tok']);
+  const upload = srv.seen.uploads[0];
+  assert.strictEqual(upload[0].item, 'options');
+  assert.strictEqual(upload[0].options.strategy, 'auto');
+  assert.strictEqual(upload[0].options.skip_measure, true);
+  assert.strictEqual(upload[0].options.budget_bytes, undefined);
+  assert.deepStrictEqual(upload[1].file, { path: 'm.onnx', size_bytes: String(model.length), sha256: sha(model) });
+  const chunks = upload.slice(2).map((m) => m.chunk);
+  assert.deepStrictEqual(chunks.map((c) => Number(c.offset)), [...Array(Math.ceil(model.length / 7)).keys()].map((i) => i * 7));
+  assert.deepStrictEqual(Buffer.concat(chunks.map((c) => c.data)), model);
+
+  // bad answers leave nothing behind (no temporary files, no new folders)
+  fs.rmSync(path.join(dir, 'out'), { recursive: true });
+  const bad = [
+    [[...fileReplies('optimized.onnx', good), ...fileReplies('../escape.bin', extra), REPORT], /outside the output folder/],
+    [[...fileReplies('optimized.onnx', good), ...fileReplies('/abs.bin', extra), REPORT], /invalid path/],
+    [[...fileReplies('optimized.onnx', good, 3, { sha256: sha(extra) }), REPORT], /arrived corrupt/],
+    [[...fileReplies('optimized.onnx', good, 3, { size_bytes: String(good.length + 1) }), REPORT], /sent 15 bytes .* announced 16/],
+    [[...fileReplies('optimized.onnx', good).filter((_, i) => i !== 2), REPORT], /out of order/],
+    [[...fileReplies('optimized.onnx', good), ...fileReplies('sub/x.bin', extra), ...fileReplies('sub/x.bin', extra), REPORT], /twice/],
+    [[...fileReplies('optimized.onnx', good)], /without a report/],
+    [[REPORT], /report but no model/],
+    [[...fileReplies('optimized.onnx', good), ...fileReplies('sub/x.bin', extra), { status: grpc.status.INVALID_ARGUMENT, details: 'no good' }], /INVALID_ARGUMENT: no good/],
+  ];
+  for (const [script, message] of bad) {
+    replies = script;
+    await assert.rejects(client.optimize(path.join(dir, 'm.onnx'), path.join(dir, 'out', 'deeper', 'o.onnx')), message);
+    assert.ok(!fs.existsSync(path.join(dir, 'out')), `${message}: left ${fs.existsSync(path.join(dir, 'out')) && listing()}`);
+  }
+  // an existing output folder is kept, and so is an earlier output
+  fs.mkdirSync(path.join(dir, 'out'));
+  fs.writeFileSync(path.join(dir, 'out', 'o.onnx'), 'earlier');
+  replies = [...fileReplies('optimized.onnx', good, 3, { sha256: sha(extra) }), REPORT];
+  await assert.rejects(client.optimize(path.join(dir, 'm.onnx'), path.join(dir, 'out', 'o.onnx')), /corrupt/);
+  assert.deepStrictEqual(listing(), ['o.onnx']);
+  assert.strictEqual(fs.readFileSync(path.join(dir, 'out', 'o.onnx'), 'utf8'), 'earlier');
+
+  // refusing to overwrite the input
+  await assert.rejects(client.optimize(path.join(dir, 'm.onnx'), path.join(dir, 'm.onnx')), /overwrite an input/);
+  assert.deepStrictEqual(await client.listStrategies(), [{ name: 'auto', description: 'd', is_default: true }]);
+  await assert.rejects(client.analyze(path.join(dir, 'm.onnx')), (err) => err.codeName === 'UNIMPLEMENTED');
+});
+
+test('a server that refuses mid-upload ends the call at once (no hang on a full send buffer)', async (t) => {
+  const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'graphopt-node-'));
+  fs.writeFileSync(path.join(dir, 'big.onnx'), crypto.randomBytes(4 << 20));
+  const pkg = loadPackage(DEFAULT_PROTO_PATH);
+  const server = new grpc.Server();
+  let received = 0;
+  const refuse = (call, send) => {
+    call.on('data', () => {
+      received += 1;
+      if (received === 3) send({ code: grpc.status.RESOURCE_EXHAUSTED, details: 'too big for this test' });
+    });
+  };
+  server.addService(pkg.graphopt.v1.Graphopt.service, {
+    Optimize(call) { refuse(call, (e) => call.emit('error', e)); },
+    Analyze(call, callback) { refuse(call, (e) => callback(e)); },
+    ListStrategies(call, callback) { callback(null, { strategies: [] }); },
+  });
+  const port = await new Promise((resolve, reject) => server.bindAsync('127.0.0.1:0',
+    grpc.ServerCredentials.createInsecure(), (err, p) => (err ? reject(err) : resolve(p))));
+  const client = new GraphoptClient(`127.0.0.1:${port}`, { chunkBytes: 1024 });
+  t.after(() => { client.close(); server.forceShutdown(); fs.rmSync(dir, { recursive: true, force: true }); });
+  const started = Date.now();
+  await assert.rejects(client.optimize(path.join(dir, 'big.onnx'), path.join(dir, 'o.onnx')),
+    (err) => err.codeName === 'RESOURCE_EXHAUSTED' && /too big/.test(err.message));
+  received = 0;
+  await assert.rejects(client.analyze(path.join(dir, 'big.onnx')),
+    (err) => err.codeName === 'RESOURCE_EXHAUSTED');
+  assert.ok(Date.now() - started < 10000);
+  assert.deepStrictEqual(fs.readdirSync(dir), ['big.onnx']);
+});
