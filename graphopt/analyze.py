@@ -81,6 +81,7 @@ def _floating_resident(model: onnx.ModelProto) -> set[str]:
 
 def analyze(model: onnx.ModelProto, loss: str | None = None) -> TrainingGraph:
     """Check that `model` is a training graph and split it; node names must be unique."""
+    graph = node_graph(model)   # well-formed first: known ops, every tensor produced, no cycle
     if not model.graph.output:
         raise InvalidModelError("the model has no outputs; a training graph outputs the loss, then gradients")
     loss = loss or model.graph.output[0].name
@@ -91,7 +92,6 @@ def analyze(model: onnx.ModelProto, loss: str | None = None) -> TrainingGraph:
         raise InvalidModelError(
             "not a training graph: the only output is the loss; gradients must be outputs too "
             "(use `graphopt train-graph` to build a training graph from a forward model)")
-    graph = node_graph(model)
     produced = producers(model)
     resident = frozenset({i.name for i in model.graph.input} | {i.name for i in model.graph.initializer})
     if loss not in produced:

@@ -1,0 +1,61 @@
+"""A real `graphopt serve` process on a loopback port, for the service tests."""
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+class ServerProcess:
+    def __init__(self, work_dir: Path, *args: str, env: dict | None = None, start_seconds: float = 60.0):
+        self.work_dir = Path(work_dir)
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = self.work_dir.parent / f"{self.work_dir.name}.log"
+        self._log = open(self.log_path, "w")
+        command = [sys.executable, "-m", "graphopt.cli", "serve", "--host", "127.0.0.1", "--port", "0",
+                   "--work-dir", str(self.work_dir), *args]
+        self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=self._log,
+                                     env={**os.environ, **(env or {})}, start_new_session=True)
+        ready, _, _ = select.select([self.proc.stdout], [], [], start_seconds)
+        line = self.proc.stdout.readline() if ready else b""
+        if not line:
+            self.kill()
+            raise RuntimeError(f"the server did not start in {start_seconds} s:\n{self.log_path.read_text()}")
+        self.port = json.loads(line)["listening"]
+        self.target = f"127.0.0.1:{self.port}"
+
+    def logs(self) -> list[dict]:
+        self._log.flush()
+        return [json.loads(line) for line in self.log_path.read_text().splitlines() if line.startswith("{")]
+
+    def leftover_files(self) -> list[str]:
+        """Everything under the work dir (the server's root folder itself aside)."""
+        return [str(p) for p in self.work_dir.rglob("*") if p.is_file() or
+                (p.is_dir() and p.parent != self.work_dir)]
+
+    def wait_for_log(self, message: str, timeout_seconds: float = 30.0) -> dict:
+        deadline = time.monotonic() + timeout_seconds
+        while time.monotonic() < deadline:
+            for entry in self.logs():
+                if entry.get("message") == message:
+                    return entry
+            time.sleep(0.1)
+        raise AssertionError(f"no {message!r} in the server's log:\n{self.log_path.read_text()}")
+
+    def terminate(self, timeout_seconds: float = 60.0) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout_seconds)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+        self._log.close()

@@ -1,0 +1,362 @@
+"""The gRPC service end to end: a real `graphopt serve` process on a loopback port, the
+Python client, real training graphs in real ONNX Runtime (in the server's workers)."""
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import numpy as np
+import onnx
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from onnx import TensorProto, helper, numpy_helper
+
+from graphopt.examples import training_example
+from graphopt.ingest import load_model
+from graphopt.optimize import OptimizeOptions, analyze_model, optimize, save_model
+from graphopt.search import DEFAULT_STRATEGY, STRATEGIES
+from graphopt_service._proto import graphopt_pb2 as pb
+from graphopt_service._proto import graphopt_pb2_grpc as pb_grpc
+from graphopt_service.client import Client, make_options, upload_messages
+from service_process import ServerProcess
+
+MAX_MODEL_BYTES = 300 * 10**6
+
+
+# -- models ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("models")
+    paths = {}
+    for name, size in (("resnet", dict(small=True)), ("mlp", dict(small=True)),
+                       ("slow", dict(batch=512, width=384, depth=10, d_in=256))):
+        model, _ = training_example("mlp" if name == "slow" else name, **size)
+        paths[name] = folder / f"{name}.onnx"
+        save_model(model, paths[name])
+    # the same resnet with every initializer as external data in a sub-folder
+    model, _ = training_example("resnet", small=True)
+    (folder / "ext" / "weights").mkdir(parents=True)
+    onnx.save(model, folder / "ext" / "model.onnx", save_as_external_data=True, all_tensors_to_one_file=True,
+              location="weights/w.bin", size_threshold=0)
+    paths["external"] = folder / "ext" / "model.onnx"
+    return paths
+
+
+def _same_graph(a: onnx.ModelProto, b: onnx.ModelProto) -> None:
+    """Nodes (in order, with inputs, outputs, attributes) and initializers equal; metadata may differ."""
+    assert [n.SerializeToString(deterministic=True) for n in a.graph.node] == \
+           [n.SerializeToString(deterministic=True) for n in b.graph.node]
+    assert {t.name: numpy_helper.to_array(t).tobytes() for t in a.graph.initializer} == \
+           {t.name: numpy_helper.to_array(t).tobytes() for t in b.graph.initializer}
+    assert [o.name for o in a.graph.output] == [o.name for o in b.graph.output]
+
+
+def _code(call, *args, **kwargs) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as info:
+        result = call(*args, **kwargs)
+        if hasattr(result, "__iter__") and not isinstance(result, (dict, list)):
+            list(result)
+    return info.value
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    proc = ServerProcess(tmp_path_factory.mktemp("srv") / "work", "--workers", "2", "--queue", "4",
+                         "--max-model-bytes", str(MAX_MODEL_BYTES))
+    yield proc
+    proc.kill()
+
+
+@pytest.fixture
+def client(server):
+    with Client(server.target) as c:
+        yield c
+
+
+# -- the contract's code is generated from the proto -------------------------------------------
+def test_stubs_are_generated_from_the_proto():
+    result = subprocess.run([sys.executable, "-m", "graphopt_service.gen_proto", "--check"],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+# -- what works --------------------------------------------------------------------------------
+def test_python_client_gets_the_in_process_graph(client, models, tmp_path):
+    # feng-huang plans on measured bytes only, so both runs plan alike (auto breaks ties by seconds)
+    progress = []
+    report = client.optimize(models["resnet"], tmp_path / "opt.onnx", strategy="feng-huang",
+                             progress=lambda stage, fraction: progress.append((stage, fraction)))
+    local = optimize(load_model(models["resnet"]), OptimizeOptions(strategy="feng-huang"))
+    _same_graph(onnx.load(tmp_path / "opt.onnx"), local.model)
+    assert report["outputs_match"] and report["order_followed"]
+    assert report["checkpoints"] == local.report["checkpoints"]
+    assert report["measured"]["optimized"]["peak_bytes"] > 0
+    stages = [s for s, _ in progress]
+    assert stages[0] == "queued" and {"annotate", "plan", "rewrite", "verify", "measure"} <= set(stages)
+    fractions = [f for _, f in progress]
+    assert fractions == sorted(fractions) and fractions[-1] < 1.0
+    assert [p.name for p in tmp_path.iterdir()] == ["opt.onnx"]   # no staging folder left
+
+
+def test_external_data_travels_with_the_model(client, models, tmp_path):
+    client.optimize(models["external"], tmp_path / "opt.onnx", strategy="feng-huang", measure=False)
+    local = optimize(load_model(models["resnet"]), OptimizeOptions(strategy="feng-huang", measure=False))
+    _same_graph(load_model(tmp_path / "opt.onnx"), local.model)
+
+
+def test_analyze_matches_the_library(client, models):
+    remote = client.analyze(models["resnet"], plan=True, strategy="feng-huang")
+    local = analyze_model(load_model(models["resnet"]), OptimizeOptions(strategy="feng-huang"), plan=True)
+    assert remote["predicted_peak_bytes"] == local["predicted_peak_bytes"]
+    assert remote["tensor_bytes"] == local["tensor_bytes"]
+    assert remote["plan"]["checkpoints"] == local["plan"]["checkpoints"]
+
+
+def test_list_strategies(client):
+    listed = client.list_strategies()
+    assert [s.name for s in listed] == list(STRATEGIES)
+    assert [s.name for s in listed if s.is_default] == [DEFAULT_STRATEGY]
+
+
+def test_reflection_describes_the_service(server):
+    with grpc.insecure_channel(server.target) as channel:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        answers = list(stub.ServerReflectionInfo(iter([
+            reflection_pb2.ServerReflectionRequest(list_services=""),
+            reflection_pb2.ServerReflectionRequest(file_containing_symbol="graphopt.v1.Graphopt")])))
+    services = {s.name for s in answers[0].list_services_response.service}
+    assert {"graphopt.v1.Graphopt", "grpc.health.v1.Health"} <= services
+    files = [onnx.onnx_ml_pb2.google_dot_protobuf_dot_descriptor__pb2.FileDescriptorProto.FromString(raw)
+             if False else raw for raw in answers[1].file_descriptor_response.file_descriptor_proto]
+    assert any(b"Optimize" in raw and b"graphopt.v1" in raw for raw in files)
+
+
+def test_a_200_mb_model_streams_through(client, tmp_path):
+    # ~200 MB of weights in an external-data file; the result comes back as one 200 MB model
+    model, _ = training_example("mlp", batch=4, width=2048, depth=12, d_in=2048)
+    weights = sum(numpy_helper.to_array(t).nbytes for t in model.graph.initializer)
+    assert weights > 200 * 10**6
+    digest = lambda m: {t.name: hashlib.sha256(numpy_helper.to_array(t).tobytes()).hexdigest()
+                        for t in m.graph.initializer}
+    expected = digest(model)   # onnx.save below moves the weights out of `model`
+    (tmp_path / "big").mkdir()
+    onnx.save(model, tmp_path / "big" / "model.onnx", save_as_external_data=True,
+              all_tensors_to_one_file=True, location="model.bin")
+    report = client.optimize(tmp_path / "big" / "model.onnx", tmp_path / "out" / "opt.onnx",
+                             strategy="chen-sqrt", measure=False)
+    assert report["outputs_match"]
+    assert digest(load_model(tmp_path / "out" / "opt.onnx")) == expected
+
+
+# -- bad input: each gets its status, nothing is left behind, the server goes on ---------------
+def _requests(options: pb.OptimizeOptions | None, files: list[tuple[str, bytes]], *,
+              declared_sizes: dict | None = None, digests: dict | None = None, cut_at: dict | None = None):
+    if options is not None:
+        yield pb.OptimizeRequest(options=options)
+    for name, data in files:
+        size = (declared_sizes or {}).get(name, len(data))
+        digest = (digests or {}).get(name, hashlib.sha256(data).hexdigest())
+        yield pb.OptimizeRequest(file=pb.FileHeader(path=name, size_bytes=size, sha256=digest))
+        data = data[:(cut_at or {}).get(name, len(data))]
+        for offset in range(0, len(data), 1 << 16):
+            yield pb.OptimizeRequest(chunk=pb.FileChunk(offset=offset, data=data[offset:offset + (1 << 16)]))
+
+
+def _cyclic_model() -> bytes:
+    nodes = [helper.make_node("Add", ["x", "b"], ["a"], name="first"),
+             helper.make_node("Relu", ["a"], ["b"], name="second"),
+             helper.make_node("ReduceSum", ["b"], ["loss"], name="loss", keepdims=0)]
+    graph = helper.make_graph(nodes, "cycle", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                              [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])])
+    return helper.make_model(graph).SerializeToString()
+
+
+def _model_with_external_data_outside() -> bytes:
+    tensor = numpy_helper.from_array(np.ones(4, np.float32), "w")
+    tensor.ClearField("raw_data")
+    tensor.data_location = TensorProto.EXTERNAL
+    tensor.external_data.add(key="location", value="../../../etc/passwd")
+    node = helper.make_node("Mul", ["x", "w"], ["loss"], name="mul")
+    graph = helper.make_graph([node], "outside", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+                              [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [4])], [tensor])
+    return helper.make_model(graph).SerializeToString()
+
+
+def _unsupported_op_model() -> bytes:
+    model, _ = training_example("mlp", small=True)
+    model.graph.node[0].domain = "com.example.custom"
+    model.opset_import.add(domain="com.example.custom", version=1)
+    return model.SerializeToString()
+
+
+def _bad_requests(models) -> dict[str, tuple[grpc.StatusCode, str, list]]:
+    good = models["resnet"].read_bytes()
+    opts = make_options(measure=False)
+    return {
+        "truncated stream": (grpc.StatusCode.INVALID_ARGUMENT, "truncated",
+                             list(_requests(opts, [("m.onnx", good)], cut_at={"m.onnx": len(good) // 2}))),
+        "bad checksum": (grpc.StatusCode.INVALID_ARGUMENT, "checksum",
+                         list(_requests(opts, [("m.onnx", good)], digests={"m.onnx": "0" * 64}))),
+        "not ONNX": (grpc.StatusCode.INVALID_ARGUMENT, "not",
+                     list(_requests(opts, [("m.onnx", b"\xff\xfe certainly not a protobuf \x00" * 50)]))),
+        "cyclic graph": (grpc.StatusCode.INVALID_ARGUMENT, "cycle",
+                         list(_requests(opts, [("m.onnx", _cyclic_model())]))),
+        "external data pointing outside": (grpc.StatusCode.INVALID_ARGUMENT, "outside",
+                                           list(_requests(opts, [("m.onnx", _model_with_external_data_outside())]))),
+        "file path pointing outside": (grpc.StatusCode.INVALID_ARGUMENT, "outside",
+                                       list(_requests(opts, [("m.onnx", good), ("../escape.bin", b"x")]))),
+        "over the size limit": (grpc.StatusCode.RESOURCE_EXHAUSTED, "limit",
+                                list(_requests(opts, [("m.onnx", good)],
+                                               declared_sizes={"m.onnx": MAX_MODEL_BYTES + 1}))),
+        "no options first": (grpc.StatusCode.INVALID_ARGUMENT, "options",
+                             list(_requests(None, [("m.onnx", good)]))),
+        "unknown strategy": (grpc.StatusCode.INVALID_ARGUMENT, "strategy",
+                             list(_requests(make_options(strategy="magic"), [("m.onnx", good)]))),
+        "unsupported operator": (grpc.StatusCode.UNIMPLEMENTED, "com.example.custom",
+                                 list(_requests(opts, [("m.onnx", _unsupported_op_model())]))),
+        "budget infeasible": (grpc.StatusCode.FAILED_PRECONDITION, "budget",
+                              list(_requests(make_options(budget_bytes=1, measure=False, plan=True), [("m.onnx", good)]))),
+    }
+
+
+def test_every_bad_input_gets_its_status_and_the_server_goes_on(server, models):
+    stub_channel = grpc.insecure_channel(server.target)
+    stub = pb_grpc.GraphoptStub(stub_channel)
+    health = health_pb2_grpc.HealthStub(stub_channel)
+    failures = []
+    for case, (code, words, requests) in _bad_requests(models).items():
+        for method in (stub.Optimize, stub.Analyze):
+            try:
+                answer = method(iter(requests), timeout=120)
+                if method is stub.Optimize:
+                    list(answer)
+                failures.append(f"{case}: {method._method} succeeded")
+            except grpc.RpcError as error:
+                if error.code() != code or words.lower() not in error.details().lower():
+                    failures.append(f"{case}: {method._method} got {error.code().name}: {error.details()}")
+                if case == "budget infeasible" and method is stub.Optimize:
+                    metadata = dict(error.trailing_metadata() or ())
+                    if int(metadata.get("graphopt-least-feasible-peak-bytes", 0)) <= 0:
+                        failures.append(f"{case}: no least feasible peak in the trailing metadata")
+            status = health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
+            if status != health_pb2.HealthCheckResponse.SERVING:
+                failures.append(f"{case}: health answered {status} afterwards")
+    stub_channel.close()
+    assert not failures, "\n".join(failures)
+    time.sleep(0.5)
+    assert server.leftover_files() == []
+    statuses = {e.get("status") for e in server.logs() if e.get("message") == "call finished"}
+    assert {"INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "UNIMPLEMENTED", "FAILED_PRECONDITION"} <= statuses
+
+
+def _first_progress_after(call, stage: str) -> None:
+    for response in call:
+        if response.WhichOneof("item") == "progress" and response.progress.stage == stage:
+            return
+    raise AssertionError(f"the call ended before stage {stage!r}")
+
+
+def test_a_cancelled_call_stops_its_worker(server, client, models):
+    call = client.optimize_call(models["slow"], strategy="feng-huang")
+    _first_progress_after(call, "plan")
+    call.cancel()
+    stopped = server.wait_for_log("stopping a worker")
+    assert stopped["worker_pid"] > 0
+    entry = next(e for e in reversed(server.logs()) if e.get("message") == "call finished"
+                 and e.get("status") == "CANCELLED")
+    assert entry["method"] == "Optimize"
+    assert client.health() == "SERVING"
+    deadline = time.monotonic() + 10
+    while server.leftover_files() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert server.leftover_files() == []
+
+
+def test_an_expired_deadline_stops_the_work(server, client, models, tmp_path):
+    before = len([e for e in server.logs() if e.get("message") == "stopping a worker"])
+    started = time.monotonic()
+    error = _code(client.optimize, models["slow"], tmp_path / "never.onnx", timeout_seconds=3.0)
+    assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert time.monotonic() - started < 15
+    deadline = time.monotonic() + 15
+    while len([e for e in server.logs() if e.get("message") == "stopping a worker"]) == before:
+        assert time.monotonic() < deadline, "the server kept working after the deadline"
+        time.sleep(0.1)
+    assert not (tmp_path / "never.onnx").exists() and list(tmp_path.iterdir()) == []
+    assert client.health() == "SERVING"
+    # the replacement worker takes new work
+    assert client.optimize(models["mlp"], tmp_path / "after.onnx", measure=False)["outputs_match"]
+
+
+# -- a server of one worker and no queue; SIGTERM drains ----------------------------------------
+def test_a_full_queue_is_refused_and_sigterm_drains(tmp_path, models):
+    server = ServerProcess(tmp_path / "work", "--workers", "1", "--queue", "0", "--drain-seconds", "60")
+    try:
+        with Client(server.target) as client:
+            results = {}
+            busy = threading.Thread(target=lambda: results.update(report=client.optimize(
+                models["slow"], tmp_path / "slow.onnx", strategy="feng-huang")))
+            busy.start()
+            server.wait_for_log("call started")
+            error = _code(client.optimize, models["mlp"], tmp_path / "refused.onnx", measure=False)
+            assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue" in error.details()
+
+            assert server.proc.poll() is None
+            server.proc.send_signal(15)
+            server.wait_for_log("draining")
+            assert client.health() == "NOT_SERVING"
+            error = _code(client.optimize, models["mlp"], tmp_path / "late.onnx", measure=False)
+            assert error.code() == grpc.StatusCode.UNAVAILABLE
+            busy.join(120)
+            assert results["report"]["outputs_match"]        # the call in flight finished
+        assert server.proc.wait(60) == 0
+        assert not (tmp_path / "work").exists() or server.leftover_files() == []
+    finally:
+        server.kill()
+
+
+# -- TLS and a bearer token ---------------------------------------------------------------------
+def test_tls_and_bearer_token(tmp_path, models):
+    trustme = pytest.importorskip  # noqa: F841 (trustme is in the test extra; import it plainly below)
+    import trustme as tm
+    ca = tm.CA()
+    cert = ca.issue_cert("127.0.0.1", "localhost")
+    cert.private_key_pem.write_to_path(str(tmp_path / "key.pem"))
+    cert.cert_chain_pems[0].write_to_path(str(tmp_path / "cert.pem"))
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    (tmp_path / "token").write_text("s3cret\n")
+    server = ServerProcess(tmp_path / "work", "--workers", "1", "--tls-cert", str(tmp_path / "cert.pem"),
+                           "--tls-key", str(tmp_path / "key.pem"), "--token-file", str(tmp_path / "token"))
+    try:
+        with Client(server.target, tls_ca_path=str(tmp_path / "ca.pem")) as anonymous:
+            assert anonymous.health() == "SERVING"            # probes need no token
+            error = _code(anonymous.list_strategies)
+            assert error.code() == grpc.StatusCode.UNAUTHENTICATED
+        with Client(server.target, token="wrong", tls_ca_path=str(tmp_path / "ca.pem")) as wrong:
+            assert _code(wrong.list_strategies).code() == grpc.StatusCode.UNAUTHENTICATED
+        with Client(server.target, token="s3cret", tls_ca_path=str(tmp_path / "ca.pem")) as client:
+            assert client.list_strategies()
+            assert client.optimize(models["mlp"], tmp_path / "opt.onnx", measure=False)["outputs_match"]
+        with Client(server.target, token="s3cret") as plaintext:  # no TLS against a TLS port
+            assert _code(plaintext.list_strategies, timeout_seconds=5).code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        server.kill()
+
+
+def test_cli_uses_the_server(server, models, tmp_path):
+    result = subprocess.run([sys.executable, "-m", "graphopt.cli", "optimize", str(models["mlp"]), "-o",
+                             str(tmp_path / "opt.onnx"), "--server", server.target, "--no-measure",
+                             "--strategy", "feng-huang"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert f"server {server.target}" in result.stdout and (tmp_path / "opt.onnx").is_file()
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"nope")
+    result = subprocess.run([sys.executable, "-m", "graphopt.cli", "optimize", str(bad), "-o",
+                             str(tmp_path / "x.onnx"), "--server", server.target],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "INVALID_ARGUMENT" in result.stderr or "not" in result.stderr
