@@ -51,7 +51,8 @@ def upload_messages(model_path: str | os.PathLike, options: pb.OptimizeOptions,
 
 class Client:
     def __init__(self, target: str, token: str | None = None, tls_ca_path: str | None = None,
-                 max_message_bytes: int = 16 << 20, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
+                 max_message_bytes: int = 16 << 20, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 max_download_bytes: int | None = None):
         options = [("grpc.max_receive_message_length", max_message_bytes),
                    ("grpc.max_send_message_length", max_message_bytes)]
         if tls_ca_path:
@@ -62,6 +63,7 @@ class Client:
         self.stub = pb_grpc.GraphoptStub(self.channel)
         self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self.chunk_bytes = chunk_bytes
+        self.max_download_bytes = max_download_bytes
 
     def __enter__(self):
         return self
@@ -101,7 +103,7 @@ class Client:
         output_path = Path(output_path)
         output_path.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=".graphopt-download-", dir=output_path.parent))
-        receiver = FileReceiver(staging)
+        receiver = FileReceiver(staging, self.max_download_bytes)
         try:
             report = None
             for response in self.optimize_call(model_path, timeout_seconds, **options):

@@ -27,9 +27,17 @@ POLL_SECONDS = 0.1
 class Worker:
     def __init__(self, env: dict[str, str] | None = None):
         self.proc = subprocess.Popen([sys.executable, "-m", "graphopt_service.worker"],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      start_new_session=True, env=env)
         self._buffer = bytearray()
+        # what the libraries print in the worker becomes structured log lines of the server
+        threading.Thread(target=self._forward_stderr, name=f"worker-{self.proc.pid}-stderr", daemon=True).start()
+
+    def _forward_stderr(self) -> None:
+        for raw in self.proc.stderr:
+            line = raw.decode(errors="replace").rstrip()
+            if line:
+                log.warning("worker output", extra={"fields": {"worker_pid": self.proc.pid, "line": line}})
 
     @property
     def pid(self) -> int:
@@ -61,7 +69,7 @@ class Worker:
         except ProcessLookupError:
             pass
         self.proc.wait()
-        for stream in (self.proc.stdin, self.proc.stdout):
+        for stream in (self.proc.stdin, self.proc.stdout):  # stderr closes with its reader
             try:
                 stream.close()
             except OSError:
