@@ -364,6 +364,19 @@ def test_not_onnx_is_invalid_argument(node, server, tmp_path):
     assert done.returncode == 1 and "-o OUT" in done.stderr
 
 
+def test_impossible_budget_is_failed_precondition(node, server, resnet, tmp_path):
+    model_path = tmp_path / "resnet.onnx"
+    onnx.save(resnet, str(model_path))
+    out = tmp_path / "opt.onnx"
+    done = run_cli(node, "optimize", model_path, "-o", out, "--server", server, "--budget", "100",
+                   "--strategy", "feng-huang", "--no-measure", check=False)
+    assert done.returncode == 2, done.stderr
+    assert "error: FAILED_PRECONDITION: budget of 100 bytes cannot be met" in done.stderr
+    least = re.search(r"the least feasible peak is (\d+) bytes", done.stderr)
+    assert least and int(least.group(1)) > 100, done.stderr
+    assert not out.exists()
+
+
 def test_deadline_exceeded(node, server, resnet, tmp_path):
     """Measuring takes seconds: a 1 s deadline ends the call, and nothing is written."""
     model_path = tmp_path / "resnet.onnx"

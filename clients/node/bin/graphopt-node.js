@@ -269,6 +269,10 @@ async function run(argv, io = { stdout: process.stdout, stderr: process.stderr }
   } catch (err) {
     if (err instanceof GraphoptError) {
       io.stderr.write(`error: ${err.codeName}: ${err.details}\n`);
+      const least = err.metadata && err.metadata.get('graphopt-least-feasible-peak-bytes')[0];
+      if (least !== undefined) {
+        io.stderr.write(`the least feasible peak is ${least} bytes (${human(least)}): give --budget ${least} or more\n`);
+      }
       return 2;
     }
     io.stderr.write(`error: ${err && err.message ? err.message : String(err)}\n`);
