@@ -38,6 +38,7 @@ log = logging.getLogger("graphopt_service")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Graphopt"].full_name
 LIGHT_CALL_THREADS = 8          # threads kept for health, reflection and ListStrategies
 MAX_RESPONSE_CHUNK_BYTES = 4 << 20
+MESSAGE_OVERHEAD_BYTES = 1024   # a FileChunk's fields around its data, with room to spare
 
 
 @dataclass
@@ -74,7 +75,7 @@ def options_to_dict(options: pb.OptimizeOptions, max_threads: int) -> dict:
         "strategy": options.strategy, "input_dims": input_dims,
         "execution_provider": options.execution_provider, "skip_verify": options.skip_verify,
         "skip_measure": options.skip_measure, "loss": options.loss, "threads": options.threads or 1,
-        "plan": options.plan,
+        "plan": options.plan, "response_chunk_bytes": options.response_chunk_bytes,
     }
 
 
@@ -200,7 +201,8 @@ class GraphoptServicer(pb_grpc.GraphoptServicer):
                         stage=event["progress"], fraction=min(0.95, event["fraction"] * 0.95)))
                 else:
                     result = event["result"]
-            chunk_bytes = job["options"].get("response_chunk_bytes") or DEFAULT_CHUNK_BYTES
+            chunk_bytes = min(job["options"]["response_chunk_bytes"] or DEFAULT_CHUNK_BYTES,
+                              self.config.max_message_bytes - MESSAGE_OVERHEAD_BYTES)
             yield from folder_messages(folder / "output", result["files"], chunk_bytes,
                                        lambda **item: pb.OptimizeResponse(**item))
             report = result["report"]

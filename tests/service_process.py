@@ -38,6 +38,13 @@ class ServerProcess:
         return [str(p) for p in self.work_dir.rglob("*") if p.is_file() or
                 (p.is_dir() and p.parent != self.work_dir)]
 
+    def wait_no_leftovers(self, timeout_seconds: float = 15.0) -> list[str]:
+        """Leftover files once the server had time to clean up after a call's end."""
+        deadline = time.monotonic() + timeout_seconds
+        while (left := self.leftover_files()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return left
+
     def wait_for_log(self, message: str, timeout_seconds: float = 30.0) -> dict:
         deadline = time.monotonic() + timeout_seconds
         while time.monotonic() < deadline:

@@ -248,8 +248,7 @@ def test_every_bad_input_gets_its_status_and_the_server_goes_on(server, models):
                 failures.append(f"{case}: health answered {status} afterwards")
     stub_channel.close()
     assert not failures, "\n".join(failures)
-    time.sleep(0.5)
-    assert server.leftover_files() == []
+    assert server.wait_no_leftovers() == []
     statuses = {e.get("status") for e in server.logs() if e.get("message") == "call finished"}
     assert {"INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "UNIMPLEMENTED", "FAILED_PRECONDITION"} <= statuses
 
@@ -271,10 +270,7 @@ def test_a_cancelled_call_stops_its_worker(server, client, models):
                  and e.get("status") == "CANCELLED")
     assert entry["method"] == "Optimize"
     assert client.health() == "SERVING"
-    deadline = time.monotonic() + 10
-    while server.leftover_files() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert server.leftover_files() == []
+    assert server.wait_no_leftovers() == []
 
 
 def test_an_expired_deadline_stops_the_work(server, client, models, tmp_path):
@@ -360,3 +356,24 @@ def test_cli_uses_the_server(server, models, tmp_path):
                              str(tmp_path / "x.onnx"), "--server", server.target],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "INVALID_ARGUMENT" in result.stderr or "not" in result.stderr
+
+
+def test_message_size_limits_are_configurable_on_both_sides(tmp_path, models):
+    # A server and a client that take at most 256 KiB per message still move a multi-MiB model;
+    # a client sending bigger chunks than the server takes is refused by gRPC itself.
+    assert models["slow"].stat().st_size > 4 << 20
+    server = ServerProcess(tmp_path / "work", "--workers", "1", "--max-message-bytes", "256KiB")
+    try:
+        with Client(server.target, max_message_bytes=256 << 10, chunk_bytes=128 << 10) as client:
+            report = client.optimize(models["slow"], tmp_path / "opt.onnx", measure=False,
+                                     strategy="chen-sqrt", response_chunk_bytes=128 << 10)
+            assert report["outputs_match"] and (tmp_path / "opt.onnx").stat().st_size > 4 << 20
+        with Client(server.target, chunk_bytes=1 << 20) as big_chunks:
+            error = _code(big_chunks.optimize, models["slow"], tmp_path / "no.onnx", measure=False)
+            assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        with Client(server.target, max_message_bytes=64 << 10, chunk_bytes=32 << 10) as small_receiver:
+            error = _code(small_receiver.optimize, models["slow"], tmp_path / "no.onnx", measure=False)
+            assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED   # the client's own limit
+        assert server.wait_no_leftovers() == []
+    finally:
+        server.kill()
