@@ -61,9 +61,15 @@ def node() -> str:
     return exe
 
 
+def clean_env(**extra: str) -> dict:
+    """This environment without GRAPHOPT_* settings (a token or port from the caller's shell
+    would change what the server requires and what the client sends)."""
+    return {**{k: v for k, v in os.environ.items() if not k.startswith("GRAPHOPT_")}, **extra}
+
+
 def run_cli(node: str, *args, check: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
     done = subprocess.run([node, str(CLI), *map(str, args)], capture_output=True, text=True,
-                          timeout=CALL_SECONDS, env={**os.environ, **(env or {})})
+                          timeout=CALL_SECONDS, env=clean_env(**(env or {})))
     if check and done.returncode != 0:
         pytest.fail(f"graphopt-node {' '.join(map(str, args))} exited {done.returncode}:\n"
                     f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}")
@@ -102,7 +108,7 @@ class Server:
                    "--workers", "2", "--work-dir", str(work), "--drain-seconds", "2", *extra]
         with open(self.stdout_path, "wb") as out, open(self.stderr_path, "wb") as err:
             self.proc = subprocess.Popen(command, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
-                                         cwd=folder, start_new_session=True)
+                                         cwd=folder, start_new_session=True, env=clean_env())
         self.port = None
 
     def log(self) -> str:
@@ -423,8 +429,9 @@ def test_tls_and_token(node, tmp_path):
         assert "DEP0123" not in done.stderr
         done = run_cli(node, "strategies", "--server", target, "--tls-ca", ca, "--token-file", token_file)
         assert done.returncode == 0
-        done = run_cli(node, "strategies", "--server", target, "--tls-ca", ca, check=False,
-                       env={"GRAPHOPT_TOKEN": ""})
+        done = run_cli(node, "strategies", "--server", target, "--tls-ca", ca, env={"GRAPHOPT_TOKEN": "s3cret-token"})
+        assert done.returncode == 0
+        done = run_cli(node, "strategies", "--server", target, "--tls-ca", ca, check=False)
         assert done.returncode == 2 and "error: UNAUTHENTICATED: " in done.stderr, done.stderr
         done = run_cli(node, "strategies", "--server", target, "--tls-ca", ca, "--token", "wrong", check=False)
         assert done.returncode == 2 and "error: UNAUTHENTICATED: " in done.stderr, done.stderr
