@@ -3,10 +3,13 @@ Python client, real training graphs in real ONNX Runtime (in the server's worker
 from __future__ import annotations
 
 import hashlib
+import os
+import signal
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -374,6 +377,39 @@ def test_message_size_limits_are_configurable_on_both_sides(tmp_path, models):
         with Client(server.target, max_message_bytes=64 << 10, chunk_bytes=32 << 10) as small_receiver:
             error = _code(small_receiver.optimize, models["slow"], tmp_path / "no.onnx", measure=False)
             assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED   # the client's own limit
+        assert server.wait_no_leftovers() == []
+    finally:
+        server.kill()
+
+
+def _children(pid: int, command_part: str) -> list[int]:
+    """Child processes of `pid` whose command line contains `command_part` (from /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            command = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, ValueError, IndexError):
+            continue
+        if parent == pid and command_part in command:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def test_a_worker_that_dies_fails_only_its_call(tmp_path, models):
+    # what the kernel's out-of-memory killer would do to a worker in the middle of a model
+    server = ServerProcess(tmp_path / "work", "--workers", "1")
+    try:
+        with Client(server.target) as client:
+            call = client.optimize_call(models["slow"], strategy="feng-huang")
+            _first_progress_after(call, "annotate")
+            workers = _children(server.proc.pid, "graphopt_service.worker")
+            assert len(workers) == 1
+            os.kill(workers[0], signal.SIGKILL)
+            error = _code(list, call)
+            assert error.code() == grpc.StatusCode.INTERNAL and "worker process died" in error.details()
+            assert client.health() == "SERVING"
+            assert client.optimize(models["mlp"], tmp_path / "after.onnx", measure=False)["outputs_match"]
         assert server.wait_no_leftovers() == []
     finally:
         server.kill()
