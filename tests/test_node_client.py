@@ -400,6 +400,29 @@ def test_deadline_exceeded(node, server, resnet, tmp_path):
     assert done.stdout.split()[0] == list(STRATEGIES)[0]
 
 
+def test_interrupt_cancels(node, server, resnet, tmp_path):
+    """SIGINT during a call: exit 130, the call cancelled, nothing written."""
+    model_path = tmp_path / "resnet.onnx"
+    onnx.save(resnet, str(model_path))
+    out = tmp_path / "out" / "opt.onnx"
+    proc = subprocess.Popen([node, str(CLI), "optimize", str(model_path), "-o", str(out), "--server", server],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env())
+    try:
+        seen = []
+        for line in proc.stderr:           # measuring (last) takes seconds: interrupt once planning
+            seen.append(line)
+            if "] plan" in line:
+                proc.send_signal(signal.SIGINT)
+                break
+        rest = proc.communicate(timeout=CALL_SECONDS)[1]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, "".join(seen) + rest
+    assert "error: CANCELLED: interrupted by SIGINT" in rest
+    assert not out.parent.exists()
+
+
 # --- TLS and a bearer token -------------------------------------------------------------
 
 def _certificates(folder: Path) -> tuple[Path, Path, Path]:

@@ -2,7 +2,8 @@
 'use strict';
 // graphopt-node: command line of the graphopt gRPC service (Node.js client).
 // Exit status: 0 ok, 1 usage or local error, 2 the server answered with an error status,
-// 3 (health) the server is not SERVING.
+// 3 (health) the server is not SERVING, 130 interrupted (SIGINT/SIGTERM: the call is cancelled
+// and a partial download removed).
 
 const fs = require('fs');
 const path = require('path');
@@ -230,6 +231,15 @@ async function run(argv, io = { stdout: process.stdout, stderr: process.stderr }
     return 0;
   }
   let client;
+  let interrupted = null;
+  const onSignal = (signal) => {
+    interrupted = signal;
+    if (client) client.cancel();
+  };
+  if (io.handleSignals) {
+    process.on('SIGINT', onSignal);
+    process.on('SIGTERM', onSignal);
+  }
   try {
     client = new GraphoptClient(parsed.server, parsed.clientOptions);
     switch (parsed.command) {
@@ -267,6 +277,11 @@ async function run(argv, io = { stdout: process.stdout, stderr: process.stderr }
         throw new Error(`unhandled command ${parsed.command}`);
     }
   } catch (err) {
+    if (interrupted) {
+      // the call was cancelled (the server stops its work) and what it wrote removed
+      io.stderr.write(`error: CANCELLED: interrupted by ${interrupted}\n`);
+      return 130;
+    }
     if (err instanceof GraphoptError) {
       io.stderr.write(`error: ${err.codeName}: ${err.details}\n`);
       const least = err.metadata && err.metadata.get('graphopt-least-feasible-peak-bytes')[0];
@@ -279,6 +294,10 @@ async function run(argv, io = { stdout: process.stdout, stderr: process.stderr }
     return 1;
   } finally {
     if (client) client.close();
+    if (io.handleSignals) {
+      process.removeListener('SIGINT', onSignal);
+      process.removeListener('SIGTERM', onSignal);
+    }
   }
 }
 
@@ -299,7 +318,7 @@ if (require.main === module) {
     if (err.code === 'EPIPE') process.exit(process.exitCode || 0);
     throw err;
   });
-  run(process.argv.slice(2)).then((code) => {
+  run(process.argv.slice(2), { stdout: process.stdout, stderr: process.stderr, handleSignals: true }).then((code) => {
     process.exitCode = code;
   }, (err) => {
     process.stderr.write(`error: ${err && err.stack ? err.stack : err}\n`);

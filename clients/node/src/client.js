@@ -391,6 +391,7 @@ class GraphoptClient {
     this.maxMessageBytes = maxMessageBytes;
     this.deadlineSeconds = deadlineSeconds || null;
     this.protoPath = protoPath || process.env.GRAPHOPT_PROTO || DEFAULT_PROTO_PATH;
+    this.active = new Set();   // streaming calls in flight, for cancel()
 
     let credentials;
     if (tlsCaPath) {
@@ -489,6 +490,7 @@ class GraphoptClient {
     }
 
     const call = this.stub.Optimize(this.metadata(), this.callOptions());
+    this.active.add(call);
     const state = trackEnd(call);
     let uploadError = null;
     const uploading = upload(call, state, files, protoOptions, this.chunkBytes).catch((err) => {
@@ -530,6 +532,8 @@ class GraphoptClient {
     } catch (err) {
       await download.abort();
       throw toError(err);
+    } finally {
+      this.active.delete(call);
     }
   }
 
@@ -545,6 +549,7 @@ class GraphoptClient {
         else resolve(res);
       });
     });
+    this.active.add(call);
     const state = trackEnd(call);
     const uploading = upload(call, state, files, protoOptions, this.chunkBytes).catch((err) => {
       uploadError = err;
@@ -556,6 +561,8 @@ class GraphoptClient {
     } catch (err) {
       await uploading;
       throw uploadError || err;
+    } finally {
+      this.active.delete(call);
     }
     await uploading;
     if (uploadError) throw uploadError;
@@ -572,6 +579,14 @@ class GraphoptClient {
   async health(service = '') {
     const response = await this.unary(this.healthStub, 'Check', { service });
     return response.status;
+  }
+
+  /**
+   * Cancel the optimize and analyze calls in flight: each rejects with CANCELLED (the server
+   * stops their work) after removing what it had written.
+   */
+  cancel() {
+    for (const call of this.active) call.cancel();
   }
 
   close() {
