@@ -246,6 +246,7 @@ def test_optimize_gives_the_library_graph(node, server, resnet, tmp_path):
     assert f"wrote {out}" in done.stdout
     assert "strategy feng-huang" in done.stdout
     report = json.loads(report_path.read_text())
+    assert out.stat().st_size > 64 * 1024   # more than one response chunk below
     assert report["strategy"] == "feng-huang" and report["outputs_match"] is True
     assert "measured" not in report or not report["measured"]
     assert sorted(p.name for p in out.parent.iterdir()) == ["opt.onnx"]  # no temporary files left
@@ -254,6 +255,12 @@ def test_optimize_gives_the_library_graph(node, server, resnet, tmp_path):
     want = library_result(resnet)
     assert report["recompute_nodes"] > 0
     assert_same_graph(got, want)
+
+    # small messages both ways: 16 KiB upload chunks, response chunks under a 64 KiB limit
+    small = tmp_path / "small" / "opt.onnx"
+    run_cli(node, "optimize", model_path, "-o", small, "--server", server, "--strategy", "feng-huang",
+            "--no-measure", "--chunk-bytes", "16KiB", "--max-message-bytes", "64KiB")
+    assert_same_graph(onnx.load(str(small)), want)
 
 
 def test_external_data_is_uploaded(node, server, tmp_path):

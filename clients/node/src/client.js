@@ -481,6 +481,10 @@ class GraphoptClient {
     if (!outputPath) throw new ClientError('no output path');
     const protoOptions = toProtoOptions(options);
     if (protoOptions.plan) throw new ClientError('option plan is for analyze only');
+    if (!protoOptions.response_chunk_bytes && this.maxMessageBytes - CHUNK_OVERHEAD < DEFAULT_CHUNK_BYTES) {
+      // the server's default chunks (1 MiB) would not fit this client's message limit
+      protoOptions.response_chunk_bytes = String(this.maxMessageBytes - CHUNK_OVERHEAD);
+    }
     const files = await this.uploadPlan(modelPath);
     const download = new Download(outputPath);
     const uploaded = files.map((f) => path.resolve(f.localPath));
