@@ -62,8 +62,8 @@ def options_to_dict(options: pb.OptimizeOptions, max_threads: int) -> dict:
     for entry in options.input_dims:
         if not entry.name:
             raise ProtocolError("input_dims has an entry without a name")
-        if any(d <= 0 for d in entry.dims):
-            raise ProtocolError(f"input_dims[{entry.name!r}] has a dimension that is not positive: {list(entry.dims)}")
+        if any(d < 0 for d in entry.dims):
+            raise ProtocolError(f"input_dims[{entry.name!r}] has a negative dimension: {list(entry.dims)}")
         input_dims[entry.name] = list(entry.dims)
     if options.threads < 0 or options.threads > max_threads:
         raise ProtocolError(f"threads must be between 1 and {max_threads}, got {options.threads}")

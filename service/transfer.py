@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import posixpath
 import re
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -40,10 +41,10 @@ def safe_relative_path(text: str) -> PurePosixPath:
         raise ProtocolError("a file header has an empty path")
     if "\\" in text or "\x00" in text:
         raise ProtocolError(f"file path {text!r} must use '/' and no NUL characters")
-    path = PurePosixPath(text)
-    if path.is_absolute():
+    if PurePosixPath(text).is_absolute():
         raise ProtocolError(f"file path {text!r} is absolute; paths are relative to the model's folder")
-    if any(part in ("..", "") for part in path.parts) or path == PurePosixPath("."):
+    path = PurePosixPath(posixpath.normpath(text))   # 'a/../w.bin' is 'w.bin'
+    if path == PurePosixPath(".") or path.parts[0] == "..":
         raise ProtocolError(f"file path {text!r} points outside the model's folder")
     return path
 

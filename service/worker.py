@@ -50,6 +50,12 @@ def run_job(job: dict, progress) -> dict:
         tempfile.tempdir = None
 
 
+def without_server_paths(message: str, job: dict) -> str:
+    """The caller knows its files by their relative paths, not by this server's folders."""
+    upload = str(Path(job["model_path"]).parent)
+    return message.replace(upload + os.sep, "").replace(upload, ".")
+
+
 def error_class_name(exc: BaseException) -> str:
     """The most specific graphopt.errors class of `exc` (the server maps those to statuses)."""
     for cls in type(exc).__mro__:
@@ -75,7 +81,7 @@ def main() -> int:
             result = run_job(job, lambda stage, fraction: send({"progress": stage, "fraction": fraction}))
             send({"result": result})
         except Exception as exc:  # noqa: BLE001 - every failure goes back to the server, typed
-            send({"error": error_class_name(exc), "message": str(exc),
+            send({"error": error_class_name(exc), "message": without_server_paths(str(exc), job),
                   "least_feasible_peak_bytes": getattr(exc, "least_feasible_peak_bytes", None),
                   "traceback": traceback.format_exc()})
     return 0

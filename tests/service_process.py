@@ -45,11 +45,12 @@ class ServerProcess:
             time.sleep(0.1)
         return left
 
-    def wait_for_log(self, message: str, timeout_seconds: float = 30.0) -> dict:
+    def wait_for_log(self, message: str, timeout_seconds: float = 30.0, **fields) -> dict:
+        """The first log entry with this message (and these field values), waiting for it."""
         deadline = time.monotonic() + timeout_seconds
         while time.monotonic() < deadline:
             for entry in self.logs():
-                if entry.get("message") == message:
+                if entry.get("message") == message and all(entry.get(k) == v for k, v in fields.items()):
                     return entry
             time.sleep(0.1)
         raise AssertionError(f"no {message!r} in the server's log:\n{self.log_path.read_text()}")
