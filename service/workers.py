@@ -7,6 +7,7 @@ whose deadline passes, kills the group; a fresh worker takes its place.
 """
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
@@ -87,6 +88,7 @@ class WorkerPool:
         self._cond = threading.Condition()
         self._idle = [Worker(env) for _ in range(size)]
         self._all = set(self._idle)   # idle and busy
+        self._line: collections.deque = collections.deque()   # calls waiting for a worker, in order
         self._admitted = 0
         self._closed = False
 
@@ -150,14 +152,21 @@ class WorkerPool:
         return worker
 
     def _acquire(self, is_cancelled: Callable[[], bool]) -> Worker:
+        """A free worker, first come first served: a call takes one only at the head of the line."""
+        ticket = object()
         with self._cond:
-            while not self._idle:
-                if self._closed:
-                    raise ShuttingDownError("the server is shutting down")
-                if is_cancelled():
-                    raise CallCancelledError("the call was cancelled or its deadline passed while queued")
-                self._cond.wait(POLL_SECONDS)
-            return self._idle.pop()
+            self._line.append(ticket)
+            try:
+                while not (self._idle and self._line[0] is ticket):
+                    if self._closed:
+                        raise ShuttingDownError("the server is shutting down")
+                    if is_cancelled():
+                        raise CallCancelledError("the call was cancelled or its deadline passed while queued")
+                    self._cond.wait(POLL_SECONDS)
+                return self._idle.pop()
+            finally:
+                self._line.remove(ticket)
+                self._cond.notify_all()
 
     def _release(self, worker: Worker | None) -> None:
         with self._cond:
