@@ -17,6 +17,7 @@ import signal
 import tempfile
 import threading
 import time
+import traceback
 import uuid
 from concurrent import futures
 from contextlib import contextmanager
@@ -137,8 +138,10 @@ class GraphoptServicer(pb_grpc.GraphoptServicer):
             code, message = status_for(exc)
             status = code.name
             level = logging.ERROR if code == grpc.StatusCode.INTERNAL else logging.INFO
-            log.log(level, "call failed", extra={"fields": {**fields, "status": status, "error": message}},
-                    exc_info=code == grpc.StatusCode.INTERNAL and not isinstance(exc, ProtocolError))
+            details = {**fields, "status": status, "error": message}
+            if code == grpc.StatusCode.INTERNAL:   # a bug or a crash: keep where it happened
+                details["traceback"] = getattr(exc, "worker_traceback", None) or traceback.format_exc()
+            log.log(level, "call failed", extra={"fields": details})
             metadata = trailing_metadata_for(exc)
             if metadata:
                 context.set_trailing_metadata(metadata)
@@ -182,8 +185,6 @@ class GraphoptServicer(pb_grpc.GraphoptServicer):
             if "progress" in event:
                 yield event
             elif "error" in event:
-                if event.get("traceback") and event["error"] not in ("InvalidModelError",):
-                    log.debug("worker traceback", extra={"fields": {"traceback": event["traceback"]}})
                 raise error_from_worker(event)
             else:
                 yield event

@@ -67,7 +67,10 @@ def error_from_worker(payload: dict) -> BaseException:
     cls = LIBRARY_ERRORS.get(payload.get("error", ""))
     message = payload.get("message", "")
     if cls is errors.BudgetInfeasibleError:
-        return cls(message, payload.get("least_feasible_peak_bytes"))
-    if cls is not None:
-        return cls(message)
-    return WorkerFailedError(f"the worker failed ({payload.get('error')}): {message}")
+        error = cls(message, payload.get("least_feasible_peak_bytes"))
+    elif cls is not None:
+        error = cls(message)
+    else:
+        error = WorkerFailedError(f"the worker failed ({payload.get('error')}): {message}")
+    error.worker_traceback = payload.get("traceback")
+    return error
