@@ -166,7 +166,8 @@ def cmd_train_graph(args) -> int:
     from .ingest import load_model
     from .optimize import save_model
     forward = load_model(args.model)
-    train = build_training_graph(forward, loss=args.loss, freeze=args.freeze or ())
+    train = build_training_graph(forward, loss=args.loss, labels=args.labels, freeze=args.freeze or (),
+                                 class_axis=args.class_axis)
     save_model(train, args.output)
     grads = [o.name for o in train.graph.output][1:]
     print(f"wrote {args.output}: loss {train.graph.output[0].name!r}, {len(grads)} gradients, "
@@ -269,10 +270,14 @@ def build_parser() -> argparse.ArgumentParser:
     _input_options(p)
     p.set_defaults(func=cmd_measure)
 
-    p = sub.add_parser("train-graph", help="turn a forward model whose output is a loss into a training graph")
+    p = sub.add_parser("train-graph", help="turn a forward model into a training graph (loss, gradients)")
     p.add_argument("model", type=Path)
     p.add_argument("-o", "--output", type=Path, required=True)
-    p.add_argument("--loss", help="name of the loss output (default: the first output)")
+    p.add_argument("--loss", metavar="KIND",
+                   help="cross_entropy (class indices), mse, or output:NAME (the model computes its loss); "
+                        "default: the output named loss, else the first output, taken as the loss")
+    p.add_argument("--labels", default="labels", help="name of the label input the loss adds (default labels)")
+    p.add_argument("--class-axis", type=int, help="cross_entropy: the class axis (default 1 for rank 2, else last)")
     p.add_argument("--freeze", nargs="*", help="initializers that are not trained")
     p.set_defaults(func=cmd_train_graph)
 

@@ -191,7 +191,7 @@ def test_no_parameter_reaches_loss():
     with pytest.raises(InvalidModelError):
         build_training_graph(model)
     with pytest.raises(InvalidModelError):
-        build_training_graph(model, loss="nope")
+        build_training_graph(model, loss="output:nope")
     # a parameter reaching the loss only through its shape carries no gradient either
     model2 = _tiny([helper.make_node("Shape", ["w"], ["s"], name="shape"),
                     helper.make_node("Cast", ["s"], ["sf"], name="cast", to=TensorProto.FLOAT),

@@ -30,6 +30,10 @@ from onnx import TensorProto, helper, numpy_helper, shape_inference
 from graphopt.errors import InvalidModelError, UnsupportedOpError
 from graphopt.ingest import name_nodes
 
+from . import rules
+from .losses import LOSS_NAME, attach_loss, parse_loss
+from .training_mode import batchnorm_training, dropout_training
+
 __all__ = ["build_training_graph", "cleanup_graph"]
 
 FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16,
@@ -303,6 +307,7 @@ def _loss_name(model, loss):
 
 # floating-point operand slots no derivative flows through (sizes, scales, ratios)
 _NON_DIFFERENTIABLE_SLOTS = {"Resize": {1, 2, 3}, "Upsample": {1}, "Dropout": {1, 2},
+                             "BatchNormalization": {3, 4},
                              "ConstantOfShape": {0}, "EyeLike": {0},
                              "RandomNormalLike": {0}, "RandomUniformLike": {0},
                              "Bernoulli": {0}, "Multinomial": {0}}
@@ -335,12 +340,18 @@ def _check_ops(model, reaching):
 
 def build_training_graph(forward: onnx.ModelProto, loss: str | None = None,
                          parameters: list[str] | None = None,
-                         freeze: list[str] = ()) -> onnx.ModelProto:
-    """The training graph of `forward`: outputs ``loss`` then ``<param>_grad`` per parameter.
+                         freeze: list[str] = (), labels: str = "labels",
+                         class_axis: int | None = None) -> onnx.ModelProto:
+    """The training graph of `forward`: outputs ``loss``, then ``<param>_grad`` per parameter,
+    then the extra outputs of training-mode layers (updated BatchNormalization statistics
+    ``<stat>_updated``, Dropout masks).
 
-    `loss` names the scalar loss output (default: the output named ``loss``, else the first
-    output). `parameters` defaults to every floating-point initializer from which a
-    derivative reaches the loss, minus `freeze`.
+    `loss`: ``cross_entropy`` or ``mse`` put that loss on the forward's first output against a
+    new input `labels` (see graphopt/build/losses.py); ``output:NAME`` (or None: the output
+    named ``loss``, else the first output) takes the scalar loss the model computes.
+    `parameters` defaults to every floating-point initializer from which a derivative reaches
+    the loss, minus `freeze`. BatchNormalization and Dropout run in training mode
+    (graphopt/build/training_mode.py).
 
     Raises UnsupportedOpError for an operator without a gradient rule and InvalidModelError
     when the loss is not found, is not scalar-like, or no parameter reaches it.
@@ -352,8 +363,14 @@ def build_training_graph(forward: onnx.ModelProto, loss: str | None = None,
     if not isinstance(forward, onnx.ModelProto):
         raise InvalidModelError("forward must be an onnx.ModelProto")
 
+    rules.register()
+    kind, loss = parse_loss(loss)
     model = onnx.ModelProto()
     model.CopyFrom(forward)
+    extras = batchnorm_training(model) + dropout_training(model)
+    if kind != "output":
+        model = attach_loss(model, kind, labels, class_axis)
+        loss = LOSS_NAME
     graph = model.graph
     loss = _loss_name(model, loss)
 
@@ -370,7 +387,7 @@ def build_training_graph(forward: onnx.ModelProto, loss: str | None = None,
 
     initializers = {t.name: t for t in graph.initializer}
     reaching = _float_ancestors(inferred, loss, types)
-    frozen = set(freeze)
+    frozen = set(freeze) | set(extras.constants)
     if parameters is None:
         params = [t.name for t in graph.initializer
                   if t.data_type in FLOAT_TYPES and t.name in reaching
@@ -433,7 +450,7 @@ def build_training_graph(forward: onnx.ModelProto, loss: str | None = None,
         raise InvalidModelError("onnx-ad rejected the model: %s" % exc) from exc
 
     return _finish(reversed_model, loss, loss_shape, types.get(loss, TensorProto.FLOAT),
-                   params, initializers)
+                   params, initializers, extras, types)
 
 
 def _downstream(model, params):
@@ -444,7 +461,7 @@ def _downstream(model, params):
     return live
 
 
-def _finish(model, loss, loss_shape, loss_type, params, initializers):
+def _finish(model, loss, loss_shape, loss_type, params, initializers, extras, types):
     graph = model.graph
     seed_name = "adj_" + loss
     adj_names = {p: "adj_" + p for p in params}
@@ -494,6 +511,14 @@ def _finish(model, loss, loss_shape, loss_type, params, initializers):
             np.array(list(t.dims), dtype=np.int64), shape_name))
         nodes.append(helper.make_node("Reshape", [adj_names[p], shape_name], [grad]))
         outputs.append(helper.make_tensor_value_info(grad, t.data_type, list(t.dims)))
+    produced = {o for n in nodes for o in n.output} | {o for n in extras.nodes for o in n.output}
+    missing = [name for name in extras.outputs if name not in produced]
+    if missing:  # pragma: no cover - a bug if it happens
+        raise InvalidModelError(f"training-mode outputs lost while differentiating: {missing}")
+    nodes.extend(extras.nodes)
+    graph.initializer.extend(extras.initializers)
+    for name in extras.outputs:
+        outputs.append(helper.make_tensor_value_info(name, types.get(name, TensorProto.FLOAT), None))
     graph.ClearField("node")
     graph.node.extend(nodes)
     graph.ClearField("output")
@@ -501,8 +526,19 @@ def _finish(model, loss, loss_shape, loss_type, params, initializers):
     graph.ClearField("value_info")
 
     model = cleanup_graph(model)
-    # value_info for the planner; the seed axis is gone, so shapes are the real ones
+    # value_info for the planner; the seed axis is gone, so shapes are the real ones. The extra
+    # outputs were declared without shapes: infer them as intermediates, then declare them.
+    extra_names = set(extras.outputs)
+    declared = list(model.graph.output)
+    model.graph.ClearField("output")
+    model.graph.output.extend(o for o in declared if o.name not in extra_names)
     inferred = _infer(model)
+    inferred_types = {v.name: v.type for v in inferred.graph.value_info}
+    for output in declared:
+        if output.name in extra_names and output.name in inferred_types:
+            output.type.CopyFrom(inferred_types[output.name])
+    model.graph.ClearField("output")
+    model.graph.output.extend(declared)
     model.graph.ClearField("value_info")
     outputs_set = {v.name for v in model.graph.output}
     model.graph.value_info.extend(v for v in inferred.graph.value_info

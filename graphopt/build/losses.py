@@ -1,0 +1,121 @@
+"""Losses the builder puts on a forward model that returns a prediction.
+
+    cross_entropy   class indices in `labels` (int64); mean over every labelled position,
+                    like torch.nn.functional.cross_entropy. The class axis is 1 for rank-2
+                    logits and the last axis for higher ranks (language-model heads),
+                    unless `class_axis` says otherwise.
+    mse             a float `labels` shaped like the prediction; mean of squared differences.
+    output:NAME     the model computes its scalar loss itself, as output NAME.
+
+The prediction is the forward model's first output. Ops are standard ONNX (opset >= 13).
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from graphopt.errors import InvalidModelError, InvalidOptionError
+
+LOSS_KINDS = ("cross_entropy", "mse", "output:NAME")
+LOSS_NAME = "loss"
+
+
+def parse_loss(kind: str | None) -> tuple[str, str | None]:
+    """('output', NAME or None) | ('cross_entropy', None) | ('mse', None)."""
+    if kind is None:
+        return "output", None
+    if kind in ("cross_entropy", "mse"):
+        return kind, None
+    if kind.startswith("output:") and kind[len("output:"):]:
+        return "output", kind[len("output:"):]
+    raise InvalidOptionError(f"unknown loss {kind!r}: use one of {', '.join(LOSS_KINDS)}")
+
+
+def _fresh(taken: set[str], stem: str) -> str:
+    name, k = stem, 0
+    while name in taken:
+        k += 1
+        name = f"{stem}_{k}"
+    taken.add(name)
+    return name
+
+
+def _value_info(model: onnx.ModelProto, name: str):
+    for value in list(model.graph.output) + list(model.graph.value_info) + list(model.graph.input):
+        if value.name == name and value.type.HasField("tensor_type"):
+            return value.type.tensor_type
+    return None
+
+
+def attach_loss(model: onnx.ModelProto, kind: str, labels: str = "labels",
+                class_axis: int | None = None) -> onnx.ModelProto:
+    """A copy of `model` whose outputs are the scalar `loss` alone, computed from its first
+    output and a new `labels` input."""
+    if not model.graph.output:
+        raise InvalidModelError("the forward model has no outputs, so no prediction to put a loss on")
+    result = onnx.ModelProto()
+    result.CopyFrom(model)
+    graph = result.graph
+    prediction = graph.output[0].name
+    taken = ({v.name for v in graph.input} | {t.name for t in graph.initializer}
+             | {o for n in graph.node for o in n.output} | {n.name for n in graph.node})
+    if labels in taken:
+        raise InvalidModelError(f"the model already has a tensor named {labels!r}; pick another --labels name")
+    if LOSS_NAME in taken:
+        raise InvalidModelError(f"the model already has a tensor named {LOSS_NAME!r}; "
+                                f"if it is the loss, use --loss output:{LOSS_NAME}")
+    taken.add(labels)
+    inferred = onnx.shape_inference.infer_shapes(result, strict_mode=False)
+    info = _value_info(inferred, prediction)
+    if info is None or not info.HasField("shape"):
+        raise InvalidModelError(f"the shape of the prediction {prediction!r} cannot be inferred")
+    rank = len(info.shape.dim)
+    elem_type = info.elem_type
+    if elem_type not in (TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16):
+        raise InvalidModelError(f"the prediction {prediction!r} is not floating-point")
+    dims = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in info.shape.dim]
+    nodes, inits = [], []
+
+    def const(stem, array):
+        name = _fresh(taken, stem)
+        inits.append(numpy_helper.from_array(np.asarray(array), name))
+        return name
+
+    def node(op, inputs, stem, **attrs):
+        out = _fresh(taken, stem)
+        nodes.append(helper.make_node(op, inputs, [out], name=_fresh(taken, f"loss/{op}"), **attrs))
+        return out
+
+    if kind == "mse":
+        graph.input.append(helper.make_tensor_value_info(labels, elem_type, dims))
+        diff = node("Sub", [prediction, labels], "loss/diff")
+        squared = node("Mul", [diff, diff], "loss/squared")
+        nodes.append(helper.make_node("ReduceMean", [squared], [LOSS_NAME], name=_fresh(taken, "loss/mean"),
+                                      keepdims=0))
+    elif kind == "cross_entropy":
+        if rank < 2:
+            raise InvalidModelError(f"cross_entropy needs logits of rank >= 2, {prediction!r} has rank {rank}")
+        axis = (1 if rank == 2 else rank - 1) if class_axis is None else class_axis % rank
+        classes = dims[axis]
+        if not isinstance(classes, int) or classes <= 0:
+            raise InvalidModelError(f"the class axis {axis} of {prediction!r} has no static size")
+        label_dims = dims[:axis] + dims[axis + 1:]
+        graph.input.append(helper.make_tensor_value_info(labels, TensorProto.INT64, label_dims))
+        logits = prediction
+        if axis != rank - 1:  # classes last, then rows of classes
+            perm = [d for d in range(rank) if d != axis] + [axis]
+            logits = node("Transpose", [logits], "loss/classes_last", perm=perm)
+        rows = node("Reshape", [logits, const("loss/rows_shape", np.array([-1, classes], np.int64))], "loss/rows")
+        log_probs = node("LogSoftmax", [rows], "loss/log_probs", axis=1)
+        column = node("Reshape", [labels, const("loss/column_shape", np.array([-1, 1], np.int64))], "loss/labels")
+        picked = node("GatherElements", [log_probs, column], "loss/picked", axis=1)
+        mean = node("ReduceMean", [picked], "loss/mean", keepdims=0)
+        nodes.append(helper.make_node("Neg", [mean], [LOSS_NAME], name=_fresh(taken, "loss/Neg")))
+    else:
+        raise InvalidOptionError(f"attach_loss: unknown kind {kind!r}")
+    graph.node.extend(nodes)
+    graph.initializer.extend(inits)
+    graph.ClearField("output")
+    graph.output.append(helper.make_tensor_value_info(LOSS_NAME, elem_type, []))
+    return result
