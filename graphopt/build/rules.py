@@ -1,4 +1,8 @@
-"""Gradient rules graphopt adds to onnx-ad's registry (onnx_ad.rules.REVERSE).
+"""Gradient rules graphopt adds to onnx-ad's registry (onnx_ad.rules).
+
+* Relu (and LeakyRelu with alpha > 0): the derivative reads the output (y > 0), not the
+  input, as PyTorch does: the input is freed after the forward instead of being kept for
+  the backward next to the output (on resnet that kept both, about twice the stored tensors).
 
 * BatchNormalization in training mode: onnx-ad differentiates only the inference form (an
   affine map). In training mode the batch statistics depend on x; the backward here reads
@@ -42,6 +46,23 @@ def _batch_norm_reverse(ctx, node, grads):
     return [dx, per_channel(op("Mul", [seeded, ctx.lift(standardized)])), per_channel(seeded), None, None]
 
 
+def _d_relu(ctx, node, x, y, dtype):
+    return ctx.b.op("Cast", [ctx.b.op("Greater", [y, ctx.constant(0.0, dtype)])], to=dtype)
+
+
+def _d_leaky_relu(ctx, node, x, y, dtype):
+    alpha = attribute(node, "alpha", 0.01)
+    if alpha <= 0:  # the sign of y no longer tells the branch
+        return _LEAKY_RELU(ctx, node, x, y, dtype)
+    positive = ctx.b.op("Greater", [y, ctx.constant(0.0, dtype)])
+    return ctx.b.op("Where", [positive, ctx.constant(1.0, dtype), ctx.constant(alpha, dtype)])
+
+
+_LEAKY_RELU = _onnx_ad_rules.DERIVATIVE["LeakyRelu"]
+
+
 def register() -> None:
     """Install graphopt's rules (idempotent)."""
     _onnx_ad_rules.REVERSE["BatchNormalization"] = _batch_norm_reverse
+    _onnx_ad_rules.DERIVATIVE["Relu"] = _d_relu
+    _onnx_ad_rules.DERIVATIVE["LeakyRelu"] = _d_leaky_relu
