@@ -7,9 +7,13 @@ repeated embedding indices, ort-facts.md section 6) -> compared with the module 
 mode under torch autograd: the loss, every parameter's gradient, BatchNorm's updated running
 statistics. Then the training graph goes through graphopt's pipeline, outputs compared.
 
-Error measure: max|x - x_torch| / max|x_torch| <= 1e-3. A gradient that is zero in exact
-arithmetic (the attention keys' bias: softmax ignores a shift common to a row) is rounding
-noise in both, so its denominator is floored at 1e-3 x the largest gradient of the model.
+Error measure: max|x - x_torch| / max|x_torch| <= 1e-3 for the loss and the gradients. A
+gradient that is zero in exact arithmetic (the attention keys' bias: softmax ignores a shift
+common to a row) is rounding noise in both, so its denominator is floored at 1e-3 x the
+largest gradient of the model. The updated BatchNorm statistics are one reduction away from
+the data (about 1e-7 apart when right), and what goes wrong with them is small: biased
+instead of unbiased variance changes them by momentum/(n-1), 8e-4 at n = 128 values per
+channel; so they are held to 1e-5.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 torch = pytest.importorskip("torch")
 ort = pytest.importorskip("onnxruntime")
+ort.set_default_logger_severity(3)   # no warning per overridable initializer
 pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"),
               pytest.mark.filterwarnings("ignore::UserWarning"),
               pytest.mark.filterwarnings("ignore::FutureWarning")]
@@ -40,7 +45,8 @@ from graphopt.optimize import OptimizeOptions, optimize  # noqa: E402
 
 F = torch.nn.functional
 TOL = 1e-3
-THREADS = (1, 4)
+STAT_TOL = 1e-5
+THREADS = (1, 2, 4)   # 2 as well: on this 2-core machine the race showed in 10 of 10 runs with 2 threads, 3 of 10 with 4
 NAMES = list(ZOO)
 # operators each forward must contain (the zoo is real in structure)
 EXPECTED_OPS = {
@@ -259,7 +265,11 @@ def test_builder_matches_torch(name):
     onnx.checker.check_model(train)
     entry = ZOO[name]()          # fresh and deterministic: the values the export holds
     feeds = _feeds(entry)
-    assert [i.name for i in train.graph.input] == list(entry.inputs) + ["labels"]
+    # inputs without an initializer (the ones a caller must feed): the data, then labels;
+    # an input that has an initializer (a BatchNorm statistic, overridable) is optional
+    overridable = {t.name for t in train.graph.initializer}
+    assert [i.name for i in train.graph.input if i.name not in overridable] == \
+        list(entry.inputs) + ["labels"]
     grads, stats, mask_names = _classify_outputs(forward, train)
     params = _match_parameters(entry.module, forward, grads)
     stat_outputs = _match_statistics(entry.module, forward, stats)
@@ -313,18 +323,18 @@ def test_builder_matches_torch(name):
             err = _rel(results[out], expected)
             if err > worst_stat[1]:
                 worst_stat = (out, err)
-            if err > TOL:
+            if err > STAT_TOL:
                 failures.append("%d thread(s): running statistic %s (torch %s) relative error "
                                 "%.3g" % (threads, out, full, err))
         worst[threads] = {"loss": loss_err, "grad": worst_grad, "stat": worst_stat}
     RESULTS.setdefault(name, {}).update(worst=worst, build_seconds=build_seconds,
                                         seconds=time.perf_counter() - started,
                                         gradients=len(torch_grads), statistics=len(torch_stats))
-    print("\n%-12s loss err %.2g | worst grad %s %.2g (1 thr) %.2g (4 thr) | worst stat %.2g | "
-          "build %.1fs, test %.1fs" % (name, max(w["loss"] for w in worst.values()),
-                                       worst[4]["grad"][0], worst[1]["grad"][1], worst[4]["grad"][1],
-                                       max(w["stat"][1] for w in worst.values()), build_seconds,
-                                       time.perf_counter() - started))
+    worst_thread = max(worst, key=lambda t: worst[t]["grad"][1])
+    print("\n%-12s loss %.2g | worst gradient %s: %s | worst statistic %.2g | build %.1fs, test %.1fs"
+          % (name, max(w["loss"] for w in worst.values()), worst[worst_thread]["grad"][0],
+             ", ".join("%.2g (%d thr)" % (worst[t]["grad"][1], t) for t in THREADS),
+             max(w["stat"][1] for w in worst.values()), build_seconds, time.perf_counter() - started))
     assert not failures, "%s: %d mismatches against torch:\n  %s" % (
         name, len(failures), "\n  ".join(failures[:20]))
 
