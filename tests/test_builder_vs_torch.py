@@ -253,9 +253,13 @@ def test_zoo_forward_is_real(name):
     if name == "dropout_mlp":
         assert sum(n.op_type == "Dropout" for n in forward.graph.node) == 2
     if name in ("resnet", "densenet", "mobilenet", "randwire"):
-        # eval form: BatchNormalization without its training outputs
-        assert all(len([o for o in n.output if o]) == 1
-                   for n in forward.graph.node if n.op_type == "BatchNormalization")
+        # eval form: BatchNormalization without its training outputs; ONNX momentum is
+        # 1 - torch's
+        bns = [n for n in forward.graph.node if n.op_type == "BatchNormalization"]
+        assert bns and all(len([o for o in n.output if o]) == 1 for n in bns)
+        for n in bns:
+            momentum = next(a.f for a in n.attribute if a.name == "momentum")
+            assert abs(momentum - (1 - 0.1)) < 1e-6, (n.name, momentum)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -391,3 +395,48 @@ def test_op_coverage_helper():
     coverage = op_coverage(["mlp", "unet"])
     assert coverage["mlp"] == ["Gemm", "Relu", "Tanh"]
     assert "ConvTranspose" in coverage["unet"]
+
+
+def _linear_with_transposed_weight():
+    """A torch Linear and a hand-written ONNX forward holding its weight transposed under an
+    exporter-style name (MatMul(x, W^T) + b), as exporters do for some layouts."""
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(6, 4))
+    w, b = module[0].weight.detach().numpy(), module[0].bias.detach().numpy()
+    nodes = [helper.make_node("MatMul", ["x", "onnx::MatMul_7"], ["mm"], name="mm"),
+             helper.make_node("Add", ["mm", "0.bias"], ["logits"], name="add")]
+    graph = helper.make_graph(
+        nodes, "linear", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 6])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [3, 4])],
+        [numpy_helper.from_array(np.ascontiguousarray(w.T), "onnx::MatMul_7"),
+         numpy_helper.from_array(b, "0.bias")])
+    return module, helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_parameters_are_matched_by_value_and_transposed():
+    module, forward = _linear_with_transposed_weight()
+    grads = {"onnx::MatMul_7": "onnx::MatMul_7_grad", "0.bias": "0.bias_grad"}
+    assert _match_parameters(module, forward, grads) == {
+        "0.weight": ("onnx::MatMul_7", "transpose"), "0.bias": ("0.bias", "same")}
+    with pytest.raises(AssertionError, match="0.weight"):       # a parameter without gradient
+        _match_parameters(module, forward, {"0.bias": "0.bias_grad"})
+    with pytest.raises(AssertionError, match="no torch parameter"):   # a gradient without parameter
+        _match_parameters(torch.nn.Sequential(), forward, grads)
+
+
+def test_transposed_weight_gradient_matches_torch():
+    """The same comparison as the zoo's, end to end, for a parameter held transposed."""
+    _require_loss_api()
+    module, forward = _linear_with_transposed_weight()
+    x = torch.randn(3, 6, generator=torch.Generator().manual_seed(1))
+    labels = torch.tensor([0, 3, 1])
+    train = build_training_graph(forward, loss="cross_entropy")
+    grads, _, _ = _classify_outputs(forward, train)
+    matched = _match_parameters(module, forward, grads)
+    results = _run_ort(train, {"x": x.numpy(), "labels": labels.numpy()}, 1)
+    loss = F.cross_entropy(module(x), labels)
+    loss.backward()
+    assert abs(float(results["loss"]) - float(loss)) <= TOL * abs(float(loss))
+    for name, (onnx_name, layout) in matched.items():
+        g = dict(module.named_parameters())[name].grad.numpy()
+        assert _rel(results[grads[onnx_name]], g.T if layout == "transpose" else g) <= TOL, name
