@@ -126,8 +126,15 @@ def is_random(node: onnx.NodeProto) -> bool:
     return node.op_type in RANDOM_OPS or has_subgraph
 
 
+# Ops whose optional outputs go together: ONNX Runtime takes BatchNormalization with 1 or
+# 3 outputs (training mode writes both running statistics), never 2.
+ALL_OR_NOTHING_OUTPUTS = frozenset({"BatchNormalization"})
+
+
 def optional_output_positions(node: onnx.NodeProto, opset: int) -> set[int]:
     """Positions of outputs that the op's schema declares optional (may be left unnamed)."""
+    if node.op_type in ALL_OR_NOTHING_OUTPUTS:
+        return set()
     try:
         schema = defs.get_schema(node.op_type, opset, node.domain)
     except Exception:

@@ -4,6 +4,9 @@
   input, as PyTorch does: the input is freed after the forward instead of being kept for
   the backward next to the output (on resnet that kept both, about twice the stored tensors).
 
+* The weight of a grouped Conv (depthwise, MobileNet) and of a ConvTranspose (U-Net):
+  onnx-ad refuses both. Both are one grouped convolution of the (padded) input with the
+  output's adjoint as filters, after moving the batch into the channels (weight_gradient).
 * BatchNormalization in training mode: onnx-ad differentiates only the inference form (an
   affine map). In training mode the batch statistics depend on x; the backward here reads
   only x and the scale, recomputing mean and 1/std from x, so what is kept for the backward
@@ -14,9 +17,102 @@
 from __future__ import annotations
 
 from onnx_ad import rules as _onnx_ad_rules
-from onnx_ad._build import attribute
+from onnx_ad._build import UnsupportedOperator, attribute
 
 _INFERENCE_BATCH_NORM = _onnx_ad_rules.REVERSE["BatchNormalization"]
+_CONV = _onnx_ad_rules.REVERSE["Conv"]
+_CONV_TRANSPOSE = _onnx_ad_rules.REVERSE["ConvTranspose"]
+_conv_attributes = _onnx_ad_rules._conv_attributes   # onnx-ad's own reading of the attributes
+
+
+def weight_gradient(ctx, source, source_shape, adjoint, adjoint_shape, kernel, strides, dilations, pads, group):
+    """sum over the batch of correlations of `source` [N, C, *S] (padded by `pads`) with
+    `adjoint` [N, F, *T] (no seed axis): a weight gradient [F, C/group, *kernel].
+
+    dW[f, c, k] = sum_{n,t} adjoint[n, f, t] * source_padded[n, g(f)*C/group + c, t*stride + k*dilation]:
+    a convolution of source with adjoint as filters, batch moved into the channels, strides
+    and dilations swapped, groups kept, the overhang cropped to the kernel."""
+    op, ints = ctx.b.op, ctx.b.ints
+    if source_shape is None or adjoint_shape is None or None in source_shape or None in adjoint_shape:
+        raise UnsupportedOperator("a grouped or transposed convolution's weight gradient needs static shapes")
+    batch, channels, spatial_size = source_shape[0], source_shape[1], list(source_shape[2:])
+    filters, spatial = adjoint_shape[1], len(source_shape) - 2
+    per_group_in, per_group_out = channels // group, filters // group
+    padded = source
+    if any(pads):
+        padded = op("Pad", [source, ints([0, 0] + list(pads[:spatial]) + [0, 0] + list(pads[spatial:]))],
+                    stem="w_pad")
+        spatial_size = [d + pads[i] + pads[spatial + i] for i, d in enumerate(spatial_size)]
+    moved = list(range(3, 3 + spatial))
+    # source [N, g, C/g, *S] -> [C/g, g, N, *S] -> [C/g, g*N, *S]
+    inputs = op("Reshape", [op("Transpose", [op("Reshape", [padded, ints([batch, group, per_group_in] +
+                                                                           spatial_size)])],
+                               perm=[2, 1, 0] + moved), ints([per_group_in, group * batch] + spatial_size)],
+                stem="w_inputs")
+    # adjoint [N, g, F/g, *T] -> [g, F/g, N, *T] -> [F, N, *T]
+    bank = op("Reshape", [op("Transpose", [op("Reshape", [adjoint, ints([batch, group, per_group_out] +
+                                                                       list(adjoint_shape[2:]))])],
+                             perm=[1, 2, 0] + moved), ints([filters, batch] + list(adjoint_shape[2:]))],
+              stem="w_bank")
+    product = op("Conv", [inputs, bank], strides=list(dilations), dilations=list(strides),
+                 pads=[0] * (2 * spatial), group=group, stem="w_conv")
+    product = op("Slice", [product, ints([0] * spatial), ints(list(kernel)), ints(list(range(2, 2 + spatial)))],
+                 stem="w_crop")
+    # [C/g, F, *kernel] -> [F, C/g, *kernel]
+    return op("Transpose", [product], perm=[1, 0] + list(range(2, 2 + spatial)), stem="w_grad")
+
+
+def _with_seed_axis(ctx, value):
+    return ctx.unsqueeze(value, [-1])
+
+
+def _without_seed_axis(ctx, seeded, primal):
+    static = ctx.shapes.static(primal)
+    return ctx.b.op("Reshape", [seeded, ctx.b.ints(list(static))], stem="unseeded")
+
+
+def _all_but_weight(rule, ctx, node, grads):
+    """onnx-ad's own rule for every operand of `node` but its weight (input 1)."""
+    weight = node.input[1]
+    asked_for = ctx.asked_for
+    ctx.asked_for = lambda name: name != weight and asked_for(name)
+    try:
+        return rule(ctx, node, grads)
+    finally:
+        del ctx.asked_for
+
+
+def _conv_reverse(ctx, node, grads):
+    attrs, spatial = _conv_attributes(ctx, node)
+    w = node.input[1]
+    if attrs["group"] == 1 or not ctx.asked_for(w):
+        return _CONV(ctx, node, grads)
+    # everything but the weight as onnx-ad does it, then the weight here
+    contributions = _all_but_weight(_CONV, ctx, node, grads)
+    kernel = ctx.shapes.static(w)
+    adjoint = _without_seed_axis(ctx, ctx.full(grads[0], node.output[0]), node.output[0])
+    contributions[1] = _with_seed_axis(ctx, weight_gradient(
+        ctx, node.input[0], ctx.shapes.static(node.input[0]), adjoint, ctx.shapes.static(node.output[0]),
+        kernel[2:], attrs["strides"], attrs["dilations"], attrs["pads"],
+        attrs["group"]))
+    return contributions
+
+
+def _conv_transpose_reverse(ctx, node, grads):
+    w = node.input[1]
+    if not ctx.asked_for(w):
+        return _CONV_TRANSPOSE(ctx, node, grads)
+    attrs, spatial = _conv_attributes(ctx, node)
+    contributions = _all_but_weight(_CONV_TRANSPOSE, ctx, node, grads)
+    kernel = ctx.shapes.static(w)
+    # y = ConvTranspose(x, W) is the input-adjoint of a convolution from y's space to x's, so
+    # dW is that convolution's weight gradient with the roles swapped: source = dy, adjoint = x
+    adjoint = _without_seed_axis(ctx, ctx.full(grads[0], node.output[0]), node.output[0])
+    contributions[1] = _with_seed_axis(ctx, weight_gradient(
+        ctx, adjoint, ctx.shapes.static(node.output[0]), node.input[0], ctx.shapes.static(node.input[0]),
+        kernel[2:], attrs["strides"], attrs["dilations"], attrs["pads"],
+        attrs["group"]))
+    return contributions
 
 
 def _batch_norm_reverse(ctx, node, grads):
@@ -64,5 +160,7 @@ _LEAKY_RELU = _onnx_ad_rules.DERIVATIVE["LeakyRelu"]
 def register() -> None:
     """Install graphopt's rules (idempotent)."""
     _onnx_ad_rules.REVERSE["BatchNormalization"] = _batch_norm_reverse
+    _onnx_ad_rules.REVERSE["Conv"] = _conv_reverse
+    _onnx_ad_rules.REVERSE["ConvTranspose"] = _conv_transpose_reverse
     _onnx_ad_rules.DERIVATIVE["Relu"] = _d_relu
     _onnx_ad_rules.DERIVATIVE["LeakyRelu"] = _d_leaky_relu

@@ -33,7 +33,7 @@ from graphopt.ingest import name_nodes
 from . import rules
 from .deterministic import scatter_nd_rows_to_elements
 from .losses import LOSS_NAME, attach_loss, parse_loss
-from .training_mode import batchnorm_training, dropout_training
+from .training_mode import batchnorm_training, copy_statistics_inputs, dropout_training
 
 __all__ = ["build_training_graph", "cleanup_graph"]
 
@@ -528,6 +528,7 @@ def _finish(model, loss, loss_shape, loss_type, params, initializers, extras, ty
 
     model = cleanup_graph(model)
     scatter_nd_rows_to_elements(model)
+    copy_statistics_inputs(model)
     # value_info for the planner; the seed axis is gone, so shapes are the real ones. The extra
     # outputs were declared without shapes: infer them as intermediates, then declare them.
     extra_names = set(extras.outputs)

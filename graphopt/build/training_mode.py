@@ -88,6 +88,32 @@ def _resolve_buffer(model, name: str, producers: dict) -> onnx.TensorProto | Non
     return initializers[name]
 
 
+def _own_buffer(model, graph, bn, slot, producers, readers, names, dropped) -> str:
+    """The initializer holding running statistic `slot` of `bn`, made its own (exporters alias
+    equal-valued initializers, e.g. a fresh running_var to a weight of ones), and declared a
+    graph input with that default (a trainer feeds the current statistics each step; and
+    ONNX Runtime's Conv+BatchNormalization fusion, which treats the node as inference-mode,
+    cannot fire on statistics that are not constant)."""
+    name = bn.input[slot]
+    source = _resolve_buffer(model, name, producers)
+    if source is None:
+        raise InvalidModelError(f"BatchNormalization {bn.name!r}: running statistic {name!r} is "
+                                "not an initializer; cannot train it")
+    if not (source.name == name and readers.get(name, 0) == 1):
+        alias = producers.get(name)
+        if alias is not None and alias.op_type == "Identity" and readers.get(name, 0) == 1:
+            dropped.add(id(alias))   # the alias fed only this node: the buffer takes its name
+            buffer_name = name
+        else:
+            buffer_name = names.fresh(f"{name}.buffer")
+        graph.initializer.append(numpy_helper.from_array(numpy_helper.to_array(source).copy(), buffer_name))
+        name = buffer_name
+    if name not in {i.name for i in graph.input}:
+        initializer = next(t for t in graph.initializer if t.name == name)
+        graph.input.append(helper.make_tensor_value_info(name, initializer.data_type, list(initializer.dims)))
+    return name
+
+
 def batchnorm_training(model: onnx.ModelProto) -> Extras:
     """In place: every BatchNormalization in training mode, updated running statistics as extras."""
     batchnorms = [n for n in model.graph.node if n.op_type == "BatchNormalization" and n.domain in ("", "ai.onnx")]
@@ -98,63 +124,46 @@ def batchnorm_training(model: onnx.ModelProto) -> Extras:
         raise InvalidModelError(f"BatchNormalization in training mode needs opset >= {MIN_OPSET}, the model has "
                                 f"opset {_opset(model)}; convert it with onnx.version_converter first")
     names = _Names(model)
-    producers = {o: n for n in model.graph.node for o in n.output if o}
     graph = model.graph
+    producers = {o: n for n in graph.node for o in n.output if o}
     readers: dict[str, int] = {}
     for node in graph.node:
         for name in node.input:
             readers[name] = readers.get(name, 0) + 1
-    dropped = set()   # Identity nodes that only aliased a running statistic
+    ones: dict[int, str] = {}   # element type -> a constant 1 of that type
+    dropped = set()   # Identity aliases to remove
     for bn in batchnorms:
-        for slot in (3, 4):
-            name = bn.input[slot]
-            source = _resolve_buffer(model, name, producers)
-            if source is None:
-                raise InvalidModelError(f"BatchNormalization {bn.name!r}: running statistic {name!r} is "
-                                        "not an initializer; cannot train it")
-            if source.name == name and readers.get(name, 0) == 1:
-                continue   # its own buffer already
-            # exporters alias equal-valued initializers (a fresh running_var to a weight of ones):
-            # give the statistic a buffer of its own, under its name when the alias only fed this node
-            alias = producers.get(name)
-            if alias is not None and alias.op_type == "Identity" and readers.get(name, 0) == 1:
-                dropped.add(id(alias))
-                buffer_name = name
-            else:
-                buffer_name = names.fresh(f"{name}.buffer")
-            graph.initializer.append(numpy_helper.from_array(numpy_helper.to_array(source).copy(), buffer_name))
-            bn.input[slot] = buffer_name
-        for name in bn.input[3:5]:
-            # a graph input with the initializer as its default: a trainer feeds the current
-            # statistics each step, and ONNX Runtime's Conv+BatchNormalization fusion (which
-            # treats the node as inference-mode) cannot fire on statistics that are not constant
-            if name not in {i.name for i in graph.input}:
-                source = next(t for t in graph.initializer if t.name == name)
-                graph.input.append(helper.make_tensor_value_info(name, source.data_type, list(source.dims)))
+        mean_in, var_in = (_own_buffer(model, graph, bn, slot, producers, readers, names, dropped) for slot in (3, 4))
+        elem_type = next(t.data_type for t in graph.initializer if t.name == var_in)
+        np_dtype = helper.tensor_dtype_to_np_dtype(elem_type)
+        if elem_type not in ones:
+            ones[elem_type] = names.fresh("batchnorm/one")
+            graph.initializer.append(numpy_helper.from_array(np.array(1, np_dtype), ones[elem_type]))
+            extras.constants.append(ones[elem_type])
+        one = ones[elem_type]
+        bn.input[3], bn.input[4] = mean_in, var_in
         momentum = float(_attribute(bn, "momentum", 0.9))
         _set_attribute(bn, "training_mode", 1)
-        mean_in, var_in = bn.input[3], bn.input[4]
         mean_out = names.fresh(f"{mean_in}_updated")
         var_onnx = names.fresh(f"{var_in}_biased_update")
         var_out = names.fresh(f"{var_in}_updated")
         del bn.output[1:]
         bn.output.extend([mean_out, var_onnx])
         # unbiased running variance: var_out = c * var_onnx + (1 - c) * momentum * var_in, c = n / (n - 1)
-        channels = int(np.prod([t.dims for t in graph.initializer if t.name == bn.input[1]][0]))
+        channels = int(np.prod(next(t.dims for t in graph.initializer if t.name == bn.input[1])))
         k = lambda stem: names.fresh(f"{bn.name}/unbiased/{stem}")  # noqa: E731
         size, size_f, n, n_minus_1, c, one_minus_c, a, b, scaled = (k(s) for s in (
             "size", "size_f", "n", "n_minus_1", "c", "one_minus_c", "a", "b", "scaled"))
-        channels_name, one_name, momentum_name = k("channels"), k("one"), k("momentum")
-        extras.initializers.extend([numpy_helper.from_array(np.array(channels, np.float32), channels_name),
-                                  numpy_helper.from_array(np.array(1.0, np.float32), one_name),
-                                  numpy_helper.from_array(np.array(momentum, np.float32), momentum_name)])
+        channels_name, momentum_name = k("channels"), k("momentum")
+        extras.initializers.extend([numpy_helper.from_array(np.array(channels, np_dtype), channels_name),
+                                    numpy_helper.from_array(np.array(momentum, np_dtype), momentum_name)])
         extras.nodes += [
             helper.make_node("Size", [bn.input[0]], [size], name=k("Size")),
-            helper.make_node("Cast", [size], [size_f], name=k("Cast"), to=TensorProto.FLOAT),
+            helper.make_node("Cast", [size], [size_f], name=k("Cast"), to=elem_type),
             helper.make_node("Div", [size_f, channels_name], [n], name=k("Div_n")),
-            helper.make_node("Sub", [n, one_name], [n_minus_1], name=k("Sub")),
+            helper.make_node("Sub", [n, one], [n_minus_1], name=k("Sub")),
             helper.make_node("Div", [n, n_minus_1], [c], name=k("Div_c")),
-            helper.make_node("Sub", [one_name, c], [one_minus_c], name=k("Sub_c")),
+            helper.make_node("Sub", [one, c], [one_minus_c], name=k("Sub_c")),
             helper.make_node("Mul", [var_onnx, c], [a], name=k("Mul_a")),
             helper.make_node("Mul", [one_minus_c, momentum_name], [scaled], name=k("Mul_m")),
             helper.make_node("Mul", [var_in, scaled], [b], name=k("Mul_b")),
@@ -165,6 +174,37 @@ def batchnorm_training(model: onnx.ModelProto) -> Extras:
     graph.ClearField("node")
     graph.node.extend(kept)
     return extras
+
+
+def copy_statistics_inputs(model: onnx.ModelProto) -> None:
+    """In place, on the finished training graph: each training-mode BatchNormalization reads
+    copies of its running statistics, made right before it.
+
+    ONNX Runtime may write the updated statistics into the buffers of those inputs; a copy
+    keeps the fed statistics intact for whatever reads them later (the variance correction,
+    a recomputed clone of the node) and keeps a trainer's own arrays untouched. The copies
+    are added after differentiation, where nothing folds them into constants."""
+    graph = model.graph
+    names = _Names(model)
+    ones: dict[int, str] = {}
+    elem_types = {t.name: t.data_type for t in graph.initializer}
+    nodes = []
+    for node in graph.node:
+        if node.op_type == "BatchNormalization" and _attribute(node, "training_mode", 0):
+            for slot in (3, 4):
+                source = node.input[slot]
+                elem_type = elem_types.get(source, TensorProto.FLOAT)
+                if elem_type not in ones:
+                    ones[elem_type] = names.fresh("batchnorm/copy_one")
+                    graph.initializer.append(numpy_helper.from_array(
+                        np.array(1, helper.tensor_dtype_to_np_dtype(elem_type)), ones[elem_type]))
+                copy = names.fresh(f"{source}.copy")
+                nodes.append(helper.make_node("Mul", [source, ones[elem_type]], [copy],
+                                              name=names.fresh(f"{node.name}/copy")))
+                node.input[slot] = copy
+        nodes.append(node)
+    graph.ClearField("node")
+    graph.node.extend(nodes)
 
 
 def dropout_training(model: onnx.ModelProto) -> Extras:
