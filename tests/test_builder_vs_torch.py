@@ -62,6 +62,7 @@ EXPECTED_OPS = {
     "vit": {"Conv", "Concat", "LayerNormalization", "MatMul", "Softmax"},
     "dropout_mlp": {"Dropout"},
     "randwire": {"Conv", "BatchNormalization", "Add"},
+    "fpn": {"Split", "Resize", "Slice", "Pad", "Concat", "LeakyRelu", "Sigmoid"},
 }
 RESULTS: dict[str, dict] = {}   # architecture -> worst errors, seconds (printed with -s)
 

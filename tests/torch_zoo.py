@@ -479,10 +479,38 @@ def _randomize_norms(module, g):
                 m.running_var.copy_(0.5 + torch.rand(n, generator=g))
 
 
+class FeaturePyramid(nn.Module):
+    """Split channels into two paths (Split), one at half resolution brought back by
+    bilinear and nearest Resize, LeakyRelu and Sigmoid; Slice; Concat; a 1x1 Conv head."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(2, 8, 3, padding=1)
+        self.down = nn.Conv2d(4, 4, 3, stride=2, padding=1)
+        self.side = nn.Conv2d(4, 4, 3, padding=1)
+        self.head = nn.Conv2d(12, 2, 1)
+
+    def forward(self, x):
+        a, b = torch.split(F.leaky_relu(self.stem(x), 0.1), 4, dim=1)
+        low = torch.sigmoid(self.down(a))
+        up_bilinear = F.interpolate(low, scale_factor=2.0, mode="bilinear", align_corners=False)
+        up_nearest = F.interpolate(low, scale_factor=2.0, mode="nearest")
+        side = self.side(b)[:, :, 1:-1, 1:-1]
+        side = F.pad(side, (1, 1, 1, 1))
+        return self.head(torch.cat([up_bilinear, up_nearest, side], dim=1))
+
+
+def fpn():
+    g = _gen(13)
+    module = FeaturePyramid()
+    x = torch.randn(2, 2, 12, 12, generator=g)
+    return ZooEntry("fpn", module, {"x": x}, "mse", torch.randn(2, 2, 12, 12, generator=g))
+
+
 ZOO: dict[str, Callable[[], ZooEntry]] = {
     "mlp": mlp, "vgg": vgg, "resnet": resnet, "densenet": densenet, "mobilenet": mobilenet,
     "unet": unet, "lstm": lstm, "bert": bert, "gpt": gpt, "vit": vit,
-    "dropout_mlp": dropout_mlp, "randwire": randwire,
+    "dropout_mlp": dropout_mlp, "randwire": randwire, "fpn": fpn,
 }
 
 
