@@ -70,7 +70,9 @@ import pytorch_compare  # noqa: E402  (benchmarks/pytorch_compare.py: the torch 
 SCALES = {
     "mlp": 16384, "vgg": 256, "resnet": 80, "densenet": 80, "mobilenet": 64, "unet": 64,
     "lstm": 1024, "bert": 512, "gpt": 1, "vit": 256, "dropout_mlp": 16384, "randwire": 256,
+    "fpn": 384,
 }
+FALLBACK_SCALE = 64    # a zoo architecture not in SCALES yet
 TARGET = 1.25          # issue 5: the built graph's peak within 1.25x of PyTorch eager's
 SEED = 2024
 
@@ -413,7 +415,7 @@ def live_at(graph, schedule, step: int) -> dict[str, int]:
 
 def parse_scales(text: str, names) -> dict[str, int]:
     """'auto' | 'N' | 'NAME=N,...' -> model -> batch multiplier."""
-    scales = {n: SCALES.get(n, 1) for n in names}
+    scales = {n: SCALES.get(n, FALLBACK_SCALE) for n in names}
     text = (text or "auto").strip()
     if text == "auto":
         return scales
