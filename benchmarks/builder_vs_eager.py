@@ -199,13 +199,13 @@ def measure_torch(name: str, inputs_path: str, config: str = "eager", timeout: f
 def prepare(name: str, scale: int, folder: str) -> dict:
     """Export at the scaled batch and save the inputs, then build the training graph and save
     it (a build error is recorded as "error"; the inputs are there for torch anyway)."""
+    import torch
     from graphopt.build.train_graph import build_training_graph
     from graphopt.inputs import save_inputs
     from graphopt.optimize import save_model
     from torch_zoo import export
 
     entry = _zoo()[name]()
-    import torch
     inputs = scaled_inputs(entry, scale)
     entry.inputs = {k: torch.from_numpy(v) for k, v in inputs.items()}
     forward = export(entry)
