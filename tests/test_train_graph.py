@@ -171,15 +171,16 @@ def test_custom_op_is_unsupported():
 
 
 def test_op_without_gradient_rule_is_unsupported():
-    # onnx-ad 0.3 cannot differentiate a ConvTranspose weight
-    w = numpy_helper.from_array(np.ones((2, 3, 2, 2), np.float32), "w")
-    model = _tiny([helper.make_node("ConvTranspose", ["x", "w"], ["y"], name="up",
-                                    strides=[2, 2]),
+    # neither onnx-ad 0.3 nor graphopt differentiates MaxRoiPool
+    w = numpy_helper.from_array(np.ones((1, 2, 4, 4), np.float32), "w")
+    rois = numpy_helper.from_array(np.array([[0, 0, 0, 3, 3]], np.float32), "rois")
+    model = _tiny([helper.make_node("Mul", ["x", "w"], ["scaled"], name="scale"),
+                   helper.make_node("MaxRoiPool", ["scaled", "rois"], ["y"], name="pool", pooled_shape=[2, 2]),
                    helper.make_node("ReduceSum", ["y"], ["loss"], name="sum", keepdims=0)],
-                  [w], [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2, 4, 4])])
-    with pytest.raises(UnsupportedOpError, match="ConvTranspose") as info:
-        build_training_graph(model)
-    assert "up" in str(info.value)
+                  [w, rois], [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2, 4, 4])])
+    with pytest.raises(UnsupportedOpError, match="MaxRoiPool") as info:
+        build_training_graph(model, parameters=["w"])
+    assert "pool" in str(info.value)
 
 
 def test_no_parameter_reaches_loss():
