@@ -16,7 +16,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 
-def _shapes(model: onnx.ModelProto) -> dict[str, list]:
+def static_shapes(model: onnx.ModelProto) -> dict[str, list]:
     inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
     shapes = {t.name: list(t.dims) for t in model.graph.initializer}
     for value in list(inferred.graph.value_info) + list(inferred.graph.input) + list(inferred.graph.output):
@@ -38,7 +38,7 @@ def scatter_nd_rows_to_elements(model: onnx.ModelProto) -> int:
     candidates = [n for n in model.graph.node if n.op_type == "ScatterND" and _reduction(n) == "add"]
     if not candidates:
         return 0
-    shapes = _shapes(model)
+    shapes = static_shapes(model)
     taken = {o for n in model.graph.node for o in n.output} | {t.name for t in model.graph.initializer} \
         | {n.name for n in model.graph.node}
     replaced, nodes = 0, []

@@ -7,6 +7,8 @@
 * The weight of a grouped Conv (depthwise, MobileNet) and of a ConvTranspose (U-Net):
   onnx-ad refuses both. Both are one grouped convolution of the (padded) input with the
   output's adjoint as filters, after moving the batch into the channels (weight_gradient).
+* MatMul of a sequence by a weight matrix: the weight's gradient as one Gemm over the
+  flattened rows instead of a product per batch row summed afterwards.
 * BatchNormalization in training mode: onnx-ad differentiates only the inference form (an
   affine map). In training mode the batch statistics depend on x; the backward here reads
   only x and the scale, recomputing mean and 1/std from x, so what is kept for the backward
@@ -21,6 +23,7 @@ from onnx_ad._build import UnsupportedOperator, attribute
 
 _INFERENCE_BATCH_NORM = _onnx_ad_rules.REVERSE["BatchNormalization"]
 _CONV = _onnx_ad_rules.REVERSE["Conv"]
+_MATMUL = _onnx_ad_rules.REVERSE["MatMul"]
 _CONV_TRANSPOSE = _onnx_ad_rules.REVERSE["ConvTranspose"]
 _conv_attributes = _onnx_ad_rules._conv_attributes   # onnx-ad's own reading of the attributes
 
@@ -157,10 +160,29 @@ def _d_leaky_relu(ctx, node, x, y, dtype):
 _LEAKY_RELU = _onnx_ad_rules.DERIVATIVE["LeakyRelu"]
 
 
+def _matmul_reverse(ctx, node, grads):
+    """A [..., M, K] @ W [K, N] (a Linear layer on a sequence): dW = Gemm(A2^T, dY2) on the
+    rows flattened, one [K, N] product, where onnx-ad's rule makes one per batch row
+    ([..., K, N], then summed) from a transposed copy of A."""
+    a, w = node.input[0], node.input[1]
+    a_shape, w_shape = ctx.shapes.static(a), ctx.shapes.static(w)
+    if (not ctx.asked_for(w) or a_shape is None or w_shape is None or len(w_shape) != 2
+            or len(a_shape) < 3 or None in w_shape):
+        return _MATMUL(ctx, node, grads)
+    contributions = list(_all_but_weight(_MATMUL, ctx, node, grads))
+    k, n = w_shape
+    op, ints = ctx.b.op, ctx.b.ints
+    rows = op("Reshape", [a, ints([-1, k])], stem="mm_rows")
+    adjoint = op("Reshape", [ctx.full(grads[0], node.output[0]), ints([-1, n])], stem="mm_adjoint_rows")
+    contributions[1] = _with_seed_axis(ctx, op("Gemm", [rows, adjoint], transA=1, stem="mm_weight_grad"))
+    return contributions
+
+
 def register() -> None:
     """Install graphopt's rules (idempotent)."""
     _onnx_ad_rules.REVERSE["BatchNormalization"] = _batch_norm_reverse
     _onnx_ad_rules.REVERSE["Conv"] = _conv_reverse
+    _onnx_ad_rules.REVERSE["MatMul"] = _matmul_reverse
     _onnx_ad_rules.REVERSE["ConvTranspose"] = _conv_transpose_reverse
     _onnx_ad_rules.DERIVATIVE["Relu"] = _d_relu
     _onnx_ad_rules.DERIVATIVE["LeakyRelu"] = _d_leaky_relu

@@ -31,7 +31,8 @@ from graphopt.errors import InvalidModelError, UnsupportedOpError
 from graphopt.ingest import name_nodes
 
 from . import rules
-from .deterministic import scatter_nd_rows_to_elements
+from .deterministic import scatter_nd_rows_to_elements, static_shapes
+from .lean import pads_sum_to_concat, recompute_gelu_intermediates
 from .losses import LOSS_NAME, attach_loss, parse_loss
 from .training_mode import batchnorm_training, copy_statistics_inputs, dropout_training
 
@@ -150,6 +151,8 @@ def cleanup_graph(model: onnx.ModelProto, max_rounds: int = 8) -> onnx.ModelProt
     """Remove cheap waste from a graph with static shapes; returns a new model.
 
     * ``Transpose`` that only moves size-1 axes -> ``Reshape`` (an alias in ORT).
+    * ``Transpose(Transpose(x))`` -> one ``Transpose`` of x, or x itself (then a weight's
+      gradient reads the weight, not a transposed copy kept from the forward).
     * ``Expand`` / ``Reshape`` / ``Squeeze`` / ``Unsqueeze`` to the shape the input
       already has -> removed.
     * ``Reshape(Reshape(x))`` -> ``Reshape(x)``.
@@ -219,6 +222,23 @@ def _cleanup_round(model):
         if op in ("Expand", "Reshape", "Squeeze", "Unsqueeze", "Flatten") and same \
                 and removable and len(node.output) == 1:
             alias[out] = src
+            changed = True
+            continue
+        inner = producers.get(src) if op == "Transpose" else None
+        if inner is not None and inner.op_type == "Transpose" and inner.domain in _STANDARD_DOMAINS \
+                and shapes.get(inner.input[0]) is not None:
+            # Transpose(Transpose(x, p), q) = Transpose(x, p[q]); the identity when that is sorted
+            rank = len(shapes[inner.input[0]])
+            p_perm = next((list(a.ints) for a in inner.attribute if a.name == "perm"), list(reversed(range(rank))))
+            q_perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), list(reversed(range(rank))))
+            composed = [p_perm[i] for i in q_perm]
+            source = inner.input[0]
+            while source in alias:
+                source = alias[source]
+            if composed == list(range(rank)) and removable:
+                alias[out] = source
+            else:
+                new_nodes.append(helper.make_node("Transpose", [source], [out], name=node.name, perm=composed))
             changed = True
             continue
         if op == "Transpose" and in_shape is not None and out_shape is not None:
@@ -454,6 +474,19 @@ def build_training_graph(forward: onnx.ModelProto, loss: str | None = None,
                    params, initializers, extras, types)
 
 
+def _backward_names(model, loss):
+    """Names of the nodes that are not ancestors of the loss (the backward and the extras)."""
+    producers = {o: n for n in model.graph.node for o in n.output if o}
+    forward, stack = set(), [loss]
+    while stack:
+        node = producers.get(stack.pop())
+        if node is None or node.name in forward:
+            continue
+        forward.add(node.name)
+        stack.extend(i for i in _node_reads(node) if i)
+    return {n.name for n in model.graph.node} - forward
+
+
 def _downstream(model, params):
     live = set(params)
     for node in model.graph.node:
@@ -528,6 +561,10 @@ def _finish(model, loss, loss_shape, loss_type, params, initializers, extras, ty
 
     model = cleanup_graph(model)
     scatter_nd_rows_to_elements(model)
+    if pads_sum_to_concat(model, static_shapes(model)):
+        model = cleanup_graph(model)
+    name_nodes(model)
+    recompute_gelu_intermediates(model, _backward_names(model, loss))
     copy_statistics_inputs(model)
     # value_info for the planner; the seed axis is gone, so shapes are the real ones. The extra
     # outputs were declared without shapes: infer them as intermediates, then declare them.

@@ -1,0 +1,161 @@
+"""Passes over the differentiated graph that keep less alive than reverse mode leaves, so a
+built graph's own peak stays near PyTorch eager's (benchmarks/builder_vs_eager.py).
+
+* pads_sum_to_concat: the gradient of pieces sliced from one tensor (an LSTM's gates, Split)
+  arrives as each piece zero-padded to the whole, then summed: n full-size tensors where one
+  suffices. When the pieces tile one axis exactly, Sum(Pad(g_i)) is Concat(g_i).
+* recompute_gelu_intermediates: exact GELU as exported (x / sqrt 2 -> Erf -> + 1 -> * x ->
+  * 0.5) leaves the backward reading the Div and Add outputs, two tensors the size of x kept
+  from the forward besides x itself. The backward gets its own copies of them, recomputed
+  from x right before their first backward reader, as PyTorch's gelu backward does.
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+
+def _constants(model: onnx.ModelProto) -> dict[str, np.ndarray]:
+    values = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer if np.prod(t.dims) <= 64}
+    for node in model.graph.node:
+        if node.op_type == "Constant":
+            for attribute in node.attribute:
+                if attribute.name == "value":
+                    values[node.output[0]] = numpy_helper.to_array(attribute.t)
+    return values
+
+
+def _attribute(node, name, default):
+    for attribute in node.attribute:
+        if attribute.name == name:
+            return helper.get_attribute_value(attribute)
+    return default
+
+
+def _readers(model: onnx.ModelProto) -> dict[str, list[onnx.NodeProto]]:
+    readers: dict[str, list] = {}
+    for node in model.graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    return readers
+
+
+def pads_sum_to_concat(model: onnx.ModelProto, shapes: dict[str, list]) -> int:
+    """In place; returns how many Sums became Concats. `shapes`: static shapes by name."""
+    graph = model.graph
+    producers = {o: n for n in graph.node for o in n.output if o}
+    readers = _readers(model)
+    constants = _constants(model)
+    outputs = {o.name for o in graph.output}
+    replaced, dead = 0, set()
+    for node in graph.node:
+        if node.op_type not in ("Sum", "Add") or len(node.input) < 2:
+            continue
+        total = shapes.get(node.output[0])
+        pieces = []
+        for name in node.input:
+            pad = producers.get(name)
+            if pad is None or pad.op_type != "Pad" or len(readers.get(name, [])) != 1 or name in outputs:
+                break
+            if _attribute(pad, "mode", b"constant") not in (b"constant", "constant"):
+                break
+            pads = constants.get(pad.input[1]) if len(pad.input) > 1 else None
+            value = constants.get(pad.input[2]) if len(pad.input) > 2 and pad.input[2] else np.zeros(())
+            if pads is None or total is None or np.any(value != 0) or (len(pad.input) > 3 and pad.input[3]):
+                break
+            rank = len(total)
+            begins, ends = pads[:rank], pads[rank:]
+            axes = [a for a in range(rank) if begins[a] or ends[a]]
+            if len(axes) != 1 or np.any(pads < 0):
+                break
+            axis = axes[0]
+            pieces.append((axis, int(begins[axis]), int(total[axis] - ends[axis]), pad))
+        else:
+            axis_set = {p[0] for p in pieces}
+            if len(axis_set) != 1:
+                continue
+            pieces.sort(key=lambda p: p[1])
+            position = 0
+            for _, begin, end, _ in pieces:
+                if begin != position:
+                    break
+                position = end
+            else:
+                if position != total[pieces[0][0]]:
+                    continue
+                axis = pieces[0][0]
+                concat = helper.make_node("Concat", [p[3].input[0] for p in pieces], list(node.output),
+                                          name=node.name, axis=axis)
+                node.CopyFrom(concat)
+                dead.update(id(p[3]) for p in pieces)
+                replaced += 1
+    if dead:
+        kept = [n for n in graph.node if id(n) not in dead]
+        graph.ClearField("node")
+        graph.node.extend(kept)
+    return replaced
+
+
+def _gelu_patterns(model: onnx.ModelProto):
+    """(x, div, erf, add) nodes of exact GELUs: Mul(Mul(x, Add(Erf(Div(x, sqrt 2)), 1)), 0.5)."""
+    producers = {o: n for n in model.graph.node for o in n.output if o}
+    constants = _constants(model)
+    for node in model.graph.node:
+        if node.op_type != "Erf":
+            continue
+        div = producers.get(node.input[0])
+        if div is None or div.op_type != "Div" or div.input[1] not in constants \
+                or not np.allclose(constants[div.input[1]], np.sqrt(2.0), rtol=1e-6):
+            continue
+        adds = [n for n in model.graph.node if n.op_type == "Add" and node.output[0] in n.input]
+        if len(adds) != 1:
+            continue
+        add = adds[0]
+        other = add.input[1] if add.input[0] == node.output[0] else add.input[0]
+        if other not in constants or not np.allclose(constants[other], 1.0):
+            continue
+        yield div.input[0], div, node, add
+
+
+def recompute_gelu_intermediates(model: onnx.ModelProto, backward: set[str]) -> int:
+    """In place; `backward` holds the names of the backward nodes. Returns GELUs changed."""
+    graph = model.graph
+    taken = {o for n in graph.node for o in n.output} | {n.name for n in graph.node}
+    clones_before: dict[int, list] = {}
+    changed = 0
+    node_list = list(graph.node)
+    position = {id(n): k for k, n in enumerate(node_list)}
+    for x, div, erf, add in list(_gelu_patterns(model)):
+        stashed = [(n, n.output[0]) for n in (div, erf, add)]
+        readers = [r for r in node_list if r.name in backward
+                   and any(name in r.input for _, name in stashed)]
+        if not readers:
+            continue
+        first = min(readers, key=lambda r: position[id(r)])
+        renamed = {}
+        clones = []
+        for original, name in stashed:
+            fresh = f"{name}__backward"
+            while fresh in taken:
+                fresh += "_"
+            taken.add(fresh)
+            clone = onnx.NodeProto()
+            clone.CopyFrom(original)
+            clone.name = f"{original.name}__backward"
+            clone.input[:] = [renamed.get(i, i) for i in clone.input]
+            clone.output[0] = fresh
+            renamed[name] = fresh
+            clones.append(clone)
+        for reader in readers:
+            reader.input[:] = [renamed.get(i, i) for i in reader.input]
+        clones_before.setdefault(id(first), []).extend(clones)
+        changed += 1
+    if changed:
+        nodes = []
+        for node in node_list:
+            nodes.extend(clones_before.get(id(node), []))
+            nodes.append(node)
+        graph.ClearField("node")
+        graph.node.extend(nodes)
+    return changed
