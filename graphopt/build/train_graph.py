@@ -29,6 +29,7 @@ from onnx import TensorProto, helper, numpy_helper, shape_inference
 
 from graphopt.errors import InvalidModelError, UnsupportedOpError
 from graphopt.ingest import name_nodes
+from graphopt.runtime.session import UNOPTIMIZED_SETTINGS, write_settings
 
 from . import rules
 from .deterministic import scatter_nd_rows_to_elements, static_shapes
@@ -584,6 +585,7 @@ def _finish(model, loss, loss_shape, loss_type, params, initializers, extras, ty
     model.graph.value_info.extend(v for v in inferred.graph.value_info
                                   if v.name not in outputs_set)
     name_nodes(model)
+    write_settings(model, UNOPTIMIZED_SETTINGS)   # open_session(model) runs it lean
     try:
         onnx.checker.check_model(model)
     except onnx.checker.ValidationError as exc:  # pragma: no cover - a bug if it happens
