@@ -81,3 +81,21 @@ def test_strategies_lists_defaults():
     proc = graphopt("strategies")
     for name in ("greedy", "chen-sqrt", "store-all"):
         assert name in proc.stdout
+
+
+def test_train_graph_puts_a_loss_on_a_forward_model(tmp_path):
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+    w = numpy_helper.from_array(np.random.RandomState(0).randn(6, 4).astype(np.float32), "fc.weight")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "fc.weight"], ["logits"], name="fc")], "fwd",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 6])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [3, 4])], [w])
+    fwd, train = tmp_path / "fwd.onnx", tmp_path / "train.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), fwd)
+    graphopt("train-graph", fwd, "-o", train, "--loss", "cross_entropy", "--labels", "target")
+    built = onnx.load(train)
+    assert [o.name for o in built.graph.output] == ["loss", "fc.weight_grad"]
+    assert [i.name for i in built.graph.input] == ["x", "target"]
+    assert built.graph.input[1].type.tensor_type.elem_type == TensorProto.INT64
+    proc = graphopt("train-graph", fwd, "-o", train, "--loss", "hinge", check=False)
+    assert proc.returncode == 2 and "unknown loss 'hinge'" in proc.stderr
