@@ -42,7 +42,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from graphopt.errors import InvalidModelError
+from graphopt.errors import InvalidModelError, UnsupportedOpError
 from graphopt.runtime.session import (
     SessionSettings,
     _set_metadata,
@@ -153,6 +153,20 @@ def _parse_profile(path: str) -> tuple[list[str], dict[str, float]]:
     return order, seconds
 
 
+def _load_error(error: Exception) -> Exception:
+    """ONNX Runtime refused the model: a missing kernel is an unsupported operator (a graph from
+    the deprecated onnxruntime-training, whose *Grad ops stock wheels lack, ends here)."""
+    message = str(error)
+    if any(sign in message for sign in ("Could not find an implementation", "NOT_IMPLEMENTED",
+                                        "is not a registered function/op")):
+        return UnsupportedOpError(
+            f"this ONNX Runtime has no kernel for an operator of the model: {message.strip()} "
+            "(training artifacts of onnxruntime-training need its own kernels; build the training graph "
+            "from the forward model with `graphopt train-graph` instead)")
+    return error if isinstance(error, InvalidModelError) else InvalidModelError(
+        f"ONNX Runtime cannot load the model: {message.strip()}")
+
+
 def annotate(
     model: onnx.ModelProto,
     inputs: dict[str, np.ndarray],
@@ -169,7 +183,10 @@ def annotate(
     # (a) sizes, every value kept as a graph output, optimizations off.
     sizes_model, out_names = _all_outputs_model(model)
     sizes_settings = SessionSettings(graph_optimization_level="ORT_DISABLE_ALL")
-    sess = open_session(sizes_model, sizes_settings, providers=providers, threads=threads)
+    try:
+        sess = open_session(sizes_model, sizes_settings, providers=providers, threads=threads)
+    except Exception as e:
+        raise _load_error(e) from e
     try:
         results = sess.run(out_names, inputs)
     except Exception as e:

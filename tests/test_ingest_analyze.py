@@ -540,3 +540,24 @@ def test_name_nodes_on_training_example():
     names = [n.name for n in model.graph.node]
     assert all(names) and len(set(names)) == len(names)
     assert analyze(model).backward
+
+
+def test_a_graph_with_operators_this_runtime_lacks_is_unsupported():
+    # what a training artifact of the deprecated onnxruntime-training looks like to a stock wheel
+    import numpy as np
+    from onnx import helper, numpy_helper
+
+    from graphopt.errors import UnsupportedOpError
+    from graphopt.optimize import OptimizeOptions, optimize
+    w = numpy_helper.from_array(np.ones((4,), np.float32), "w")
+    nodes = [helper.make_node("Mul", ["x", "w"], ["y"], name="mul"),
+             helper.make_node("ReduceSum", ["y"], ["loss"], name="sum", keepdims=0),
+             helper.make_node("SoftmaxCrossEntropyLossGrad", ["loss", "y", "x"], ["w_grad"], name="grad",
+                              domain="com.microsoft")]
+    graph = helper.make_graph(nodes, "artifact", [helper.make_tensor_value_info("x", 1, [4])],
+                              [helper.make_tensor_value_info("loss", 1, []),
+                               helper.make_tensor_value_info("w_grad", 1, [4])], [w])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                    helper.make_opsetid("com.microsoft", 1)])
+    with pytest.raises(UnsupportedOpError, match="SoftmaxCrossEntropyLossGrad.*train-graph"):
+        optimize(model, OptimizeOptions(measure=False))
