@@ -26,7 +26,7 @@ from graphopt.optimize import OptimizeOptions, analyze_model, optimize, save_mod
 from graphopt.search import DEFAULT_STRATEGY, STRATEGIES
 from graphopt_service._proto import graphopt_pb2 as pb
 from graphopt_service._proto import graphopt_pb2_grpc as pb_grpc
-from graphopt_service.client import Client, make_options, upload_messages
+from graphopt_service.client import Client, make_options
 from service_process import ServerProcess
 
 MAX_MODEL_BYTES = 300 * 10**6
@@ -324,8 +324,7 @@ def test_a_full_queue_is_refused_and_sigterm_drains(tmp_path, models):
 
 # -- TLS and a bearer token ---------------------------------------------------------------------
 def test_tls_and_bearer_token(tmp_path, models):
-    trustme = pytest.importorskip  # noqa: F841 (trustme is in the test extra; import it plainly below)
-    import trustme as tm
+    import trustme as tm   # in the test extra
     ca = tm.CA()
     cert = ca.issue_cert("127.0.0.1", "localhost")
     cert.private_key_pem.write_to_path(str(tmp_path / "key.pem"))
