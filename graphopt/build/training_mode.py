@@ -6,9 +6,12 @@
   The running variance is updated with the unbiased batch variance, as PyTorch does (ONNX's
   own output uses the biased one): ``var_new = c * var_onnx + (1 - c) * momentum * var_old``
   with ``c = n / (n - 1)``, a handful of per-channel ops.
-* Dropout: training mode with a fixed seed per node (reproducible runs, so a rewritten graph
-  can be compared with the original), its boolean mask an extra graph output. Random ops are
-  never recomputed (graphopt/rewrite.py), so the mask is drawn once per step.
+  After differentiation the node reads copies of its statistics (copy_statistics_inputs).
+* Dropout: its training-mode computation in plain ops, a mask drawn by RandomUniformLike
+  with a fixed seed per node (reproducible runs, so a rewritten graph can be compared with
+  the original) and a Where; the boolean mask is an extra graph output, and is what the
+  backward reads. Random ops are never recomputed (graphopt/costgraph.py), so the mask is
+  drawn once per step.
 
 Each pass changes the model in place and returns the Extras to add once the model has been
 differentiated: nodes and initializers that compute extra outputs (nothing on the loss's
