@@ -199,6 +199,44 @@ def cmd_health(args) -> int:
     return commands.health(args)
 
 
+def cmd_batch(args) -> int:
+    from tqdm import tqdm
+
+    from .batch import BatchOptions, LocalRunner, discover, run_batch
+    from .batch_summary import write_summary
+    options = BatchOptions(loss=args.loss, budget_fraction=args.budget_fraction, strategy=args.strategy,
+                           measure=not args.no_measure, sweep=args.sweep)
+    if args.server:
+        if args.sweep:
+            raise GraphoptError("--sweep runs in-process only; drop --server or --sweep")
+        from graphopt_service.batch import RemoteRunner
+        from graphopt_service.commands import _token
+        runner = RemoteRunner(args.server, token=_token(args), tls_ca_path=args.tls_ca)
+    else:
+        runner = LocalRunner()
+    args.output.mkdir(parents=True, exist_ok=True)
+    jobs = discover(args.zoo, args.output, options)
+    if not jobs:
+        raise GraphoptError(f"no .onnx file under {args.zoo}")
+    counts = {"ok": 0, "failed": 0, "skipped": 0}
+    with tqdm(total=len(jobs), unit="model", desc="optimizing", file=sys.stderr) as bar:
+        def progress(outcome):
+            counts[outcome.status] += 1
+            bar.set_postfix(counts, refresh=False)
+            bar.update(1)
+            if outcome.status == "failed":
+                bar.write(f"failed: {outcome.name}: {outcome.error}", file=sys.stderr)
+        outcomes = run_batch(jobs, runner, options, workers=args.jobs, progress=progress)
+    paths = write_summary(args.output, [o.report for o in outcomes])
+    print(f"{counts['ok']} optimized, {counts['skipped']} done before, {counts['failed']} failed; "
+          f"summary: {paths['md']}")
+    failed = [o.name for o in outcomes if o.status == "failed"]
+    if failed:
+        print(f"graphopt: error: {len(failed)} model(s) failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def cmd_strategies(args) -> int:
     if args.server:
         from graphopt_service import commands
@@ -280,6 +318,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--class-axis", type=int, help="cross_entropy: the class axis (default 1 for rank 2, else last)")
     p.add_argument("--freeze", nargs="*", help="initializers that are not trained")
     p.set_defaults(func=cmd_train_graph)
+
+    p = sub.add_parser("batch", help="optimize every .onnx under a folder (resumable; a summary and plots)")
+    p.add_argument("zoo", type=Path)
+    p.add_argument("-o", "--output", type=Path, required=True)
+    p.add_argument("--jobs", type=int, default=2, help="models optimized at once (default 2)")
+    p.add_argument("--server", metavar="H:P[,H:P...]",
+                   help="optimize on these servers (client-side round robin; one name may be a DNS name "
+                        "resolving to many, e.g. a headless Service); default: worker processes here")
+    p.add_argument("--budget-fraction", type=float, help="budget = this fraction of each model's predicted peak")
+    p.add_argument("--loss", default="cross_entropy", metavar="KIND",
+                   help="loss for forward models (cross_entropy, mse, output:NAME); training graphs go straight in")
+    p.add_argument("--strategy", choices=sorted(STRATEGIES))
+    p.add_argument("--no-measure", action="store_true")
+    p.add_argument("--sweep", type=int, metavar="N", help="each model's memory-time front too (in-process)")
+    p.add_argument("--token-file", type=Path)
+    p.add_argument("--tls-ca")
+    p.set_defaults(func=cmd_batch)
 
     p = sub.add_parser("strategies", help="list the checkpoint-search strategies")
     _server_options(p)

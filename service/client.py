@@ -52,9 +52,11 @@ def upload_messages(model_path: str | os.PathLike, options: pb.OptimizeOptions,
 class Client:
     def __init__(self, target: str, token: str | None = None, tls_ca_path: str | None = None,
                  max_message_bytes: int = 16 << 20, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 max_download_bytes: int | None = None):
+                 max_download_bytes: int | None = None, lb_policy: str | None = None):
         options = [("grpc.max_receive_message_length", max_message_bytes),
                    ("grpc.max_send_message_length", max_message_bytes)]
+        if lb_policy:   # e.g. round_robin over every address a target resolves to
+            options.append(("grpc.lb_policy_name", lb_policy))
         if tls_ca_path:
             credentials = grpc.ssl_channel_credentials(root_certificates=Path(tls_ca_path).read_bytes())
             self.channel = grpc.secure_channel(target, credentials, options=options)

@@ -1,0 +1,147 @@
+"""The batch's report: summary.json, summary.csv, summary.md and PNG plots, from the
+per-model reports (each model's report.json is the source; the summary only gathers)."""
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # no display; must precede pyplot
+
+import matplotlib.pyplot as plt  # noqa: E402
+
+COLUMNS = ["model", "kind", "status", "nodes", "peak_before_bytes", "peak_before_optimizations_off_bytes",
+           "peak_after_bytes", "peak_ratio", "step_time_ratio", "strategy", "outputs_match", "seconds", "error"]
+
+
+def figures(report: dict) -> dict:
+    """The summary's numbers from one model's report (an optimize report or a sweep's)."""
+    batch = report.get("graphopt_batch", {})
+    row = {"model": batch.get("model", ""), "kind": batch.get("kind", ""), "status": batch.get("status", ""),
+           "error": batch.get("error", ""), "seconds": round(batch.get("seconds", 0.0), 2)}
+    if "rows" in report:   # optimize --sweep: the original rows and the least-peak plan
+        by_label = {r["label"]: r for r in report["rows"]}
+        before, off = by_label.get("original-default", {}), by_label.get("original-off", {})
+        after = by_label.get("least-peak", {})
+        row.update(nodes=None, strategy=after.get("strategy"), outputs_match=after.get("outputs_identical"),
+                   peak_before_bytes=before.get("measured_peak_bytes"),
+                   peak_before_optimizations_off_bytes=off.get("measured_peak_bytes"),
+                   peak_after_bytes=after.get("measured_peak_bytes"))
+        if before.get("step_seconds") and after.get("step_seconds"):
+            row["step_time_ratio"] = after["step_seconds"] / before["step_seconds"]
+    else:
+        measured = report.get("measured", {})
+        row.update(nodes=report.get("nodes", {}).get("original"), strategy=report.get("strategy"),
+                   outputs_match=report.get("outputs_match"),
+                   peak_before_bytes=measured.get("original_default_session", {}).get("peak_bytes"),
+                   peak_before_optimizations_off_bytes=measured.get("original_optimizations_off", {}).get("peak_bytes"),
+                   peak_after_bytes=measured.get("optimized", {}).get("peak_bytes"),
+                   step_time_ratio=report.get("ratios", {}).get("step_time_vs_default_session"))
+    if row.get("peak_before_bytes") and row.get("peak_after_bytes"):
+        row["peak_ratio"] = row["peak_after_bytes"] / row["peak_before_bytes"]
+    return {column: row.get(column) for column in COLUMNS}
+
+
+def _size(n) -> str:
+    if n is None:
+        return ""
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+
+
+def _ratio(x) -> str:
+    return "" if x is None else f"{x:.2f}x"
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| model | nodes | peak before (default session) | peak after | after / before | "
+             "step time ratio | strategy | status |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        status = r["status"] if r["status"] != "failed" else f"failed: {r['error']}"
+        lines.append(f"| {r['model']} | {r['nodes'] or ''} | {_size(r['peak_before_bytes'])} | "
+                     f"{_size(r['peak_after_bytes'])} | {_ratio(r['peak_ratio'])} | {_ratio(r['step_time_ratio'])} | "
+                     f"{r['strategy'] or ''} | {status.replace('|', '/')} |")
+    return "\n".join(lines)
+
+
+def plot_peaks(rows: list[dict], path: Path) -> None:
+    done = [r for r in rows if r["peak_before_bytes"] and r["peak_after_bytes"]]
+    fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(done) + 2), 4.5), dpi=120)
+    xs = range(len(done))
+    ax.bar([x - 0.2 for x in xs], [r["peak_before_bytes"] / 2**20 for r in done], 0.4,
+           label="before (ORT default session)", color="tab:red")
+    ax.bar([x + 0.2 for x in xs], [r["peak_after_bytes"] / 2**20 for r in done], 0.4,
+           label="after (graphopt)", color="tab:blue")
+    ax.set_xticks(list(xs), [r["model"] for r in done], rotation=45, ha="right", fontsize=8)
+    ax.set_ylabel("measured peak of one training step (MiB)")
+    ax.set_title("Peak memory before and after, per model")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def plot_saving_vs_time(rows: list[dict], path: Path) -> None:
+    done = [r for r in rows if r["peak_ratio"] is not None and r["step_time_ratio"] is not None]
+    fig, ax = plt.subplots(figsize=(6.5, 4.5), dpi=120)
+    ax.scatter([r["step_time_ratio"] for r in done], [100 * (1 - r["peak_ratio"]) for r in done], color="tab:blue")
+    for r in done:
+        ax.annotate(r["model"], (r["step_time_ratio"], 100 * (1 - r["peak_ratio"])), fontsize=7,
+                    textcoords="offset points", xytext=(4, 3))
+    ax.set_xlabel("step time, optimized / original (default session)")
+    ax.set_ylabel("peak memory saved (%)")
+    ax.set_title("Saving against time overhead")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def plot_fronts(out_dir: Path, rows: list[dict], path: Path) -> bool:
+    """Each model's memory-time front (from its optimized.sweep.csv) in one figure."""
+    from .sweep import read_csv
+    fronts = []
+    for r in rows:
+        csv_path = out_dir / r["model"][:-len(".onnx")] / "optimized.sweep.csv"
+        if csv_path.is_file():
+            fronts.append((r["model"], read_csv(csv_path)))
+    if not fronts:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 5), dpi=120)
+    for name, sweep_rows in fronts:
+        original = next((s for s in sweep_rows if s.kind == "original-default" and s.measured_peak_bytes), None)
+        front = sorted((s for s in sweep_rows if s.on_front and s.measured_peak_bytes and s.step_seconds),
+                       key=lambda s: s.step_seconds)
+        if original is None or not front:
+            continue
+        ax.plot([s.step_seconds / original.step_seconds for s in front],
+                [s.measured_peak_bytes / original.measured_peak_bytes for s in front], "-o", markersize=4, label=name)
+    ax.set_xlabel("step time / original's (default session)")
+    ax.set_ylabel("peak / original's (default session)")
+    ax.set_title("Memory-time fronts")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+def write_summary(out_dir: Path, reports: list[dict]) -> dict[str, Path]:
+    rows = [figures(report) for report in reports]
+    paths = {"json": out_dir / "summary.json", "csv": out_dir / "summary.csv", "md": out_dir / "summary.md",
+             "peaks": out_dir / "peaks.png", "saving_vs_time": out_dir / "saving_vs_time.png"}
+    failed = [r["model"] for r in rows if r["status"] == "failed"]
+    paths["json"].write_text(json.dumps({"models": rows, "failed": failed,
+                                         "ok": sum(r["status"] == "ok" for r in rows)}, indent=2))
+    with open(paths["csv"], "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    paths["md"].write_text("# Batch summary\n\n" + markdown(rows) + "\n")
+    plot_peaks(rows, paths["peaks"])
+    plot_saving_vs_time(rows, paths["saving_vs_time"])
+    if plot_fronts(out_dir, rows, out_dir / "fronts.png"):
+        paths["fronts"] = out_dir / "fronts.png"
+    return paths

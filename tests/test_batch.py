@@ -1,0 +1,146 @@
+"""`graphopt batch`: a zoo of real models, in worker processes and on three real servers
+(one killed mid-batch), resumable, with its summary files."""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper, numpy_helper
+
+from graphopt.examples import EXAMPLES, training_example
+from graphopt.optimize import save_model
+from service_process import ServerProcess
+
+
+def _classifier(seed: int) -> onnx.ModelProto:
+    """A forward model (logits, no loss): the batch builds its training graph."""
+    r = np.random.RandomState(seed)
+    weights = [numpy_helper.from_array((r.randn(64, 128) * 0.2).astype(np.float32), "fc1.weight"),
+               numpy_helper.from_array((r.randn(128, 10) * 0.2).astype(np.float32), "fc2.weight")]
+    nodes = [helper.make_node("MatMul", ["x", "fc1.weight"], ["h"], name="fc1"),
+             helper.make_node("Relu", ["h"], ["a"], name="relu"),
+             helper.make_node("MatMul", ["a", "fc2.weight"], ["logits"], name="fc2")]
+    graph = helper.make_graph(nodes, f"classifier{seed}", [helper.make_tensor_value_info("x", 1, [256, 64])],
+                              [helper.make_tensor_value_info("logits", 1, [256, 10])], weights)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory) -> Path:
+    """Ten models: the six example training graphs and four forward classifiers."""
+    folder = tmp_path_factory.mktemp("zoo")
+    (folder / "training").mkdir()
+    (folder / "forward").mkdir()
+    for name in EXAMPLES:
+        model, _ = training_example(name, small=True)
+        save_model(model, folder / "training" / f"{name}.onnx")
+    for seed in range(4):
+        onnx.save(_classifier(seed), folder / "forward" / f"classifier{seed}.onnx")
+    return folder
+
+
+def _batch(*args, check=True, timeout=600):
+    proc = subprocess.run([sys.executable, "-m", "graphopt.cli", "batch", *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout)
+    if check:
+        assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def _models(zoo: Path) -> list[str]:
+    return sorted(p.relative_to(zoo).as_posix() for p in zoo.rglob("*.onnx"))
+
+
+def _check_outputs(zoo: Path, out: Path) -> dict[str, dict]:
+    """Every model optimized with identical outputs; the summary files agree with the reports."""
+    reports = {}
+    for name in _models(zoo):
+        folder = out / name[:-len(".onnx")]
+        report = json.loads((folder / "report.json").read_text())
+        assert report["graphopt_batch"]["status"] == "ok", report["graphopt_batch"]
+        assert report["outputs_match"] is True and (folder / "optimized.onnx").is_file()
+        onnx.checker.check_model(str(folder / "optimized.onnx"))
+        reports[name] = report
+    summary = json.loads((out / "summary.json").read_text())
+    by_model = {row["model"]: row for row in summary["models"]}
+    assert sorted(by_model) == _models(zoo) and summary["failed"] == []
+    with open(out / "summary.csv") as f:
+        csv_rows = {row["model"]: row for row in csv.DictReader(f)}
+    markdown = (out / "summary.md").read_text()
+    for name, report in reports.items():
+        row = by_model[name]
+        assert row["peak_after_bytes"] == report["measured"]["optimized"]["peak_bytes"]
+        assert row["peak_before_bytes"] == report["measured"]["original_default_session"]["peak_bytes"]
+        assert row["strategy"] == report["strategy"] and row["nodes"] == report["nodes"]["original"]
+        assert int(csv_rows[name]["peak_after_bytes"]) == row["peak_after_bytes"]
+        assert f"| {name} |" in markdown
+    kinds = {name: r["graphopt_batch"]["kind"] for name, r in reports.items()}
+    assert {kinds[n] for n in kinds if n.startswith("forward/")} == {"forward"}
+    assert {kinds[n] for n in kinds if n.startswith("training/")} == {"training"}
+    for png in ("peaks.png", "saving_vs_time.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    return reports
+
+
+def test_batch_in_worker_processes_is_resumable_and_survives_a_bad_model(zoo, tmp_path):
+    zoo_with_bad = tmp_path / "zoo"
+    subprocess.run(["cp", "-r", str(zoo), str(zoo_with_bad)], check=True)
+    (zoo_with_bad / "broken.onnx").write_bytes(b"not a model at all")
+    out = tmp_path / "out"
+    proc = _batch(zoo_with_bad, "-o", out, "--jobs", "2", check=False)
+    assert proc.returncode == 1 and "broken.onnx" in proc.stderr, proc.stderr
+    assert "10 optimized, 0 done before, 1 failed" in proc.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["failed"] == ["broken.onnx"] and summary["ok"] == 10
+    (zoo_with_bad / "broken.onnx").unlink()
+    stamps = {name: (out / name[:-5] / "report.json").stat().st_mtime_ns for name in _models(zoo_with_bad)}
+    again = _batch(zoo_with_bad, "-o", out, "--jobs", "2")
+    assert "0 optimized, 10 done before, 0 failed" in again.stdout
+    assert {name: (out / name[:-5] / "report.json").stat().st_mtime_ns for name in stamps} == stamps
+    _check_outputs(zoo_with_bad, out)
+
+
+def test_batch_on_three_servers_survives_one_dying(zoo, tmp_path):
+    servers = [ServerProcess(tmp_path / f"server{k}", "--workers", "1") for k in range(3)]
+    out = tmp_path / "out"
+    try:
+        targets = ",".join(s.target for s in servers)
+        batch = subprocess.Popen([sys.executable, "-m", "graphopt.cli", "batch", str(zoo), "-o", str(out),
+                                  "--jobs", "3", "--server", targets],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        victim = servers[1]
+        victim.wait_for_log("call started", timeout_seconds=120)
+        os.killpg(victim.proc.pid, signal.SIGKILL)        # the server and its worker, mid-call
+        victim.proc.wait()
+        stdout, stderr = batch.communicate(timeout=600)
+        assert batch.returncode == 0, stderr
+        assert "10 optimized" in stdout
+        reports = _check_outputs(zoo, out)
+        assert len(reports) == 10
+        # every model optimized exactly once: one successful Optimize call per model, in all logs
+        finished = [e for s in servers for e in s.logs()
+                    if e.get("message") == "call finished" and e.get("method") == "Optimize"]
+        assert sum(e["status"] == "OK" for e in finished) == 10, finished
+        victim_started = [e for e in victim.logs() if e.get("message") == "call started"]
+        victim_finished = [e for e in victim.logs() if e.get("message") == "call finished"]
+        assert len(victim_started) > len(victim_finished)     # it died with a call in flight
+        assert "sending the call again" in stderr            # ... which went to another server
+        # a rerun against the two left does no work
+        calls_before = sum(len([e for e in s.logs() if e.get("message") == "call started"]) for s in servers)
+        rest = ",".join(s.target for s in (servers[0], servers[2]))
+        again = _batch(zoo, "-o", out, "--server", rest)
+        assert "0 optimized, 10 done before, 0 failed" in again.stdout
+        time.sleep(0.5)
+        assert sum(len([e for e in s.logs() if e.get("message") == "call started"]) for s in servers) == calls_before
+    finally:
+        for server in servers:
+            server.kill()
