@@ -210,8 +210,8 @@ def cmd_batch(args) -> int:
         if args.sweep:
             raise GraphoptError("--sweep runs in-process only; drop --server or --sweep")
         from graphopt_service.batch import RemoteRunner
-        from graphopt_service.commands import _token
-        runner = RemoteRunner(args.server, token=_token(args), tls_ca_path=args.tls_ca)
+        from graphopt_service.commands import token_from
+        runner = RemoteRunner(args.server, token=token_from(args), tls_ca_path=args.tls_ca)
     else:
         runner = LocalRunner()
     args.output.mkdir(parents=True, exist_ok=True)

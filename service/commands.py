@@ -13,7 +13,7 @@ import grpc
 ENV_PREFIX = "GRAPHOPT_"
 
 
-def _token(args) -> str | None:
+def token_from(args) -> str | None:
     if getattr(args, "token_file", None):
         return args.token_file.read_text().strip()
     return os.environ.get(ENV_PREFIX + "TOKEN") or None
@@ -21,7 +21,7 @@ def _token(args) -> str | None:
 
 def _client(args):
     from .client import Client
-    return Client(args.server, token=_token(args), tls_ca_path=getattr(args, "tls_ca", None))
+    return Client(args.server, token=token_from(args), tls_ca_path=getattr(args, "tls_ca", None))
 
 
 def rpc_error_exit(exc: grpc.RpcError) -> int:
@@ -35,7 +35,7 @@ def serve(args) -> int:
     configure(logging.DEBUG if args.verbose else logging.INFO)
     config = ServerConfig(host=args.host, port=args.port, workers=args.workers, queue_limit=args.queue,
                           max_model_bytes=args.max_model_bytes, max_message_bytes=args.max_message_bytes,
-                          work_dir=args.work_dir, token=_token(args), tls_cert_path=args.tls_cert,
+                          work_dir=args.work_dir, token=token_from(args), tls_cert_path=args.tls_cert,
                           tls_key_path=args.tls_key, drain_seconds=args.drain_seconds)
     return run(config)
 
