@@ -208,7 +208,8 @@ def run_batch(jobs: list[BatchJob], runner: Runner, options: BatchOptions, worke
         outcome.seconds = time.perf_counter() - started
         report = dict(report)
         report["graphopt_batch"] = {"key": job.key, "status": outcome.status, "kind": job.kind,
-                                    "error": outcome.error, "seconds": outcome.seconds, "model": job.name}
+                                    "error": outcome.error, "seconds": outcome.seconds, "model": job.name,
+                                    "nodes": _node_count(job.training_path)}
         job.out_dir.mkdir(parents=True, exist_ok=True)
         _write_atomically(job.report_path, json.dumps(report, indent=2))
         outcome.report = report
@@ -223,6 +224,14 @@ def run_batch(jobs: list[BatchJob], runner: Runner, options: BatchOptions, worke
                 outcomes[outcome.name] = outcome
             progress(outcome)
     return [outcomes[job.name] for job in jobs]
+
+
+def _node_count(path: Path | None) -> int | None:
+    import onnx
+    try:
+        return len(onnx.load(str(path), load_external_data=False).graph.node) if path else None
+    except Exception:  # noqa: BLE001 - an unreadable model has no count; its error says why
+        return None
 
 
 def _one_line(exc: BaseException) -> str:

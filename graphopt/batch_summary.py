@@ -22,10 +22,10 @@ def figures(report: dict) -> dict:
     row = {"model": batch.get("model", ""), "kind": batch.get("kind", ""), "status": batch.get("status", ""),
            "error": batch.get("error", ""), "seconds": round(batch.get("seconds", 0.0), 2)}
     if "rows" in report:   # optimize --sweep: the original rows and the least-peak plan
-        by_label = {r["label"]: r for r in report["rows"]}
-        before, off = by_label.get("original-default", {}), by_label.get("original-off", {})
-        after = by_label.get("least-peak", {})
-        row.update(nodes=None, strategy=after.get("strategy"), outputs_match=after.get("outputs_identical"),
+        by_kind = {r["kind"]: r for r in report["rows"] if r["kind"] != "front"}
+        before, off = by_kind.get("original-default", {}), by_kind.get("original-off", {})
+        after = next((r for r in report["rows"] if r["label"] == "least-peak"), {})
+        row.update(nodes=batch.get("nodes"), strategy=after.get("strategy"), outputs_match=after.get("outputs_identical"),
                    peak_before_bytes=before.get("measured_peak_bytes"),
                    peak_before_optimizations_off_bytes=off.get("measured_peak_bytes"),
                    peak_after_bytes=after.get("measured_peak_bytes"))

@@ -355,10 +355,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--work-dir", default=env_default("WORK_DIR", None),
                    help="where per-call folders go ($GRAPHOPT_WORK_DIR; default: the temp dir)")
     p.add_argument("--token-file", type=Path, help="require this bearer token (or $GRAPHOPT_TOKEN)")
-    p.add_argument("--tls-cert", default=env_default("TLS_CERT", None), help="TLS certificate (PEM)")
-    p.add_argument("--tls-key", default=env_default("TLS_KEY", None), help="TLS private key (PEM)")
+    p.add_argument("--tls-cert", default=env_default("TLS_CERT", None), help="TLS certificate (PEM; $GRAPHOPT_TLS_CERT)")
+    p.add_argument("--tls-key", default=env_default("TLS_KEY", None), help="TLS private key (PEM; $GRAPHOPT_TLS_KEY)")
     p.add_argument("--drain-seconds", type=float, default=env_default("DRAIN_SECONDS", 25.0),
-                   help="on SIGTERM, how long calls in flight may finish")
+                   help="on SIGTERM, how long calls in flight may finish ($GRAPHOPT_DRAIN_SECONDS, default 25)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("health", help="ask a server's grpc.health.v1 service; exit 0 when SERVING")

@@ -18,9 +18,10 @@ from graphopt.batch import BatchJob, BatchOptions
 from .client import Client
 
 log = logging.getLogger(__name__)
-RETRIES = 5
+RETRIES = 6
 RETRY_WAIT_SECONDS = 0.5
-# a server that died mid-call ends the call with one of these, depending on when it died
+# a server that died or drained mid-call ends the call with UNAVAILABLE; a server whose queue is
+# full refuses it with RESOURCE_EXHAUSTED before doing anything: both are sent again
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE}
 
 
@@ -68,7 +69,8 @@ class RemoteRunner:
             try:
                 return call()
             except grpc.RpcError as exc:
-                if exc.code() not in RETRYABLE or attempt == self.retries:
+                queue_full = exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue" in (exc.details() or "")
+                if (exc.code() not in RETRYABLE and not queue_full) or attempt == self.retries:
                     raise
                 log.warning("a server went away; sending the call again (%s: %s)", exc.code().name, exc.details())
-                time.sleep(RETRY_WAIT_SECONDS)
+                time.sleep(min(8.0, RETRY_WAIT_SECONDS * 2 ** attempt))
