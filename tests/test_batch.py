@@ -144,3 +144,19 @@ def test_batch_on_three_servers_survives_one_dying(zoo, tmp_path):
     finally:
         for server in servers:
             server.kill()
+
+
+def test_batch_with_sweep_plots_each_front(tmp_path):
+    zoo = tmp_path / "zoo"
+    zoo.mkdir()
+    model, _ = training_example("resnet", small=True)
+    save_model(model, zoo / "resnet.onnx")
+    out = tmp_path / "out"
+    _batch(zoo, "-o", out, "--sweep", "2")
+    report = json.loads((out / "resnet" / "report.json").read_text())
+    least = next(r for r in report["rows"] if r["label"] == "least-peak")
+    row = json.loads((out / "summary.json").read_text())["models"][0]
+    assert row["peak_after_bytes"] == least["measured_peak_bytes"] and row["nodes"] == len(model.graph.node)
+    assert (out / "resnet" / "optimized.sweep.csv").is_file()
+    assert (out / "fronts.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert _batch(zoo, "-o", out, "--sweep", "2", "--server", "127.0.0.1:1", check=False).returncode == 2
