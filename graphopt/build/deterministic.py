@@ -15,6 +15,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from .graph_util import Names
+
 
 def static_shapes(model: onnx.ModelProto) -> dict[str, list]:
     inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
@@ -39,17 +41,8 @@ def scatter_nd_rows_to_elements(model: onnx.ModelProto) -> int:
     if not candidates:
         return 0
     shapes = static_shapes(model)
-    taken = {o for n in model.graph.node for o in n.output} | {t.name for t in model.graph.initializer} \
-        | {n.name for n in model.graph.node}
+    fresh = Names(model).fresh
     replaced, nodes = 0, []
-
-    def fresh(stem):
-        name, k = stem, 0
-        while name in taken:
-            k += 1
-            name = f"{stem}_{k}"
-        taken.add(name)
-        return name
 
     chosen = {id(n) for n in candidates}
     for node in model.graph.node:

@@ -13,24 +13,9 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import helper
 
-
-def _constants(model: onnx.ModelProto) -> dict[str, np.ndarray]:
-    values = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer if np.prod(t.dims) <= 64}
-    for node in model.graph.node:
-        if node.op_type == "Constant":
-            for attribute in node.attribute:
-                if attribute.name == "value":
-                    values[node.output[0]] = numpy_helper.to_array(attribute.t)
-    return values
-
-
-def _attribute(node, name, default):
-    for attribute in node.attribute:
-        if attribute.name == name:
-            return helper.get_attribute_value(attribute)
-    return default
+from .graph_util import attribute, small_constants
 
 
 def _readers(model: onnx.ModelProto) -> dict[str, list[onnx.NodeProto]]:
@@ -46,7 +31,7 @@ def pads_sum_to_concat(model: onnx.ModelProto, shapes: dict[str, list]) -> int:
     graph = model.graph
     producers = {o: n for n in graph.node for o in n.output if o}
     readers = _readers(model)
-    constants = _constants(model)
+    constants = small_constants(model)
     outputs = {o.name for o in graph.output}
     replaced, dead = 0, set()
     for node in graph.node:
@@ -58,7 +43,7 @@ def pads_sum_to_concat(model: onnx.ModelProto, shapes: dict[str, list]) -> int:
             pad = producers.get(name)
             if pad is None or pad.op_type != "Pad" or len(readers.get(name, [])) != 1 or name in outputs:
                 break
-            if _attribute(pad, "mode", b"constant") not in (b"constant", "constant"):
+            if attribute(pad, "mode", b"constant") not in (b"constant", "constant"):
                 break
             pads = constants.get(pad.input[1]) if len(pad.input) > 1 else None
             value = constants.get(pad.input[2]) if len(pad.input) > 2 and pad.input[2] else np.zeros(())
@@ -100,7 +85,7 @@ def pads_sum_to_concat(model: onnx.ModelProto, shapes: dict[str, list]) -> int:
 def _gelu_patterns(model: onnx.ModelProto):
     """(x, div, erf, add) nodes of exact GELUs: Mul(Mul(x, Add(Erf(Div(x, sqrt 2)), 1)), 0.5)."""
     producers = {o: n for n in model.graph.node for o in n.output if o}
-    constants = _constants(model)
+    constants = small_constants(model)
     for node in model.graph.node:
         if node.op_type != "Erf":
             continue

@@ -17,6 +17,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from graphopt.errors import InvalidModelError, InvalidOptionError
 
+from .graph_util import Names
+
 LOSS_KINDS = ("cross_entropy", "mse", "output:NAME")
 LOSS_NAME = "loss"
 
@@ -30,15 +32,6 @@ def parse_loss(kind: str | None) -> tuple[str, str | None]:
     if kind.startswith("output:") and kind[len("output:"):]:
         return "output", kind[len("output:"):]
     raise InvalidOptionError(f"unknown loss {kind!r}: use one of {', '.join(LOSS_KINDS)}")
-
-
-def _fresh(taken: set[str], stem: str) -> str:
-    name, k = stem, 0
-    while name in taken:
-        k += 1
-        name = f"{stem}_{k}"
-    taken.add(name)
-    return name
 
 
 def _value_info(model: onnx.ModelProto, name: str):
@@ -58,8 +51,8 @@ def attach_loss(model: onnx.ModelProto, kind: str, labels: str = "labels",
     result.CopyFrom(model)
     graph = result.graph
     prediction = graph.output[0].name
-    taken = ({v.name for v in graph.input} | {t.name for t in graph.initializer}
-             | {o for n in graph.node for o in n.output} | {n.name for n in graph.node})
+    names = Names(result)
+    taken = names.taken
     if labels in taken:
         raise InvalidModelError(f"the model already has a tensor named {labels!r}; pick another --labels name")
     if LOSS_NAME in taken:
@@ -78,20 +71,20 @@ def attach_loss(model: onnx.ModelProto, kind: str, labels: str = "labels",
     nodes, inits = [], []
 
     def const(stem, array):
-        name = _fresh(taken, stem)
+        name = names.fresh(stem)
         inits.append(numpy_helper.from_array(np.asarray(array), name))
         return name
 
     def node(op, inputs, stem, **attrs):
-        out = _fresh(taken, stem)
-        nodes.append(helper.make_node(op, inputs, [out], name=_fresh(taken, f"loss/{op}"), **attrs))
+        out = names.fresh(stem)
+        nodes.append(helper.make_node(op, inputs, [out], name=names.fresh(f"loss/{op}"), **attrs))
         return out
 
     if kind == "mse":
         graph.input.append(helper.make_tensor_value_info(labels, elem_type, dims))
         diff = node("Sub", [prediction, labels], "loss/diff")
         squared = node("Mul", [diff, diff], "loss/squared")
-        nodes.append(helper.make_node("ReduceMean", [squared], [LOSS_NAME], name=_fresh(taken, "loss/mean"),
+        nodes.append(helper.make_node("ReduceMean", [squared], [LOSS_NAME], name=names.fresh("loss/mean"),
                                       keepdims=0))
     elif kind == "cross_entropy":
         if rank < 2:
@@ -111,7 +104,7 @@ def attach_loss(model: onnx.ModelProto, kind: str, labels: str = "labels",
         column = node("Reshape", [labels, const("loss/column_shape", np.array([-1, 1], np.int64))], "loss/labels")
         picked = node("GatherElements", [log_probs, column], "loss/picked", axis=1)
         mean = node("ReduceMean", [picked], "loss/mean", keepdims=0)
-        nodes.append(helper.make_node("Neg", [mean], [LOSS_NAME], name=_fresh(taken, "loss/Neg")))
+        nodes.append(helper.make_node("Neg", [mean], [LOSS_NAME], name=names.fresh("loss/Neg")))
     else:
         raise InvalidOptionError(f"attach_loss: unknown kind {kind!r}")
     graph.node.extend(nodes)

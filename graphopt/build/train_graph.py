@@ -33,6 +33,7 @@ from graphopt.runtime.session import UNOPTIMIZED_SETTINGS, write_settings
 
 from . import rules
 from .deterministic import scatter_nd_rows_to_elements, static_shapes
+from .graph_util import small_constants
 from .lean import pads_sum_to_concat, recompute_gelu_intermediates
 from .losses import LOSS_NAME, attach_loss, parse_loss
 from .training_mode import batchnorm_training, copy_statistics_inputs, dropout_training
@@ -122,24 +123,6 @@ def _infer(model, data_prop=True):
             return model
 
 
-def _constant_values(model):
-    """name -> numpy array for initializers and Constant nodes with a `value` attribute."""
-    values = {t.name: t for t in model.graph.initializer}
-    out = {}
-    for name, tensor in values.items():
-        if tensor.data_location == TensorProto.EXTERNAL:
-            continue
-        # shape tensors and axes are all we need: keep it cheap
-        if np.prod(tensor.dims, dtype=np.int64) <= 64:
-            out[name] = numpy_helper.to_array(tensor)
-    for node in model.graph.node:
-        if node.op_type == "Constant":
-            for attribute in node.attribute:
-                if attribute.name == "value" and np.prod(attribute.t.dims, dtype=np.int64) <= 64:
-                    out[node.output[0]] = numpy_helper.to_array(attribute.t)
-    return out
-
-
 # -------------------------------------------------------------------- cleanup pass --
 
 def _is_trivial_transpose(perm, in_shape):
@@ -175,7 +158,7 @@ def _cleanup_round(model):
     graph = model.graph
     inferred = _infer(model)
     shapes = _static_shapes(inferred)
-    consts = _constant_values(model)
+    consts = small_constants(model)
     outputs = {v.name for v in graph.output}
     producers = {o: n for n in graph.node for o in n.output if o}
     shape_consts = {}

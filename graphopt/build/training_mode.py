@@ -28,6 +28,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from graphopt.errors import InvalidModelError
 
+from .graph_util import Names, attribute
+
 MIN_OPSET = 14   # BatchNormalization's training_mode attribute
 
 
@@ -48,34 +50,11 @@ def _opset(model: onnx.ModelProto) -> int:
 
 
 def _set_attribute(node: onnx.NodeProto, name: str, value) -> None:
-    for attribute in node.attribute:
-        if attribute.name == name:
-            node.attribute.remove(attribute)
+    for existing in node.attribute:
+        if existing.name == name:
+            node.attribute.remove(existing)
             break
     node.attribute.append(helper.make_attribute(name, value))
-
-
-def _attribute(node: onnx.NodeProto, name: str, default):
-    for attribute in node.attribute:
-        if attribute.name == name:
-            return helper.get_attribute_value(attribute)
-    return default
-
-
-class _Names:
-    def __init__(self, model: onnx.ModelProto):
-        graph = model.graph
-        self.taken = ({v.name for v in graph.input} | {t.name for t in graph.initializer}
-                      | {o for n in graph.node for o in n.output} | {n.name for n in graph.node}
-                      | {v.name for v in graph.output})
-
-    def fresh(self, stem: str) -> str:
-        name, k = stem, 0
-        while name in self.taken:
-            k += 1
-            name = f"{stem}_{k}"
-        self.taken.add(name)
-        return name
 
 
 def _resolve_buffer(model, name: str, producers: dict) -> onnx.TensorProto | None:
@@ -126,7 +105,7 @@ def batchnorm_training(model: onnx.ModelProto) -> Extras:
     if _opset(model) < MIN_OPSET:
         raise InvalidModelError(f"BatchNormalization in training mode needs opset >= {MIN_OPSET}, the model has "
                                 f"opset {_opset(model)}; convert it with onnx.version_converter first")
-    names = _Names(model)
+    names = Names(model)
     graph = model.graph
     producers = {o: n for n in graph.node for o in n.output if o}
     readers: dict[str, int] = {}
@@ -145,7 +124,7 @@ def batchnorm_training(model: onnx.ModelProto) -> Extras:
             extras.constants.append(ones[elem_type])
         one = ones[elem_type]
         bn.input[3], bn.input[4] = mean_in, var_in
-        momentum = float(_attribute(bn, "momentum", 0.9))
+        momentum = float(attribute(bn, "momentum", 0.9))
         _set_attribute(bn, "training_mode", 1)
         mean_out = names.fresh(f"{mean_in}_updated")
         var_onnx = names.fresh(f"{var_in}_biased_update")
@@ -188,12 +167,12 @@ def copy_statistics_inputs(model: onnx.ModelProto) -> None:
     a recomputed clone of the node) and keeps a trainer's own arrays untouched. The copies
     are added after differentiation, where nothing folds them into constants."""
     graph = model.graph
-    names = _Names(model)
+    names = Names(model)
     ones: dict[int, str] = {}
     elem_types = {t.name: t.data_type for t in graph.initializer}
     nodes = []
     for node in graph.node:
-        if node.op_type == "BatchNormalization" and _attribute(node, "training_mode", 0):
+        if node.op_type == "BatchNormalization" and attribute(node, "training_mode", 0):
             for slot in (3, 4):
                 source = node.input[slot]
                 elem_type = elem_types.get(source, TensorProto.FLOAT)
@@ -221,7 +200,7 @@ def dropout_training(model: onnx.ModelProto) -> Extras:
     graph = model.graph
     if not any(n.op_type == "Dropout" and n.domain in ("", "ai.onnx") for n in graph.node):
         return Extras()
-    names = _Names(model)
+    names = Names(model)
     types = {}
     inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
     for value in list(inferred.graph.value_info) + list(inferred.graph.input) + list(inferred.graph.output):
