@@ -193,6 +193,7 @@ def _swin(size: str = "tiny") -> RealModel:
 # ----------------------------------------------------------------------- transformers --
 
 def _gpt2(size: str = "tiny") -> RealModel:
+    import_torchvision()          # transformers imports torchvision
     from transformers import GPT2Config, GPT2LMHeadModel
     torch.manual_seed(SEED)
     if size == "tiny":
@@ -215,6 +216,7 @@ def _bert_config(size: str):
 
 
 def _bert(size: str = "tiny") -> RealModel:
+    import_torchvision()          # transformers imports torchvision
     from transformers import BertForMaskedLM
     torch.manual_seed(SEED)
     cfg = _bert_config(size)
@@ -224,6 +226,7 @@ def _bert(size: str = "tiny") -> RealModel:
 
 
 def _bert_classifier(size: str = "tiny") -> RealModel:
+    import_torchvision()          # transformers imports torchvision
     from transformers import BertForSequenceClassification
     torch.manual_seed(SEED)
     cfg = _bert_config(size)
@@ -234,6 +237,7 @@ def _bert_classifier(size: str = "tiny") -> RealModel:
 
 
 def _t5(size: str = "tiny") -> RealModel:
+    import_torchvision()          # transformers imports torchvision
     from transformers import T5Config, T5ForConditionalGeneration
     torch.manual_seed(SEED)
     if size == "tiny":
@@ -247,6 +251,7 @@ def _t5(size: str = "tiny") -> RealModel:
 
 
 def _llama(size: str = "tiny") -> RealModel:
+    import_torchvision()          # transformers imports torchvision
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(SEED)
     if size == "tiny":
@@ -262,6 +267,7 @@ def _llama(size: str = "tiny") -> RealModel:
 
 
 def _qwen2(size: str = "tiny") -> RealModel:
+    import_torchvision()          # transformers imports torchvision
     from transformers import Qwen2Config, Qwen2ForCausalLM
     torch.manual_seed(SEED)
     if size == "tiny":
