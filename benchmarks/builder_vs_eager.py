@@ -170,17 +170,29 @@ class _ZooStep:
         return tuple(torch.from_numpy(inputs[n]) for n in module.input_names)
 
 
-def torch_worker(name: str, inputs_path: str, config: str) -> dict:
-    shim = _ZooStep(inputs_path)
+def step_worker(shim, name: str, config: str = "eager") -> dict:
+    """pytorch_compare.worker's peak measurement of the step `shim` builds (an object with
+    pytorch_compare's twin_example(name) -> (module returning the loss, _, inputs) and
+    torch_inputs(module, inputs)), in this process (run it in a fresh one: run_worker)."""
     fake = types.ModuleType("torch_twins")
     fake.twin_example, fake.torch_inputs = shim.twin_example, shim.torch_inputs
     sys.modules["torch_twins"] = fake       # pytorch_compare.worker imports it by name
     return pytorch_compare.worker(name, config, 1)
 
 
+def torch_worker(name: str, inputs_path: str, config: str) -> dict:
+    return step_worker(_ZooStep(inputs_path), name, config)
+
+
 def measure_torch(name: str, inputs_path: str, config: str = "eager", timeout: float = 900) -> dict:
     """pytorch_compare's peak measurement of the zoo step, in a fresh subprocess."""
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", name, inputs_path, config]
+    return run_worker([os.path.abspath(__file__), "--worker", name, inputs_path, config], timeout)
+
+
+def run_worker(argv: list[str], timeout: float = 900) -> dict:
+    """Run `python argv...` in a fresh process with pytorch_compare's measuring environment
+    (graphopt's allocator settings, one thread); its last stdout line is the JSON result."""
+    cmd = [sys.executable] + list(argv)
     env = pytorch_compare._worker_env(plain_allocator=False)
     env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     try:
