@@ -15,6 +15,11 @@
   is the layer's input, as in PyTorch:
       dx = invstd * (g - mean(g) - xhat * mean(xhat * g)),  g = dy * scale
       dscale = sum(dy * xhat),  dbias = sum(dy)          (means and sums over all axes but 1)
+* Slice with steps other than 1 (Swin's patch merging x[:, 0::2, 1::2], flips): onnx-ad
+  refuses them. The adjoint puts the output's adjoint back at the positions the slice read,
+  zeros elsewhere, with data movement only: per strided axis, reversed first if the step is
+  negative, then interleaved with step-1 zeros (Unsqueeze, Pad, Reshape), then zero-padded
+  to the input's extent (_slice_reverse).
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ _INFERENCE_BATCH_NORM = _onnx_ad_rules.REVERSE["BatchNormalization"]
 _CONV = _onnx_ad_rules.REVERSE["Conv"]
 _MATMUL = _onnx_ad_rules.REVERSE["MatMul"]
 _CONV_TRANSPOSE = _onnx_ad_rules.REVERSE["ConvTranspose"]
+_SLICE = _onnx_ad_rules.REVERSE["Slice"]
 _conv_attributes = _onnx_ad_rules._conv_attributes   # onnx-ad's own reading of the attributes
 
 
@@ -178,11 +184,77 @@ def _matmul_reverse(ctx, node, grads):
     return contributions
 
 
+def slice_positions(extent: int, start: int, end: int, step: int) -> tuple[int, int]:
+    """(first index read, count) of ONNX Slice along an axis of `extent`, with the spec's
+    clamping (steps of either sign)."""
+    if step == 0:
+        raise UnsupportedOperator("Slice with a step of 0")
+    if start < 0:
+        start += extent
+    if end < 0:
+        end += extent
+    if step > 0:
+        start, end = min(max(start, 0), extent), min(max(end, 0), extent)
+        return start, max(0, -(-(end - start) // step))
+    start, end = min(max(start, 0), extent - 1), min(max(end, -1), extent - 1)
+    return start, max(0, -(-(start - end) // -step))
+
+
+def _slice_reverse(ctx, node, grads):
+    """Slice with steps: the adjoint scattered back to the positions read, by data movement
+    (see the module docstring); steps of 1 go to onnx-ad's rule (a Pad)."""
+    steps = ctx.integers(node.input[4]) if len(node.input) > 4 and node.input[4] else None
+    if len(node.input) > 4 and node.input[4] and steps is None:
+        raise UnsupportedOperator("Slice is differentiable only with constant steps")
+    if steps is None or all(step == 1 for step in steps):
+        return _SLICE(ctx, node, grads)
+    starts, ends = ctx.integers(node.input[1]), ctx.integers(node.input[2])
+    if starts is None or ends is None:
+        raise UnsupportedOperator("Slice is differentiable only with constant bounds")
+    shape = ctx.shapes.static(node.input[0])
+    if shape is None:
+        raise UnsupportedOperator("Slice needs a declared shape to be differentiated in reverse mode")
+    rank = len(shape)
+    axes = ctx.integers(node.input[3]) if len(node.input) > 3 and node.input[3] else None
+    axes = list(range(len(starts))) if axes is None else [axis % rank for axis in axes]
+    op, ints = ctx.b.op, ctx.b.ints
+    read = {axis: slice_positions(shape[axis], start, end, step) + (step,)
+            for axis, start, end, step in zip(axes, starts, ends, steps)}
+    rest = [None] * (len(node.input) - 1)
+    if any(count == 0 for _, count, _ in read.values()):
+        return [ctx.zeros(node.input[0])] + rest
+    current = [read[axis][1] if axis in read else d for axis, d in enumerate(shape)]
+    value = ctx.full(grads[0], node.output[0])
+    for axis in sorted(read):
+        first, count, step = read[axis]
+        extent, stride = shape[axis], abs(step)
+        if step < 0:   # read backwards from `first`: reverse, then it is a forward read
+            if count > 1:
+                value = op("Slice", [value, ints([-1]), ints([-count - 1]), ints([axis]), ints([-1])],
+                           stem="slice_adj_reversed")
+            first -= (count - 1) * stride
+        length = count
+        if stride > 1 and count > 1:   # [.., count, ..] -> [.., count, stride, ..] -> [.., count*stride, ..]
+            widened = _onnx_ad_rules._pad(ctx, ctx.unsqueeze(value, [axis + 1]),
+                                          [0] * (rank + 2), [0] * (axis + 1) + [stride - 1] + [0] * (rank - axis))
+            value = op("Reshape", [widened, ints(current[:axis] + [count * stride] + current[axis + 1:] + [-1])],
+                       stem="slice_adj_interleaved")
+            length = (count - 1) * stride + 1
+            value = ctx.slice(value, [0], [length], [axis], stem="slice_adj_trimmed")
+        before, after = [0] * (rank + 1), [0] * (rank + 1)
+        before[axis], after[axis] = first, extent - first - length
+        if first or after[axis]:
+            value = _onnx_ad_rules._pad(ctx, value, before, after)
+        current[axis] = extent
+    return [value] + rest
+
+
 def register() -> None:
     """Install graphopt's rules (idempotent)."""
     _onnx_ad_rules.REVERSE["BatchNormalization"] = _batch_norm_reverse
     _onnx_ad_rules.REVERSE["Conv"] = _conv_reverse
     _onnx_ad_rules.REVERSE["MatMul"] = _matmul_reverse
     _onnx_ad_rules.REVERSE["ConvTranspose"] = _conv_transpose_reverse
+    _onnx_ad_rules.REVERSE["Slice"] = _slice_reverse
     _onnx_ad_rules.DERIVATIVE["Relu"] = _d_relu
     _onnx_ad_rules.DERIVATIVE["LeakyRelu"] = _d_leaky_relu
