@@ -15,11 +15,11 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .graph_util import Names
+from .graph_util import Names, infer_shapes
 
 
 def static_shapes(model: onnx.ModelProto) -> dict[str, list]:
-    inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
+    inferred = infer_shapes(model, strict_mode=False, data_prop=True)
     shapes = {t.name: list(t.dims) for t in model.graph.initializer}
     for value in list(inferred.graph.value_info) + list(inferred.graph.input) + list(inferred.graph.output):
         if value.type.tensor_type.HasField("shape"):

@@ -33,9 +33,10 @@ from graphopt.runtime.session import UNOPTIMIZED_SETTINGS, write_settings
 
 from . import rules
 from .deterministic import scatter_nd_rows_to_elements, static_shapes
-from .graph_util import small_constants
-from .lean import pads_sum_to_concat, recompute_gelu_intermediates
-from .losses import LOSS_NAME, attach_loss, parse_loss
+from .graph_util import Names, infer_shapes, small_constants
+from .embedding_grad import lean_embedding_gradients
+from .lean import pads_sum_to_concat, recompute_gelu_intermediates, transposed_products
+from .losses import LOSS_NAME, attach_loss_parts, cross_entropy_seed, parse_loss
 from .training_mode import batchnorm_training, copy_statistics_inputs, dropout_training
 
 __all__ = ["build_training_graph", "cleanup_graph"]
@@ -115,10 +116,10 @@ def _static_shapes(model):
 
 def _infer(model, data_prop=True):
     try:
-        return shape_inference.infer_shapes(model, strict_mode=False, data_prop=data_prop)
+        return infer_shapes(model, strict_mode=False, data_prop=data_prop)
     except Exception:
         try:
-            return shape_inference.infer_shapes(model, strict_mode=False)
+            return infer_shapes(model, strict_mode=False)
         except Exception:
             return model
 
@@ -373,8 +374,9 @@ def build_training_graph(forward: onnx.ModelProto, loss: str | None = None,
     model = onnx.ModelProto()
     model.CopyFrom(forward)
     extras = batchnorm_training(model) + dropout_training(model)
+    parts = None    # cross entropy: the seed is its gradient at the prediction (losses.py)
     if kind != "output":
-        model = attach_loss(model, kind, labels, class_axis)
+        model, parts = attach_loss_parts(model, kind, labels, class_axis)
         loss = LOSS_NAME
     graph = model.graph
     loss = _loss_name(model, loss)
@@ -415,6 +417,10 @@ def build_training_graph(forward: onnx.ModelProto, loss: str | None = None,
     graph.ClearField("output")
     graph.output.append(helper.make_tensor_value_info(
         loss, types.get(loss, TensorProto.FLOAT), list(loss_shape)))
+    seeded = loss
+    if parts is not None:
+        seeded = parts.prediction
+        graph.output.append(helper.make_tensor_value_info(seeded, parts.elem_type, parts.prediction_shape))
 
     # parameters become graph inputs for the reverse pass
     param_set = set(params)
@@ -432,7 +438,7 @@ def build_training_graph(forward: onnx.ModelProto, loss: str | None = None,
     graph.value_info.extend(v for v in inferred.graph.value_info)
 
     try:
-        reversed_model = onnx_ad.reverse(model, inputs=params, outputs=[loss],
+        reversed_model = onnx_ad.reverse(model, inputs=params, outputs=[seeded],
                                          prefix="adj_", dim="nadj", layout="onnx")
     except onnx_ad.UnsupportedOperator as exc:
         message = str(exc)
@@ -455,7 +461,7 @@ def build_training_graph(forward: onnx.ModelProto, loss: str | None = None,
         raise InvalidModelError("onnx-ad rejected the model: %s" % exc) from exc
 
     return _finish(reversed_model, loss, loss_shape, types.get(loss, TensorProto.FLOAT),
-                   params, initializers, extras, types)
+                   params, initializers, extras, types, parts)
 
 
 def _backward_names(model, loss):
@@ -479,14 +485,21 @@ def _downstream(model, params):
     return live
 
 
-def _finish(model, loss, loss_shape, loss_type, params, initializers, extras, types):
+def _finish(model, loss, loss_shape, loss_type, params, initializers, extras, types, parts=None):
     graph = model.graph
-    seed_name = "adj_" + loss
     adj_names = {p: "adj_" + p for p in params}
 
-    # 1. the seed input becomes a constant 1 of shape loss_shape ++ [1]
-    dtype = helper.tensor_dtype_to_np_dtype(loss_type)
-    seed = numpy_helper.from_array(np.ones(tuple(loss_shape) + (1,), dtype=dtype), seed_name)
+    # 1. the seed input becomes a constant 1 of shape loss_shape ++ [1], or, for cross
+    # entropy, its gradient at the prediction, computed right before the backward reads it
+    seed, seed_nodes = None, []
+    if parts is None:
+        seed_name = "adj_" + loss
+        dtype = helper.tensor_dtype_to_np_dtype(loss_type)
+        seed = numpy_helper.from_array(np.ones(tuple(loss_shape) + (1,), dtype=dtype), seed_name)
+    else:
+        seed_name = "adj_" + parts.prediction
+        seed_nodes, seed_inits = cross_entropy_seed(parts, seed_name, Names(model))
+        graph.initializer.extend(seed_inits)
 
     # 2. parameters back to initializers; inputs = the forward's data inputs
     param_set = set(params)
@@ -494,12 +507,16 @@ def _finish(model, loss, loss_shape, loss_type, params, initializers, extras, ty
     graph.ClearField("input")
     graph.input.extend(inputs)
     graph.initializer.extend(initializers[p] for p in params)
-    graph.initializer.append(seed)
+    if seed is not None:
+        graph.initializer.append(seed)
 
     # 3. gradients: Reshape(adj_p, shape(p)) -> <p>_grad, output names free of clashes
     taken = {t.name for t in graph.initializer} | {v.name for v in graph.input} | \
         {o for n in graph.node for o in n.output}
     nodes = list(graph.node)
+    if seed_nodes:
+        first = next((k for k, n in enumerate(nodes) if seed_name in _node_reads(n)), len(nodes))
+        nodes[first:first] = seed_nodes
     outputs = [helper.make_tensor_value_info(loss, loss_type, list(loss_shape))]
     for p in params:
         grad = p + "_grad"
@@ -545,7 +562,9 @@ def _finish(model, loss, loss_shape, loss_type, params, initializers, extras, ty
 
     model = cleanup_graph(model)
     scatter_nd_rows_to_elements(model)
-    if pads_sum_to_concat(model, static_shapes(model)):
+    shapes = static_shapes(model)
+    if pads_sum_to_concat(model, shapes) + transposed_products(model, shapes) \
+            + lean_embedding_gradients(model, shapes):
         model = cleanup_graph(model)
     name_nodes(model)
     recompute_gelu_intermediates(model, _backward_names(model, loss))

@@ -28,7 +28,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from graphopt.errors import InvalidModelError
 
-from .graph_util import Names, attribute
+from .graph_util import Names, attribute, infer_shapes
 
 MIN_OPSET = 14   # BatchNormalization's training_mode attribute
 
@@ -202,7 +202,7 @@ def dropout_training(model: onnx.ModelProto) -> Extras:
         return Extras()
     names = Names(model)
     types = {}
-    inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+    inferred = infer_shapes(model, strict_mode=False)
     for value in list(inferred.graph.value_info) + list(inferred.graph.input) + list(inferred.graph.output):
         types[value.name] = value.type.tensor_type.elem_type
     nodes, masks, constants = [], [], []
