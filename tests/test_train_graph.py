@@ -233,3 +233,128 @@ def test_embedding_gradient_is_exact_with_threads():
         got = dict(zip(names, open_session(train, threads=threads).run(
             None, {"tokens": tokens.numpy(), "labels": labels.numpy()})))["embedding.weight_grad"]
         assert np.abs(got - expected).max() / np.abs(expected).max() <= 1e-5, threads
+
+
+def _table_sized(train, elements):
+    """Backward nodes (not reshapes) whose output has `elements` elements: the buffers of that
+    size one training step allocates."""
+    from graphopt.build.deterministic import static_shapes
+    shapes = static_shapes(train)
+    aliases = {"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity"}
+    return [n for n in train.graph.node if n.op_type not in aliases and shapes.get(n.output[0])
+            and None not in shapes[n.output[0]] and int(np.prod(shapes[n.output[0]])) == elements]
+
+
+def test_tied_embedding_gradient_is_accumulated_in_one_table():
+    # A language model whose head is its embedding (GPT-2, T5, Qwen2): the table's gradient
+    # has three terms (the head, two lookups). Reverse mode made a zeros table and a scattered
+    # copy per lookup, the head's product and its transpose, and their Sum; the builder
+    # scatters each lookup into the head's gradient, written transposed by one Gemm.
+    torch.manual_seed(5)
+    vocab, width = 300, 24
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embedding = nn.Embedding(vocab, width)
+            self.mix = nn.Linear(width, width)
+
+        def forward(self, tokens, more):
+            h = torch.tanh(self.mix(self.embedding(tokens) + self.embedding(more)))
+            return h @ self.embedding.weight.t()
+
+    module = Tied()
+    tokens, more = torch.randint(0, vocab, (3, 20)), torch.randint(0, vocab, (3, 20))
+    tokens[:, ::3] = 11
+    labels = torch.randint(0, vocab, (3, 20))
+    buffer = io.BytesIO()
+    torch.onnx.export(module, (tokens, more), buffer, input_names=["tokens", "more"], output_names=["logits"],
+                      dynamo=False, opset_version=17, do_constant_folding=False)
+    train = build_training_graph(onnx.load_from_string(buffer.getvalue()), loss="cross_entropy")
+    tables = _table_sized(train, vocab * width)
+    # the forward's transposed copy of the table for the head, the head's gradient and one
+    # accumulating scatter per lookup
+    assert len(tables) <= 4, [(n.op_type, n.name) for n in tables]
+    assert "Sum" not in {n.op_type for n in tables}
+    F.cross_entropy(module(tokens, more).reshape(-1, vocab), labels.reshape(-1)).backward()
+    names = [o.name for o in train.graph.output]
+    feeds = {"tokens": tokens.numpy(), "more": more.numpy(), "labels": labels.numpy()}
+    for threads in (1, 2):
+        got = dict(zip(names, open_session(train, threads=threads).run(None, feeds)))
+        for name, param in module.named_parameters():
+            expected = param.grad.numpy()
+            assert np.abs(got[name + "_grad"] - expected).max() / np.abs(expected).max() <= 1e-5, (name, threads)
+
+
+def test_lone_embedding_gradient_is_one_table():
+    # One lookup, nothing to accumulate into: the dense table is gathered from the looked-up
+    # rows summed by position, not scattered into a table of zeros (two tables).
+    torch.manual_seed(6)
+    vocab, width = 500, 16
+
+    class Classifier(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embedding, self.head = nn.Embedding(vocab, width), nn.Linear(width, 3)
+
+        def forward(self, tokens):
+            return self.head(torch.tanh(self.embedding(tokens)).mean(1))
+
+    module = Classifier()
+    tokens = torch.randint(0, vocab, (4, 30))
+    tokens[:, 5:9] = 42
+    labels = torch.randint(0, 3, (4,))
+    buffer = io.BytesIO()
+    torch.onnx.export(module, (tokens,), buffer, input_names=["tokens"], output_names=["logits"],
+                      dynamo=False, opset_version=17, do_constant_folding=False)
+    train = build_training_graph(onnx.load_from_string(buffer.getvalue()), loss="cross_entropy")
+    tables = _table_sized(train, vocab * width)
+    assert [n.op_type for n in tables] == ["Gather"], [(n.op_type, n.name) for n in tables]
+    F.cross_entropy(module(tokens), labels).backward()
+    expected = module.embedding.weight.grad.numpy()
+    for threads in (1, 2, 4):
+        got = dict(zip([o.name for o in train.graph.output], open_session(train, threads=threads).run(
+            None, {"tokens": tokens.numpy(), "labels": labels.numpy()})))["embedding.weight_grad"]
+        assert np.abs(got - expected).max() / np.abs(expected).max() <= 1e-6, threads
+
+
+@pytest.mark.parametrize("class_axis", [1, None])
+def test_cross_entropy_gradient_is_fused(class_axis):
+    # The loss's gradient at the logits is (softmax - onehot) / N, as PyTorch's fused
+    # backward: at most the log-probabilities, their Exp, the one-hot subtracted and the scale
+    # are logits-sized (reverse mode through LogSoftmax/GatherElements/ReduceMean made eight),
+    # with the class axis inside (class_axis=1 on [B, C, T]) or last.
+    torch.manual_seed(7)
+    batch, classes, steps = 3, 11, 5
+
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(6, classes)
+
+        def forward(self, x):
+            y = self.linear(x)
+            return y.transpose(1, 2) if class_axis == 1 else y
+
+    module = Head()
+    x = torch.randn(batch, steps, 6)
+    labels = torch.randint(0, classes, (batch, steps))
+    buffer = io.BytesIO()
+    torch.onnx.export(module, (x,), buffer, input_names=["x"], output_names=["logits"],
+                      dynamo=False, opset_version=17, do_constant_folding=False)
+    train = build_training_graph(onnx.load_from_string(buffer.getvalue()), loss="cross_entropy",
+                                 class_axis=class_axis)
+    sized = [n for n in _table_sized(train, batch * classes * steps) if n.name != "/linear/MatMul"
+             and not n.name.startswith("/linear/Add")]
+    # LogSoftmax, Exp, the one-hot subtracted, the scale (and the class axis moved back)
+    assert len(sized) <= (6 if class_axis == 1 else 4), [(n.op_type, n.name) for n in sized]
+    assert not {"ConstantOfShape", "Sub"} & {n.op_type for n in sized}
+    out = module(x)
+    loss = F.cross_entropy(out if class_axis == 1 else out.movedim(-1, 1), labels)
+    loss.backward()
+    got = dict(zip([o.name for o in train.graph.output], open_session(train, threads=1).run(
+        None, {"x": x.numpy(), "labels": labels.numpy()})))
+    assert abs(float(got["loss"]) - loss.item()) <= 1e-6
+    for name, param in module.named_parameters():
+        expected = param.grad.numpy()
+        assert np.abs(got[name + "_grad"] - expected).max() / np.abs(expected).max() <= 1e-5, name

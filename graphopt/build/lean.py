@@ -144,3 +144,83 @@ def recompute_gelu_intermediates(model: onnx.ModelProto, backward: set[str]) -> 
         graph.ClearField("node")
         graph.node.extend(nodes)
     return changed
+
+
+_ALIASES = ("Reshape", "Unsqueeze", "Squeeze", "Flatten", "Identity")
+
+
+def _squeezed(shape):
+    return None if shape is None or None in shape else [d for d in shape if d != 1]
+
+
+def transposed_products(model: onnx.ModelProto, shapes: dict[str, list]) -> int:
+    """Transpose(A @ B) -> B^T @ A^T as one Gemm, for 2-D products (through reshapes that
+    only add or drop size-1 axes): the product is written transposed, where reverse mode
+    makes it and then a transposed copy (a weight's gradient through a transposed weight, as a
+    tied language-model head reads its embedding: two vocabulary-sized tables, one would do).
+    In place; `shapes`: static shapes by name. Returns how many Transposes went."""
+    graph = model.graph
+    producers = {o: n for n in graph.node for o in n.output if o}
+    readers = _readers(model)
+    outputs = {o.name for o in graph.output}
+    names = {n.name for n in graph.node} | {o for n in graph.node for o in n.output}
+    replaced, dead, before = 0, set(), {}
+    nodes = list(graph.node)
+    for node in nodes:
+        if node.op_type != "Transpose":
+            continue
+        in_shape, out_shape = shapes.get(node.input[0]), shapes.get(node.output[0])
+        if in_shape is None or out_shape is None or None in in_shape or None in out_shape:
+            continue
+        perm = list(attribute(node, "perm", list(reversed(range(len(in_shape))))))
+        kept = [axis for axis in perm if in_shape[axis] != 1]
+        if len(kept) != 2 or kept[0] < kept[1]:
+            continue
+        chain, source = [], node.input[0]
+        while True:
+            producer = producers.get(source)
+            if producer is None or source in outputs or len(readers.get(source, [])) != 1:
+                producer = None
+                break
+            if producer.op_type in _ALIASES and _squeezed(shapes.get(producer.input[0])) == _squeezed(in_shape):
+                chain.append(producer)
+                source = producer.input[0]
+                continue
+            break
+        if producer is None or producer.op_type not in ("Gemm", "MatMul") or len(producer.input) > 2 \
+                and producer.input[2]:
+            continue
+        a, b = producer.input[0], producer.input[1]
+        sa, sb = shapes.get(a), shapes.get(b)
+        if sa is None or sb is None or len(sa) != 2 or len(sb) != 2 or shapes.get(source) is None \
+                or len(shapes[source]) != 2:
+            continue
+        ta, tb = (attribute(producer, "transA", 0), attribute(producer, "transB", 0)) \
+            if producer.op_type == "Gemm" else (0, 0)
+        alpha = attribute(producer, "alpha", 1.0) if producer.op_type == "Gemm" else 1.0
+        product = producer.output[0] + "__transposed"
+        while product in names:
+            product += "_"
+        names.add(product)
+        gemm = helper.make_node("Gemm", [b, a], [product], name=producer.name + "__transposed",
+                                transA=1 - tb, transB=1 - ta, alpha=alpha)
+        shape_name = node.output[0] + "__shape"
+        while shape_name in names:
+            shape_name += "_"
+        names.add(shape_name)
+        graph.initializer.append(onnx.numpy_helper.from_array(np.array(out_shape, np.int64), shape_name))
+        reshape = helper.make_node("Reshape", [product, shape_name], list(node.output), name=node.name)
+        node.CopyFrom(reshape)
+        before[id(node)] = gemm
+        dead.update(id(n) for n in chain + [producer])
+        replaced += 1
+    if replaced:
+        kept_nodes = []
+        for n in nodes:
+            if id(n) in before:
+                kept_nodes.append(before[id(n)])
+            if id(n) not in dead:
+                kept_nodes.append(n)
+        graph.ClearField("node")
+        graph.node.extend(kept_nodes)
+    return replaced
