@@ -8,6 +8,12 @@
 - optional outputs nobody reads are dropped (ONNX Runtime never frees an unread output);
 - nodes that feed no graph output are removed;
 - the session settings the order needs go into `metadata_props["graphopt.session"]`.
+
+`expand_functions` writes the nodes ONNX Runtime would inline at load (function ops it has no
+kernel for, e.g. HardSwish on the CPU provider) as their ONNX function bodies, before
+planning: inlined at load, their body nodes get node indices after every node of the file,
+so PRIORITY_BASED runs them only when nothing else is ready and the file's order is lost
+(MobileNetV3: each HardSwish ran late, the BatchNormalization statistics' Muls early).
 """
 from __future__ import annotations
 
@@ -15,6 +21,8 @@ import json
 
 import networkx as nx
 import onnx
+import onnx.defs
+import onnx.inliner
 from onnx import helper
 
 from .analyze import TrainingGraph
@@ -109,3 +117,103 @@ def _set_metadata(model: onnx.ModelProto, key: str, value: str) -> None:
             prop.value = value
             return
     model.metadata_props.add(key=key, value=value)
+
+
+_INLINE_DOMAIN = "graphopt.inline"
+
+
+def has_function(node: onnx.NodeProto, opset: int) -> bool:
+    """Whether `node`'s operator is defined by an ONNX function at `opset` (ORT inlines such a
+    node at load when its provider has no kernel for it)."""
+    try:
+        schema = onnx.defs.get_schema(node.op_type, opset, node.domain)
+    except onnx.defs.SchemaError:
+        return False
+    return bool(schema.has_function or schema.has_context_dependent_function)
+
+
+def _function_body(node: onnx.NodeProto, opset: int, input_types: list[onnx.TypeProto] | None):
+    """The FunctionProto of `node`'s operator at `opset`, or None where it cannot be had (a
+    context-dependent function without the input types, or a body whose operators mean
+    something else at `opset` than at the body's own opset)."""
+    schema = onnx.defs.get_schema(node.op_type, opset, node.domain)
+    if schema.has_function:
+        version = max((v for v in schema.function_opset_versions if v <= opset), default=None)
+        body = schema.get_function_with_opset_version(version) if version else None
+    elif schema.has_context_dependent_function and input_types is not None:
+        version = max((v for v in schema.context_dependent_function_opset_versions if v <= opset), default=None)
+        body = schema.get_context_dependent_function_with_opset_version(
+            version, node.SerializeToString(), [t.SerializeToString() for t in input_types]) if version else None
+    else:
+        return None
+    if not body:
+        return None
+    function = onnx.FunctionProto()
+    function.ParseFromString(body)
+    body_opset = {o.domain: o.version for o in function.opset_import}.get("", opset)
+    for inner in function.node:
+        if inner.domain not in ("", "ai.onnx"):
+            return None
+        try:
+            same = (onnx.defs.get_schema(inner.op_type, body_opset).since_version
+                    == onnx.defs.get_schema(inner.op_type, opset).since_version)
+        except onnx.defs.SchemaError:
+            return None
+        if not same:
+            return None
+    return function
+
+
+def expand_functions(model: onnx.ModelProto, names, input_types: dict[str, onnx.TypeProto] | None = None
+                     ) -> tuple[onnx.ModelProto, list[str]]:
+    """`model` with the nodes named in `names` replaced, in place in the file, by their ONNX
+    function bodies (as ONNX Runtime inlines them), each body node named
+    ``<node>/<op_type>_<k>``. `input_types`: tensor -> TypeProto, needed by context-dependent
+    functions (SoftmaxCrossEntropyLoss, ...). Returns the new model and the names expanded
+    (nodes whose body cannot be had are left as they are)."""
+    names = set(names)
+    model_opsets = {o.domain or "": o.version for o in model.opset_import}
+    opset = model_opsets.get("", model_opsets.get("ai.onnx", onnx.defs.onnx_opset_version()))
+    work = onnx.ModelProto()
+    work.CopyFrom(model)
+    selected = []
+    sizes: dict[str, int] = {}
+    for k, node in enumerate(work.graph.node):
+        if node.name not in names or node.domain not in ("", "ai.onnx"):
+            continue
+        types = None
+        if input_types is not None:
+            types = [input_types.get(t) for t in node.input]
+            types = None if any(t is None for t in types) else types
+        function = _function_body(node, opset, types)
+        if function is None:
+            continue
+        function.domain, function.name = _INLINE_DOMAIN, f"f{k}"
+        del function.opset_import[:]
+        function.opset_import.append(helper.make_opsetid("", opset))
+        work.functions.append(function)
+        sizes[node.name] = len(function.node)
+        node.domain, node.op_type = _INLINE_DOMAIN, function.name
+        selected.append((_INLINE_DOMAIN, function.name))
+    if not selected:
+        return model, []
+    work.opset_import.append(helper.make_opsetid(_INLINE_DOMAIN, 1))
+    expanded = onnx.inliner.inline_selected_functions(work, selected, exclude=False)
+    kept = [o for o in expanded.opset_import if o.domain != _INLINE_DOMAIN]
+    del expanded.opset_import[:]
+    expanded.opset_import.extend(kept)
+    # name the body nodes: the inliner writes each body where its node stood, in order
+    taken = {n.name for n in model.graph.node}
+    new = iter(expanded.graph.node)
+    for node in model.graph.node:
+        if node.name not in sizes:
+            next(new)
+            continue
+        for j in range(sizes[node.name]):
+            inner = next(new)
+            name = f"{node.name}/{inner.op_type}_{j}"
+            while name in taken:
+                name += "_"
+            inner.name = name
+            taken.add(name)
+    return expanded, sorted(sizes)

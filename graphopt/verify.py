@@ -1,4 +1,5 @@
-"""Check that a rewritten graph reproduces the original's outputs.
+"""Check that a rewritten graph reproduces the original's outputs, and read the order
+ONNX Runtime really executes it in (`executed_order`, from its profile).
 
 Runs are deterministic: one thread, ``use_deterministic_compute``, CPU arena off.
 (ORT's CPU ScatterND with ``reduction="add"`` — the gradient of an embedding Gather —
@@ -8,13 +9,17 @@ repeat; see docs/ort-facts.md section 6.)
 
 from __future__ import annotations
 
+import glob
 import math
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
 
+from graphopt.annotate import _parse_profile
 from graphopt.runtime.session import SessionSettings, open_session
 
 
@@ -106,3 +111,61 @@ def compare_outputs(
             per[name] = math.inf
     worst = max(per.values(), default=0.0)
     return OutputComparison(match=worst <= tolerance, max_relative_difference=worst, per_output=per)
+
+
+def executed_order(
+    model: onnx.ModelProto,
+    inputs: dict[str, np.ndarray],
+    settings: SessionSettings | None = None,
+    *,
+    threads: int = 1,
+    providers: list | None = None,
+) -> list[str]:
+    """The node names ONNX Runtime ran, in execution order, in one profiled run of `model`
+    (``settings=None``: its metadata). Nodes ORT made at load (inlined function bodies) appear
+    under the names ORT gave them."""
+    tmp = tempfile.mkdtemp(prefix="graphopt-order-")
+    try:
+        sess = open_session(model, settings, providers=providers, threads=threads,
+                            profile_prefix=os.path.join(tmp, "profile"))
+        known = {i.name for i in sess.get_inputs()}
+        sess.run(None, {k: v for k, v in inputs.items() if k in known})
+        path = sess.end_profiling()
+        del sess
+        if not path or not os.path.exists(path):
+            found = sorted(glob.glob(os.path.join(tmp, "profile*.json")))
+            path = found[-1] if found else None
+        if path is None:
+            return []
+        return _parse_profile(path)[0]
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@dataclass
+class OrderCheck:
+    followed: bool
+    position: int | None = None         # first step where the executed order leaves the plan
+    planned: list[str] = field(default_factory=list)    # planned steps from there (a few)
+    executed: list[str] = field(default_factory=list)   # what ran instead (a few)
+    not_in_file: list[str] = field(default_factory=list)  # nodes ORT ran that the file lacks
+
+    def to_dict(self) -> dict:
+        out = {"followed": self.followed}
+        if not self.followed:
+            out.update(first_deviation={"position": self.position, "planned": self.planned,
+                                        "executed": self.executed},
+                       not_in_file=self.not_in_file[:10], not_in_file_count=len(self.not_in_file))
+        return out
+
+
+def compare_order(planned: list[str], executed: list[str], context: int = 4) -> OrderCheck:
+    """Whether `executed` is exactly `planned`; if not, where and how it first differs."""
+    if planned == executed:
+        return OrderCheck(True)
+    position = next((i for i, (a, b) in enumerate(zip(planned, executed)) if a != b),
+                    min(len(planned), len(executed)))
+    in_file = set(planned)
+    return OrderCheck(False, position, planned[position:position + context],
+                      executed[position:position + context],
+                      [name for name in executed if name not in in_file])
