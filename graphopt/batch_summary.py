@@ -13,7 +13,8 @@ matplotlib.use("Agg")  # no display; must precede pyplot
 import matplotlib.pyplot as plt  # noqa: E402
 
 COLUMNS = ["model", "kind", "status", "nodes", "peak_before_bytes", "peak_before_optimizations_off_bytes",
-           "peak_after_bytes", "peak_ratio", "step_time_ratio", "strategy", "outputs_match", "seconds", "error"]
+           "peak_after_bytes", "peak_ratio", "step_time_ratio", "strategy", "outputs_match", "outcome", "seconds",
+           "error"]
 
 
 def figures(report: dict) -> dict:
@@ -34,7 +35,7 @@ def figures(report: dict) -> dict:
     else:
         measured = report.get("measured", {})
         row.update(nodes=report.get("nodes", {}).get("original"), strategy=report.get("strategy"),
-                   outputs_match=report.get("outputs_match"),
+                   outputs_match=report.get("outputs_match"), outcome=report.get("outcome"),
                    peak_before_bytes=measured.get("original_default_session", {}).get("peak_bytes"),
                    peak_before_optimizations_off_bytes=measured.get("original_optimizations_off", {}).get("peak_bytes"),
                    peak_after_bytes=measured.get("optimized", {}).get("peak_bytes"),
@@ -59,6 +60,8 @@ def markdown(rows: list[dict]) -> str:
              "step time ratio | strategy | status |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         status = r["status"] if r["status"] != "failed" else f"failed: {r['error']}"
+        if r.get("outcome") == "original":
+            status += " (not improved: the original is returned)"
         lines.append(f"| {r['model']} | {r['nodes'] or ''} | {_size(r['peak_before_bytes'])} | "
                      f"{_size(r['peak_after_bytes'])} | {_ratio(r['peak_ratio'])} | {_ratio(r['step_time_ratio'])} | "
                      f"{r['strategy'] or ''} | {status.replace('|', '/')} |")

@@ -122,18 +122,37 @@ def summary_text(report: dict) -> str:
     predicted = report["predicted"]
     lines.append(f"predicted peak: original (optimizations off) {mib(predicted['original_optimizations_off']['peak_bytes'])}, "
                  f"optimized {mib(predicted['optimized']['peak_bytes'])}")
+    rejected = report.get("rejected")
     if "measured" in report:
         m = report["measured"]
         lines.append("measured peak of one training step in ONNX Runtime:")
-        for label in ("original_default_session", "original_optimizations_off", "optimized"):
-            lines.append(f"  {label:28s} {mib(m[label]['peak_bytes']):>12s}   step {m[label]['step_seconds']:.3f} s")
+        rows = [("original_default_session", m["original_default_session"]),
+                ("original_optimizations_off", m["original_optimizations_off"])]
+        if rejected and "measured" in rejected:
+            rows.append(("optimized (not returned)", rejected["measured"]))
+            rows.append(("returned (the original)", m["optimized"]))
+        else:
+            rows.append(("optimized", m["optimized"]))
+        for label, row in rows:
+            lines.append(f"  {label:28s} {mib(row['peak_bytes']):>12s}   step {row['step_seconds']:.3f} s")
         r = report["ratios"]
-        lines.append(f"optimized / original: peak {r['peak_vs_default_session']:.2f}x (default session), "
+        lines.append(f"returned / original: peak {r['peak_vs_default_session']:.2f}x (default session), "
                      f"{r['peak_vs_optimizations_off']:.2f}x (optimizations off); step time "
                      f"{r['step_time_vs_default_session']:.2f}x / {r['step_time_vs_optimizations_off']:.2f}x")
     if "outputs_match" in report:
         lines.append(f"outputs identical: {report['outputs_match']} "
                      f"(max relative difference {report['max_relative_difference']:.2e})")
+    if "order_followed" in report:
+        tried = report.get("order", {}).get("plans_tried", [])
+        lines.append(f"planned order followed by ONNX Runtime: {report['order_followed']}"
+                     + (f" ({len(tried)} plans tried)" if len(tried) > 1 else ""))
+    outcome = report.get("outcome")
+    if outcome == "original":
+        lines.append("OUTCOME: NOT IMPROVED, the original model is returned: " + report["outcome_reason"])
+    elif outcome == "unmeasured":
+        lines.append("OUTCOME: not measured: " + report["outcome_reason"])
+    elif outcome:
+        lines.append("outcome: optimized: " + report["outcome_reason"])
     return "\n".join(lines)
 
 

@@ -4,6 +4,15 @@
 
 `optimize(model, options)` returns the rewritten model and its report, or raises a typed
 error; a rewritten model whose outputs differ from the original's is never returned.
+
+Contracts at delivery (checked, never assumed):
+- ORDER: a rewritten model is returned only if ONNX Runtime's profile shows it ran the planned
+  order. Otherwise the next plan is tried (store-all: no recomputation, only the order is
+  ours), then none: the original is returned.
+- NEVER WORSE: with measurement on, a rewritten model is returned only if its measured peak
+  is below the original's under both sessions (default session, optimizations off); otherwise
+  the original graph is returned with the session settings that measured lowest (in its
+  metadata, so `open_session` applies them). `report["outcome"]` says which, and why.
 """
 from __future__ import annotations
 
@@ -20,15 +29,16 @@ import onnx
 from .analyze import TrainingGraph, analyze
 from .annotate import Annotations, annotate, write_annotations
 from .costgraph import build_cost_graph
+from .costgraph import FOLDED_AT_LOAD_OPS, opset_of
 from .costmodel import Step, priority_order, simulate
 from .errors import BudgetInfeasibleError, InvalidOptionError, VerificationError
 from .ingest import name_nodes
 from .inputs import save_inputs, synthesize_inputs
-from .rewrite import PLANNED_SETTINGS, rewrite
+from .rewrite import PLANNED_SETTINGS, expand_functions, has_function, rewrite
 from .runtime.measure import Measurement, measure
-from .runtime.session import DEFAULT_SETTINGS, UNOPTIMIZED_SETTINGS
-from .search import DEFAULT_STRATEGY, STRATEGIES, Plan
-from .verify import compare_outputs, run_outputs
+from .runtime.session import DEFAULT_SETTINGS, UNOPTIMIZED_SETTINGS, SessionSettings, write_settings
+from .search import DEFAULT_STRATEGY, STRATEGIES, Plan, store_all
+from .verify import compare_order, compare_outputs, executed_order, run_outputs
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +108,51 @@ def _annotate(training: TrainingGraph, inputs, options) -> tuple[Annotations, ob
     return annotations, graph
 
 
+def inlined_at_load(model: onnx.ModelProto, order: list[str]) -> list[str]:
+    """Nodes of `model` that ONNX Runtime did not run as themselves: function ops it has no
+    kernel for (HardSwish on the CPU provider, ...), inlined at load under new names."""
+    ran = set(order)
+    opset = opset_of(model)
+    return [n.name for n in model.graph.node
+            if n.name not in ran and n.op_type not in FOLDED_AT_LOAD_OPS and has_function(n, opset)]
+
+
+def _type_protos(annotations: Annotations) -> dict[str, onnx.TypeProto]:
+    types = {}
+    for name, shape in annotations.tensor_shapes.items():
+        dtype = annotations.tensor_dtypes.get(name)
+        try:
+            elem = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+        except Exception:
+            continue
+        types[name] = onnx.helper.make_tensor_type_proto(elem, list(shape))
+    return types
+
+
+def _runtime_graph(training: TrainingGraph, inputs, options):
+    """Annotate `training`; where ONNX Runtime inlined function ops at load, write their
+    bodies into the graph (`rewrite.expand_functions`) and annotate that instead, so the plan's
+    order covers every node ORT runs (inlined at load, the body nodes would come after every
+    node of the file in ORT's priority order). Returns (training, annotations, graph,
+    {op_type: nodes expanded}, the annotations of the graph as it came)."""
+    annotations, graph = _annotate(training, inputs, options)
+    first = annotations
+    inlined = inlined_at_load(training.model, annotations.execution_order)
+    if not inlined:
+        return training, annotations, graph, {}, first
+    model, expanded = expand_functions(training.model, inlined, _type_protos(annotations))
+    if not expanded:
+        return training, annotations, graph, {}, first
+    op_types: dict[str, int] = {}
+    expanded_names = set(expanded)
+    for node in training.model.graph.node:
+        if node.name in expanded_names:
+            op_types[node.op_type] = op_types.get(node.op_type, 0) + 1
+    training = analyze(model, options.loss)
+    annotations, graph = _annotate(training, inputs, options)
+    return training, annotations, graph, op_types, first
+
+
 def _profiled_schedule(graph, order: list[str]) -> list[Step]:
     return [(name, 0) for name in order if name in graph]
 
@@ -144,16 +199,19 @@ def _measure_one(model: onnx.ModelProto, inputs, options) -> Measurement:
         return measure(path, inputs_path, None, provider=provider, threads=options.threads)
 
 
-def _order_followed(graph, plan: Plan, rewritten: onnx.ModelProto, inputs, options) -> bool:
-    """Whether ONNX Runtime's profile shows the rewritten model ran in the planned order."""
-    order = annotate(rewritten, inputs, PLANNED_SETTINGS, threads=options.threads).execution_order
+def _order_check(graph, plan: Plan, rewritten: onnx.ModelProto, inputs, options):
+    """ONNX Runtime's profile of the rewritten model against the planned order
+    (`verify.OrderCheck`: followed, and where it first deviates)."""
+    executed = executed_order(rewritten, inputs, PLANNED_SETTINGS, threads=options.threads,
+                              providers=options.providers)
     planned = [op if copy == 0 else f"{op}__rc{copy}" for op, copy in priority_order(graph, plan.schedule)]
-    return order == planned
+    return compare_order(planned, executed)
 
 
-def _check_outputs(training: TrainingGraph, rewritten: onnx.ModelProto, inputs, options, report: dict) -> None:
+def _check_outputs(reference_model: onnx.ModelProto, rewritten: onnx.ModelProto, inputs, options,
+                   report: dict) -> None:
     """Raise VerificationError unless the rewritten model's outputs equal the original's."""
-    reference = run_outputs(training.model, inputs, ORIGINAL_UNOPTIMIZED, threads=1)
+    reference = run_outputs(reference_model, inputs, ORIGINAL_UNOPTIMIZED, threads=1)
     candidate = run_outputs(rewritten, inputs, None, threads=1)
     comparison = compare_outputs(reference, candidate, options.tolerance)
     report["outputs_match"] = comparison.match
@@ -183,7 +241,7 @@ def analyze_model(model: onnx.ModelProto, options: OptimizeOptions | None = None
     progress("analyze", 0.0)
     training, inputs = _prepare(model, options)
     progress("annotate", 0.2)
-    annotations, graph = _annotate(training, inputs, options)
+    training, annotations, graph, expanded, _ = _runtime_graph(training, inputs, options)
     predicted_original = simulate(graph, _profiled_schedule(graph, annotations.execution_order))
     result = {
         "loss": training.loss,
@@ -195,6 +253,7 @@ def analyze_model(model: onnx.ModelProto, options: OptimizeOptions | None = None
         "tensor_bytes": annotations.tensor_bytes,
         "node_seconds": annotations.node_seconds,
         "execution_order": annotations.execution_order,
+        "functions_expanded": expanded,
     }
     if plan:
         progress("plan", 0.6)
@@ -207,16 +266,71 @@ def analyze_model(model: onnx.ModelProto, options: OptimizeOptions | None = None
     return result
 
 
+# outcome of `optimize` (report["outcome"])
+OUTCOME_OPTIMIZED = "optimized"     # the rewritten model: order followed, measured below the original
+OUTCOME_ORIGINAL = "original"       # the original graph, with the session that measured lowest
+OUTCOME_UNMEASURED = "unmeasured"   # the rewritten model, measurement off: not checked against the original
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.0f} KiB"
+
+
+def _plan_summary(plan: Plan) -> dict:
+    return {"strategy": plan.strategy, "checkpoints": len(plan.checkpoints),
+            "recompute_nodes": plan.recompute_ops, "predicted_peak_bytes": plan.peak_bytes}
+
+
+def _fallback_plans(graph, plan: Plan):
+    """The plans tried after `plan`, best first: store-all (no recomputation; the order is
+    still ours), unless `plan` already recomputes nothing."""
+    if plan.recompute_ops:
+        yield store_all(graph)
+
+
+def _measurement_dict(m: Measurement) -> dict:
+    return {"peak_bytes": m.peak_bytes, "step_seconds": m.step_seconds, "provider": m.provider,
+            "method": m.method}
+
+
+def _returned_original(original: onnx.ModelProto, settings: SessionSettings, annotations) -> onnx.ModelProto:
+    model = onnx.ModelProto()
+    model.CopyFrom(original)
+    write_settings(model, settings)
+    if annotations is not None:
+        write_annotations(model, annotations)
+    return model
+
+
+def first_in_order(original: onnx.ModelProto, training: TrainingGraph, graph, annotations, plans: list[Plan],
+                   inputs, options: OptimizeOptions, report: dict, tried: list | None = None):
+    """The first of `plans` whose rewritten model ONNX Runtime runs in the planned order (its
+    profile checked), with outputs equal to `original`'s: (plan, rewritten), or None. Each plan
+    tried is appended to `tried` with where its order deviated."""
+    tried = [] if tried is None else tried
+    for plan in plans:
+        rewritten = rewrite(training, graph, plan, PLANNED_SETTINGS)
+        write_annotations(rewritten, annotations)
+        _check_outputs(original, rewritten, inputs, options, report)
+        order = _order_check(graph, plan, rewritten, inputs, options)
+        tried.append(dict(_plan_summary(plan), order=order.to_dict()))
+        if order.followed:
+            return plan, rewritten
+    return None
+
+
 def optimize(model: onnx.ModelProto, options: OptimizeOptions | None = None) -> OptimizeResult:
-    """Annotate, plan, rewrite, verify and measure `model` (left untouched)."""
+    """Annotate, plan, rewrite, verify and measure `model` (left untouched); deliver under the
+    contracts of the module docstring."""
     options = options or OptimizeOptions()
     progress = options.progress or (lambda stage, fraction: None)
     started = time.perf_counter()
 
     progress("analyze", 0.0)
     training, inputs = _prepare(model, options)
+    original = training.model          # the user's graph (nodes named): reference and baseline
     progress("annotate", 0.1)
-    annotations, graph = _annotate(training, inputs, options)
+    training, annotations, graph, expanded, original_annotations = _runtime_graph(training, inputs, options)
     predicted_original = simulate(graph, _profiled_schedule(graph, annotations.execution_order))
 
     progress("plan", 0.3)
@@ -224,19 +338,32 @@ def optimize(model: onnx.ModelProto, options: OptimizeOptions | None = None) -> 
     plan = plan_model(graph, options)
     search_seconds = time.perf_counter() - search_started
 
+    def make(candidate: Plan) -> onnx.ModelProto:
+        rewritten = rewrite(training, graph, candidate, PLANNED_SETTINGS)
+        write_annotations(rewritten, annotations)
+        return rewritten
+
+    def describe(candidate: Plan, rewritten: onnx.ModelProto) -> None:
+        report.update(strategy=candidate.strategy, checkpoints=sorted(candidate.checkpoints),
+                      recompute_nodes=candidate.recompute_ops)
+        report["nodes"]["optimized"] = len(rewritten.graph.node)
+        report["predicted"]["optimized"] = {"peak_bytes": candidate.peak_bytes,
+                                            "step_seconds": candidate.simulation.compute_seconds,
+                                            "recompute_seconds": candidate.recompute_seconds}
+
     progress("rewrite", 0.5)
-    rewritten = rewrite(training, graph, plan, PLANNED_SETTINGS)
-    write_annotations(rewritten, annotations)
+    rewritten = make(plan)
     report = {
         "loss": training.loss,
         "strategy": plan.strategy,
         "budget_bytes": options.budget_bytes,
-        "nodes": {"original": len(training.model.graph.node), "optimized": len(rewritten.graph.node),
+        "nodes": {"original": len(original.graph.node), "optimized": len(rewritten.graph.node),
                   "forward": len(training.forward), "backward": len(training.backward)},
         "stashed_tensors": len(training.stashed),
         "checkpoints": sorted(plan.checkpoints),
         "recompute_nodes": plan.recompute_ops,
         "search_seconds": search_seconds,
+        "functions_expanded": expanded,
         "predicted": {
             "original_optimizations_off": {"peak_bytes": predicted_original.peak_bytes,
                                            "step_seconds": predicted_original.compute_seconds},
@@ -250,18 +377,33 @@ def optimize(model: onnx.ModelProto, options: OptimizeOptions | None = None) -> 
         "session": PLANNED_SETTINGS.to_dict(),
     }
 
+    # ORDER: the first plan whose order ONNX Runtime follows
+    deliverable = True
     if options.verify:
         progress("verify", 0.6)
-        _check_outputs(training, rewritten, inputs, options, report)
-        report["order_followed"] = _order_followed(graph, plan, rewritten, inputs, options)
+        _check_outputs(original, rewritten, inputs, options, report)
+        first = _order_check(graph, plan, rewritten, inputs, options)
+        tried = [dict(_plan_summary(plan), order=first.to_dict())]
+        if not first.followed:
+            progress(f"ONNX Runtime left the planned order at step {first.position}: trying the next plan", 0.62)
+            found = first_in_order(original, training, graph, annotations, list(_fallback_plans(graph, plan)),
+                                   inputs, options, report, tried)
+            if found is not None:
+                plan, rewritten = found
+                describe(plan, rewritten)
+        deliverable = tried[-1]["order"]["followed"]
+        report["order_followed"] = deliverable
+        report["order"] = {"followed": deliverable, "plans_tried": tried}
 
+    measured: dict[str, Measurement] = {}
+    attempts = []
     if options.measure:
         progress("measure", 0.7)
-        measured = _measure_all(training.model, rewritten, inputs, options)
+        measured = _measure_all(original, rewritten, inputs, options)
         attempts = [{"planned_for_bytes": options.budget_bytes, "predicted_peak_bytes": plan.peak_bytes,
                      "measured_peak_bytes": measured["optimized"].peak_bytes}]
-        while (options.budget_bytes is not None and measured["optimized"].peak_bytes > options.budget_bytes
-               and len(attempts) <= BUDGET_RETRIES):
+        while (deliverable and options.budget_bytes is not None
+               and measured["optimized"].peak_bytes > options.budget_bytes and len(attempts) <= BUDGET_RETRIES):
             # the runtime held more than predicted: plan again for a budget lower by the overshoot
             overshoot = measured["optimized"].peak_bytes - plan.peak_bytes
             target = options.budget_bytes - max(overshoot, 0) - (len(attempts) - 1) * max(overshoot, 1 << 16)
@@ -270,33 +412,86 @@ def optimize(model: onnx.ModelProto, options: OptimizeOptions | None = None) -> 
             retry = STRATEGIES[options.strategy](graph, budget_bytes=target)
             if retry.peak_bytes > target or retry.checkpoints == plan.checkpoints:
                 break
-            plan = retry
-            rewritten = rewrite(training, graph, plan, PLANNED_SETTINGS)
-            write_annotations(rewritten, annotations)
+            candidate = make(retry)
             if options.verify:
-                _check_outputs(training, rewritten, inputs, options, report)
-                report["order_followed"] = _order_followed(graph, plan, rewritten, inputs, options)
+                _check_outputs(original, candidate, inputs, options, report)
+                order = _order_check(graph, retry, candidate, inputs, options)
+                report["order"]["plans_tried"].append(dict(_plan_summary(retry), order=order.to_dict()))
+                if not order.followed:
+                    break
+            plan, rewritten = retry, candidate
             measured["optimized"] = _measure_one(rewritten, inputs, options)
             attempts.append({"planned_for_bytes": target, "predicted_peak_bytes": plan.peak_bytes,
                              "measured_peak_bytes": measured["optimized"].peak_bytes})
         if options.budget_bytes is not None:
             report["budget_attempts"] = attempts
-            report.update(checkpoints=sorted(plan.checkpoints), recompute_nodes=plan.recompute_ops,
-                          strategy=plan.strategy)
-            report["predicted"]["optimized"] = {"peak_bytes": plan.peak_bytes,
-                                                "step_seconds": plan.simulation.compute_seconds,
-                                                "recompute_seconds": plan.recompute_seconds}
-            report["nodes"]["optimized"] = len(rewritten.graph.node)
-            if measured["optimized"].peak_bytes > options.budget_bytes:
+            describe(plan, rewritten)
+            if deliverable and measured["optimized"].peak_bytes > options.budget_bytes:
                 least = min(a["measured_peak_bytes"] for a in attempts)
                 raise BudgetInfeasibleError(
                     f"budget of {options.budget_bytes} bytes is not met by measurement: the plans for it "
                     f"measured {[a['measured_peak_bytes'] for a in attempts]} bytes (predicted "
                     f"{[a['predicted_peak_bytes'] for a in attempts]}); the least measured was {least} bytes",
                     least_feasible_peak_bytes=least)
-        report["measured"] = {k: {"peak_bytes": m.peak_bytes, "step_seconds": m.step_seconds,
-                                  "provider": m.provider, "method": m.method}
-                              for k, m in measured.items()}
+
+        # NEVER WORSE: the rewritten model only if it measured below the original in both sessions
+        originals = {"original_default_session": DEFAULT_SETTINGS,
+                     "original_optimizations_off": ORIGINAL_UNOPTIMIZED}
+        best_original = min(originals, key=lambda k: measured[k].peak_bytes)
+        bar = measured[best_original].peak_bytes
+        if deliverable and measured["optimized"].peak_bytes >= bar and options.budget_bytes is None:
+            # the next plan (less recomputation) may still beat the original
+            report["plans_measured"] = [dict(_plan_summary(plan), measured_peak_bytes=measured["optimized"].peak_bytes)]
+            for fallback in _fallback_plans(graph, plan):
+                progress(f"the plan measured {measured['optimized'].peak_bytes} bytes, not below the "
+                         f"original's {bar}: trying {fallback.strategy}", 0.85)
+                candidate = make(fallback)
+                if options.verify:
+                    _check_outputs(original, candidate, inputs, options, report)
+                    order = _order_check(graph, fallback, candidate, inputs, options)
+                    report["order"]["plans_tried"].append(dict(_plan_summary(fallback), order=order.to_dict()))
+                    if not order.followed:
+                        continue
+                m = _measure_one(candidate, inputs, options)
+                report["plans_measured"].append(dict(_plan_summary(fallback), measured_peak_bytes=m.peak_bytes))
+                if m.peak_bytes < measured["optimized"].peak_bytes:
+                    plan, rewritten, measured["optimized"] = fallback, candidate, m
+                    describe(plan, rewritten)
+                if m.peak_bytes < bar:
+                    break
+        report["prediction_error"] = {
+            "optimized": plan.peak_bytes / max(1, measured["optimized"].peak_bytes) - 1,
+            "original_optimizations_off":
+                predicted_original.peak_bytes / max(1, measured["original_optimizations_off"].peak_bytes) - 1,
+        }
+        better = deliverable and measured["optimized"].peak_bytes < bar
+        if better:
+            outcome = OUTCOME_OPTIMIZED
+            reason = (f"the optimized model measured {_mib(measured['optimized'].peak_bytes)}, below the "
+                      f"original's {_mib(measured['original_default_session'].peak_bytes)} (default session) and "
+                      f"{_mib(measured['original_optimizations_off'].peak_bytes)} (optimizations off)")
+        else:
+            outcome = OUTCOME_ORIGINAL
+            session = best_original.replace("original_", "").replace("_", " ")
+            why = ("ONNX Runtime did not run the planned order of any plan tried"
+                   if not deliverable else
+                   f"the optimized model measured {_mib(measured['optimized'].peak_bytes)}, not below the "
+                   f"original's {_mib(bar)} ({session})")
+            reason = (f"{why}; the original model is returned with the session that measured lowest "
+                      f"({session}: {_mib(bar)}), written in its metadata")
+            report["rejected"] = dict(_plan_summary(plan), order_followed=deliverable,
+                                      measured=_measurement_dict(measured["optimized"]))
+            measured["optimized"] = measured[best_original]
+            rewritten = _returned_original(original, originals[best_original], original_annotations)
+            report.update(checkpoints=[], recompute_nodes=0, session=originals[best_original].to_dict())
+            report["nodes"]["optimized"] = len(rewritten.graph.node)
+            if options.budget_bytes is not None and bar > options.budget_bytes:
+                raise BudgetInfeasibleError(
+                    f"budget of {options.budget_bytes} bytes is not met: {why}, and the original "
+                    f"measured {bar} bytes", least_feasible_peak_bytes=bar)
+        report["outcome"] = outcome
+        report["outcome_reason"] = reason
+        report["measured"] = {k: _measurement_dict(m) for k, m in measured.items()}
         opt = measured["optimized"]
         report["ratios"] = {
             "peak_vs_default_session": opt.peak_bytes / max(1, measured["original_default_session"].peak_bytes),
@@ -304,13 +499,23 @@ def optimize(model: onnx.ModelProto, options: OptimizeOptions | None = None) -> 
             "step_time_vs_default_session": opt.step_seconds / measured["original_default_session"].step_seconds,
             "step_time_vs_optimizations_off": opt.step_seconds / measured["original_optimizations_off"].step_seconds,
         }
-        report["prediction_error"] = {
-            "optimized": plan.peak_bytes / max(1, opt.peak_bytes) - 1,
-            "original_optimizations_off":
-                predicted_original.peak_bytes / max(1, measured["original_optimizations_off"].peak_bytes) - 1,
-        }
         if options.budget_bytes is not None:
             report["budget_met"] = opt.peak_bytes <= options.budget_bytes
+    elif not deliverable:
+        # no measurement to choose a session by: the original, as it came (its own settings)
+        report["rejected"] = dict(_plan_summary(plan), order_followed=False)
+        report["outcome"] = OUTCOME_ORIGINAL
+        report["outcome_reason"] = ("ONNX Runtime did not run the planned order of any plan tried; the "
+                                    "original model is returned unchanged")
+        rewritten = onnx.ModelProto()
+        rewritten.CopyFrom(original)
+        report.update(checkpoints=[], recompute_nodes=0)
+        report["nodes"]["optimized"] = len(rewritten.graph.node)
+        report.pop("session")
+    else:
+        report["outcome"] = OUTCOME_UNMEASURED
+        report["outcome_reason"] = ("measurement was off: the optimized model is returned without checking "
+                                    "that it needs less memory than the original")
     report["total_seconds"] = time.perf_counter() - started
     progress("done", 1.0)
     return OptimizeResult(rewritten, plan, report)

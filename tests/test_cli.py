@@ -38,7 +38,14 @@ def test_optimize_writes_model_and_report(small_training, tmp_path):
         assert report["measured"][label]["step_seconds"] > 0
     model = onnx.load(out)
     keys = {p.key for p in model.metadata_props}
-    assert {"graphopt.session", "graphopt.annotations", "graphopt.plan"} <= keys
+    assert {"graphopt.session", "graphopt.annotations"} <= keys
+    # a rewritten model carries its plan; a model not improved comes back as the original, said plainly
+    assert report["outcome"] in ("optimized", "original")
+    if report["outcome"] == "optimized":
+        assert "graphopt.plan" in keys and "outcome: optimized" in proc.stdout
+    else:
+        assert "graphopt.plan" not in keys and "NOT IMPROVED, the original model is returned" in proc.stdout
+        assert len(model.graph.node) == report["nodes"]["original"]
     onnx.checker.check_model(model)
 
 

@@ -1,0 +1,144 @@
+"""Contracts at delivery (issue 11): what `optimize` returns runs in the order it was planned
+for, and is never worse than the original.
+
+- ORDER: MobileNetV3's HardSwish has no kernel on ONNX Runtime's CPU provider; ORT inlines it
+  at load into HardSigmoid and Mul with node indices after every node of the file, so the
+  priority-based order ran them late. The oracle here is ORT's own profile of the returned
+  model against its file (`ran_as_written`), not the report's flag.
+- NEVER WORSE: a real training graph whose rewritten order is worse than ORT's default walk;
+  the returned model is measured in a fresh process against the original in both sessions.
+"""
+from __future__ import annotations
+
+import io
+import os
+import sys
+import tempfile
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from torch import nn
+
+from graphopt.build.train_graph import build_training_graph
+from graphopt.cli import summary_text
+from graphopt.inputs import save_inputs
+from graphopt.optimize import (ORIGINAL_UNOPTIMIZED, OptimizeOptions, _annotate, _prepare, first_in_order,
+                               optimize, save_model)
+from graphopt.rewrite import PLANNED_SETTINGS, rewrite
+from graphopt.runtime.measure import measure
+from graphopt.runtime.session import DEFAULT_SETTINGS
+from graphopt.search import chen_sqrt, store_all
+from graphopt.verify import executed_order
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import real_zoo  # noqa: E402
+
+RUNS_WHEN_READY = {"Shape", "Size"}   # ORT's priority order runs these as soon as they can
+
+
+def ran_as_written(model: onnx.ModelProto, inputs) -> bool:
+    """ORT's profile of `model` (its metadata session) shows exactly the file's nodes, in the
+    file's order (Constant nodes are initializers once loaded; Shape and Size may run early)."""
+    executed = executed_order(model, inputs, None)
+    written = [n.name for n in model.graph.node if n.op_type != "Constant"]
+    if sorted(executed) != sorted(written):
+        return False
+    kinds = {n.name: n.op_type for n in model.graph.node}
+    return ([n for n in executed if kinds[n] not in RUNS_WHEN_READY]
+            == [n for n in written if kinds[n] not in RUNS_WHEN_READY])
+
+
+@pytest.fixture(scope="module")
+def mobilenet_v3():
+    model = real_zoo.CORPUS["mobilenet_v3_large"]("tiny")
+    forward = real_zoo.export(model, "legacy")
+    assert any(n.op_type == "HardSwish" for n in forward.graph.node)
+    train = build_training_graph(forward, loss=model.loss, class_axis=model.class_axis)
+    inputs = {name: t.numpy() for name, t in model.inputs.items()}
+    inputs["labels"] = model.labels.numpy()
+    return train, inputs
+
+
+def test_ort_order_deviation_is_caught_and_what_is_returned_runs_as_planned(mobilenet_v3):
+    train, feeds = mobilenet_v3
+    options = OptimizeOptions(strategy="chen-sqrt", inputs=feeds, measure=False)
+    # the graph as it came (HardSwish kept): ORT leaves the order of every plan, store-all too
+    training, inputs = _prepare(train, options)
+    annotations, graph = _annotate(training, inputs, options)
+    plans = [chen_sqrt(graph), store_all(graph)]
+    assert plans[0].recompute_ops > 0
+    assert not ran_as_written(rewrite(training, graph, plans[0], PLANNED_SETTINGS), inputs)
+    tried = []
+    report = {}
+    assert first_in_order(training.model, training, graph, annotations, plans, inputs, options, report,
+                          tried) is None
+    assert [t["order"]["followed"] for t in tried] == [False, False]   # the profile check caught both
+    deviation = tried[0]["order"]
+    assert any("HardSigmoid" in name for name in deviation["not_in_file"]), deviation
+
+    # what optimize returns: HardSwish written as its function body, a plan with recomputation,
+    # and ORT runs the file as written
+    result = optimize(train, options)
+    assert result.report["functions_expanded"] == {"HardSwish": sum(
+        n.op_type == "HardSwish" for n in train.graph.node)}
+    assert result.report["recompute_nodes"] > 0
+    assert result.report["outputs_match"]
+    assert ran_as_written(result.model, inputs)
+    assert result.report["order_followed"]
+    assert not any(n.op_type == "HardSwish" for n in result.model.graph.node)
+
+
+class Branches(nn.Module):
+    """Every branch's activation is computed before any is reduced: the file's order holds all
+    four at once, ORT's default walk (depth first from the outputs) one at a time. Nothing is
+    stashed for the backward, so recomputation cannot help: the plan, run in the file's order,
+    is worse than the original."""
+
+    def __init__(self, branches: int = 4):
+        super().__init__()
+        self.w = nn.ParameterList([nn.Parameter(torch.randn(1)) for _ in range(branches)])
+
+    def forward(self, x):
+        heads = [x * w for w in self.w]
+        return torch.stack([h.sum(dim=1) for h in heads], dim=1)
+
+
+def test_never_worse_returns_the_best_measured_original():
+    torch.manual_seed(0)
+    x = torch.randn(8, 1 << 16)                      # each branch's activation: 2 MiB
+    buffer = io.BytesIO()
+    torch.onnx.export(Branches().eval(), (x,), buffer, input_names=["x"], output_names=["logits"],
+                      dynamo=False, opset_version=17)
+    train = build_training_graph(onnx.load_from_string(buffer.getvalue()), loss="cross_entropy")
+    inputs = {"x": x.numpy(), "labels": np.arange(8, dtype=np.int64) % 4}
+    result = optimize(train, OptimizeOptions(inputs=inputs))
+    report = result.report
+
+    with tempfile.TemporaryDirectory(prefix="contracts-") as tmp:
+        inputs_path = os.path.join(tmp, "inputs.npz")
+        save_inputs(inputs_path, inputs)
+        paths = {}
+        for label, model in (("train", train), ("returned", result.model)):
+            paths[label] = os.path.join(tmp, f"{label}.onnx")
+            save_model(model, paths[label])
+        peak = {
+            "default": measure(paths["train"], inputs_path, DEFAULT_SETTINGS).peak_bytes,
+            "off": measure(paths["train"], inputs_path, ORIGINAL_UNOPTIMIZED).peak_bytes,
+            "returned": measure(paths["returned"], inputs_path, None).peak_bytes,  # its metadata session
+        }
+    best_original = min(peak["default"], peak["off"])
+    # a case where the plan is worse: its measured peak (optimize's own run of the rewritten file)
+    assert report["rejected"]["measured"]["peak_bytes"] > 1.5 * best_original, (peak, report["rejected"])
+    # what came back is the original graph, no worse than the original in either session
+    assert peak["returned"] <= 1.05 * best_original + (64 << 10), peak
+    assert len(result.model.graph.node) == len(train.graph.node)
+    assert not any("__rc" in n.name for n in result.model.graph.node)
+    assert report["outcome"] == "original"
+    assert report["rejected"]["measured"]["peak_bytes"] > report["measured"]["optimized"]["peak_bytes"]
+    assert report["measured"]["optimized"]["peak_bytes"] == min(
+        report["measured"]["original_default_session"]["peak_bytes"],
+        report["measured"]["original_optimizations_off"]["peak_bytes"])
+    text = summary_text(report)
+    assert "NOT IMPROVED, the original model is returned" in text and "not below the original" in text
