@@ -77,3 +77,82 @@ def infer_shapes(model: onnx.ModelProto, **options) -> onnx.ModelProto:
     value_info (and inputs, outputs) carry the inferred types; its large initializers are
     graph inputs, so read nodes and shapes from it, never weights."""
     return onnx.shape_inference.infer_shapes(shape_skeleton(model), **options)
+
+
+def sequence_splits_to_split(model: onnx.ModelProto) -> int:
+    """In place: a SplitToSequence read only by SequenceAt at constant positions (what the
+    dynamo exporter writes for ``torch.split``/``chunk`` when its optimizer is off: GPT-2's
+    q, k, v) becomes one Split, each SequenceAt an Identity of its piece (Squeezed when
+    keepdims=0). onnx-ad differentiates no sequence ops; Split it does. Returns how many
+    were replaced; a sequence used any other way is left as it is."""
+    graph = model.graph
+    splits = [n for n in graph.node if n.op_type == "SplitToSequence" and n.domain in ("", "ai.onnx")]
+    if not splits:
+        return 0
+    consts = small_constants(model)
+    readers: dict[str, list] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    outputs = {v.name for v in graph.output}
+    inferred = infer_shapes(model, strict_mode=False, data_prop=True)
+    shapes = {}
+    for value in list(inferred.graph.value_info) + list(inferred.graph.input):
+        dims = value.type.tensor_type.shape.dim
+        shapes[value.name] = [d.dim_value if d.HasField("dim_value") else None for d in dims]
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 18)
+    fresh = Names(model).fresh
+    replace: dict[int, list] = {}
+    for node in splits:
+        sequence = node.output[0]
+        users = readers.get(sequence, [])
+        if sequence in outputs or not users or any(
+                u.op_type != "SequenceAt" or u.input[1] not in consts for u in users):
+            continue
+        x = node.input[0]
+        shape = shapes.get(x)
+        axis, keepdims = attribute(node, "axis", 0), attribute(node, "keepdims", 1)
+        extent = shape[axis] if shape and -len(shape) <= axis < len(shape) else None
+        given = consts.get(node.input[1]) if len(node.input) > 1 and node.input[1] else None
+        if len(node.input) > 1 and node.input[1] and given is None:
+            continue
+        if given is not None and given.ndim == 1:
+            sizes, squeeze = [int(s) for s in given], False
+        elif extent is None:
+            continue
+        elif given is not None:               # a scalar: pieces of that size, the last shorter
+            step = int(given)
+            sizes, squeeze = [step] * (extent // step) + ([extent % step] if extent % step else []), False
+        else:                                 # no split: pieces of 1, squeezed unless keepdims
+            sizes, squeeze = [1] * extent, not keepdims
+        pieces = [fresh(f"{sequence}_piece{k}") for k in range(len(sizes))]
+        stem = node.name or sequence
+        if opset >= 13:
+            sizes_name = fresh(f"{stem}/sizes")
+            graph.initializer.append(numpy_helper.from_array(np.array(sizes, np.int64), sizes_name))
+            new = [helper.make_node("Split", [x, sizes_name], pieces, name=fresh(f"{stem}/Split"), axis=axis)]
+        else:
+            new = [helper.make_node("Split", [x], pieces, name=fresh(f"{stem}/Split"), axis=axis, split=sizes)]
+        if squeeze:
+            axes_name = fresh(f"{stem}/axes")
+            graph.initializer.append(numpy_helper.from_array(np.array([axis], np.int64), axes_name))
+        for user in users:
+            index = int(consts[user.input[1]])
+            piece = pieces[index % len(pieces)]
+            if squeeze:
+                operands = [piece, axes_name] if opset >= 13 else [piece]
+                extra = {} if opset >= 13 else {"axes": [axis]}
+                replace[id(user)] = [helper.make_node("Squeeze", operands, list(user.output),
+                                                      name=user.name or fresh(f"{stem}/Squeeze"), **extra)]
+            else:
+                replace[id(user)] = [helper.make_node("Identity", [piece], list(user.output),
+                                                      name=user.name or fresh(f"{stem}/Identity"))]
+        replace[id(node)] = new
+    if not replace:
+        return 0
+    nodes = []
+    for node in graph.node:
+        nodes.extend(replace.get(id(node), [node]))
+    graph.ClearField("node")
+    graph.node.extend(nodes)
+    return sum(1 for n in splits if id(n) in replace)

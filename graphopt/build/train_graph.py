@@ -33,7 +33,7 @@ from graphopt.runtime.session import UNOPTIMIZED_SETTINGS, write_settings
 
 from . import rules
 from .deterministic import scatter_nd_rows_to_elements, static_shapes
-from .graph_util import Names, infer_shapes, small_constants
+from .graph_util import Names, infer_shapes, sequence_splits_to_split, small_constants
 from .embedding_grad import lean_embedding_gradients
 from .lean import pads_sum_to_concat, recompute_gelu_intermediates, transposed_products
 from .losses import LOSS_NAME, attach_loss_parts, cross_entropy_seed, parse_loss
@@ -373,6 +373,7 @@ def build_training_graph(forward: onnx.ModelProto, loss: str | None = None,
     kind, loss = parse_loss(loss)
     model = onnx.ModelProto()
     model.CopyFrom(forward)
+    sequence_splits_to_split(model)       # torch.split as the dynamo exporter writes it unoptimized
     extras = batchnorm_training(model) + dropout_training(model)
     parts = None    # cross entropy: the seed is its gradient at the prediction (losses.py)
     if kind != "output":
@@ -438,8 +439,11 @@ def build_training_graph(forward: onnx.ModelProto, loss: str | None = None,
     graph.value_info.extend(v for v in inferred.graph.value_info)
 
     try:
-        reversed_model = onnx_ad.reverse(model, inputs=params, outputs=[seeded],
-                                         prefix="adj_", dim="nadj", layout="onnx")
+        # onnx-ad folds constant subgraphs with numpy; T5's relative position buckets take
+        # log(0) and cast -inf to int64 where a Where discards them, as torch does: no warning
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            reversed_model = onnx_ad.reverse(model, inputs=params, outputs=[seeded],
+                                             prefix="adj_", dim="nadj", layout="onnx")
     except onnx_ad.UnsupportedOperator as exc:
         message = str(exc)
         match = re.search(r"rule for (\S+) \(node '([^']*)'\)", message)
