@@ -267,3 +267,86 @@ def test_simulate_frees_after_last_reader_and_keeps_outputs():
     # e: 30+5+7=42 -> t3 freed, unread stays
     assert sim.live_bytes == [10, 30, 30, 60, 45, 42]
     assert sim.peak_bytes == 60
+
+
+# ------------------------------------------------ the peak floor and the search at the floor --
+
+def _subset_plans(graph, gaps=(None, 0)):
+    """Every plan of every subset of the candidate checkpoints (brute force, small graphs)."""
+    import itertools
+    candidates = candidate_checkpoints(graph)
+    for r in range(len(candidates) + 1):
+        for subset in itertools.combinations(candidates, r):
+            for gap in gaps:
+                yield make_plan(graph, "brute", subset, gap)
+
+
+def _with_backward_workspace(graph, op_index, workspace_bytes):
+    """The graph with a kernel work buffer on one backward op (a plan-independent peak, like a
+    transformer's embedding gradient at the end of the backward)."""
+    g = graph.copy()
+    g.graph = dict(graph.graph)
+    g.graph.pop("_sunk_backward", None)
+    g.graph.pop("_peak_floor_bytes", None)
+    op = graph.graph["backward_order"][op_index]
+    g.nodes[op]["workspace"] = workspace_bytes
+    return g
+
+
+@pytest.mark.parametrize("n,seed,fanin", [(6, 1, 1), (7, 2, 2), (8, 3, 3), (9, 4, 2), (10, 5, 1),
+                                          (8, 6, 2), (9, 7, 3), (10, 8, 2)])
+def test_peak_floor_is_below_every_plan_brute_force(n, seed, fanin):
+    """No checkpoint subset (each op recomputed once, or recomputed at every reader) has a
+    cost-model peak below `peak_floor_bytes`, with or without a large backward work buffer."""
+    from graphopt.search.plan import peak_floor_bytes
+    graph = training_cost_graph(n, seed=seed, max_fanin=fanin)
+    floor = peak_floor_bytes(graph)
+    peaks = [p.peak_bytes for p in _subset_plans(graph)]
+    assert floor <= min(peaks)
+    heavy = _with_backward_workspace(graph, -1, 10 * max(peaks))
+    floor = peak_floor_bytes(heavy)
+    assert floor <= min(p.peak_bytes for p in _subset_plans(heavy))
+
+
+@pytest.mark.parametrize("n,seed,fanin", [(8, 11, 2), (9, 12, 2), (10, 13, 2), (10, 14, 3),
+                                          (11, 15, 2), (12, 16, 3), (12, 17, 2), (12, 18, 3)])
+def test_auto_at_the_floor_matches_brute_force(n, seed, fanin):
+    """A work buffer three times the largest plan's peak on a gradient accumulation in the
+    middle of the backward (it reads no forward tensor, so a plan that holds no activation
+    across it sits on the floor): auto reaches the floor and the least peak of every
+    checkpoint subset, and its recomputation time is the least of all subsets whose peak is
+    that low under the same schedule (brute force)."""
+    from graphopt.search.auto import PEAK_TOLERANCE
+    from graphopt.search.plan import peak_floor_bytes
+    graph = training_cost_graph(n, seed=seed, max_fanin=fanin)
+    backward = graph.graph["backward_order"]
+    sums = [i for i, op in enumerate(backward) if op.startswith("sum_")]
+    plain = [p.peak_bytes for p in _subset_plans(graph, (None,))]
+    heavy = _with_backward_workspace(graph, sums[len(sums) // 2], 3 * max(plain))
+    best = auto(heavy, time_limit_seconds=30)
+    assert_valid(heavy, best)
+    assert best.notes["reached_floor"]
+    assert best.peak_bytes <= peak_floor_bytes(heavy) * (1 + PEAK_TOLERANCE)
+    least = min(p.peak_bytes for p in _subset_plans(heavy, (None, 0)))
+    assert best.peak_bytes <= least * (1 + PEAK_TOLERANCE)     # within auto's tolerance
+    same_schedule = list(_subset_plans(heavy, (best.refresh_gap,)))
+    fastest = min(p.recompute_seconds for p in same_schedule if p.peak_bytes <= best.peak_bytes)
+    assert best.recompute_seconds == pytest.approx(fastest, abs=1e-9)
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(2, 40), seed=st.integers(0, 10_000), fanin=st.integers(1, 3),
+       share=st.floats(0.0, 1.0))
+def test_value_prefix_fits_its_budget(n, seed, fanin, share):
+    """`value_prefix` keeps the base checkpoints plus a prefix of the other candidates in the
+    seconds-per-byte ranking, and its peak fits the budget whenever the base's does."""
+    from graphopt.search.greedy import by_value, value_prefix
+    graph = training_cost_graph(n, seed=seed, max_fanin=fanin)
+    base = chen_sqrt(graph)
+    high = store_all(graph).peak_bytes
+    budget = int(base.peak_bytes + share * max(0, high - base.peak_bytes))
+    plan = value_prefix(graph, budget, base.checkpoints)
+    assert_valid(graph, plan)
+    assert plan.peak_bytes <= max(budget, base.peak_bytes)
+    added = [t for t in by_value(graph) if t not in base.checkpoints][:plan.notes["added"]]
+    assert set(plan.checkpoints) == set(base.checkpoints) | set(added)

@@ -17,7 +17,7 @@ import time
 import networkx as nx
 
 from .chen_sqrt import chen_sqrt, segment_checkpoints
-from .plan import Plan, candidate_checkpoints, make_plan
+from .plan import Plan, candidate_checkpoints, forward_tensors, make_plan
 from .store_all import store_all
 
 
@@ -25,6 +25,38 @@ def objective(plan: Plan, budget_bytes: int | None):
     if budget_bytes is None:
         return (plan.peak_bytes, plan.recompute_seconds)
     return (max(0, plan.peak_bytes - budget_bytes), plan.recompute_seconds, plan.peak_bytes)
+
+
+def by_value(graph: nx.DiGraph) -> list[str]:
+    """Candidate checkpoints, those whose recomputation costs the most seconds per byte kept
+    first (the order of a knapsack's greedy: what to keep when time matters)."""
+    tensor_bytes = graph.graph["tensor_bytes"]
+    producer_seconds = {t: float(graph.nodes[op].get("seconds", 0.0))
+                        for t, op in forward_tensors(graph).items()}
+    return sorted(candidate_checkpoints(graph),
+                  key=lambda t: -producer_seconds[t] / max(1, tensor_bytes.get(t, 0)))
+
+
+def value_prefix(graph: nx.DiGraph, budget_bytes: int, base=(), refresh_gap: int | None = None) -> Plan:
+    """Keep `base` (a checkpoint set that fits, e.g. the least-peak plan's) plus the longest
+    prefix of the other candidates in `by_value` order whose plan's peak fits `budget_bytes`:
+    bisection on the prefix length, about log2(candidates) plan evaluations (the peak grows,
+    though not strictly monotonically, with what is kept). `base` alone when no addition fits."""
+    base = frozenset(base)
+    ranked = [t for t in by_value(graph) if t not in base]
+    lo, hi = 0, len(ranked)
+    best = make_plan(graph, "value-prefix", base, refresh_gap)
+    evaluated = 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        plan = make_plan(graph, "value-prefix", base | frozenset(ranked[:mid]), refresh_gap)
+        evaluated += 1
+        if plan.peak_bytes <= budget_bytes:
+            lo, best = mid, plan
+        else:
+            hi = mid - 1
+    best.notes.update(added=lo, evaluated_plans=evaluated)
+    return best
 
 
 def greedy(graph: nx.DiGraph, budget_bytes: int | None = None, *,
@@ -45,7 +77,10 @@ def greedy(graph: nx.DiGraph, budget_bytes: int | None = None, *,
     best = min(seeds, key=lambda p: objective(p, budget_bytes))
     current = set(best.checkpoints)
     tensor_bytes = graph.graph["tensor_bytes"]
-    candidates = sorted(candidate_checkpoints(graph), key=lambda t: -tensor_bytes.get(t, 0))
+    if budget_bytes is None:
+        candidates = sorted(candidate_checkpoints(graph), key=lambda t: -tensor_bytes.get(t, 0))
+    else:
+        candidates = by_value(graph)
     evaluated = len(seeds)
     improved = True
     def out_of_budget():

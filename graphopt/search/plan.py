@@ -168,6 +168,31 @@ def schedule_for(graph: nx.DiGraph, checkpoints: set[str] | frozenset[str],
     return schedule
 
 
+def peak_floor_bytes(graph: nx.DiGraph) -> int:
+    """A lower bound on every plan's cost-model peak: the peak of the buffers whose lifetime no
+    plan shortens, on the store-all schedule (forward order, then the sunk backward order).
+
+    Those buffers are everything but the candidate checkpoints (and their aliases): the
+    backward's (gradients, graph outputs, kernel work buffers) and the forced forward ones.
+    Every plan runs the same forward and backward steps in the same order, only with
+    recomputation steps inserted, and a recomputation only makes a forced tensor live longer
+    (it is read later); so at each step of store-all's schedule a plan holds at least these
+    buffers. A plan at the floor cannot lower its peak: only its recomputation time is left to
+    improve. Computed once per cost graph."""
+    cached = graph.graph.get("_peak_floor_bytes")
+    if cached is not None:
+        return cached
+    zeroed = graph.copy()
+    tensor_bytes = dict(graph.graph["tensor_bytes"])
+    for t in candidate_checkpoints(graph):
+        tensor_bytes[t] = 0
+    zeroed.graph["tensor_bytes"] = tensor_bytes
+    schedule = schedule_for(zeroed, candidate_checkpoints(graph))
+    floor = simulate(zeroed, priority_order(zeroed, schedule)).peak_bytes
+    graph.graph["_peak_floor_bytes"] = floor
+    return floor
+
+
 def make_plan(graph: nx.DiGraph, strategy: str, checkpoints, refresh_gap: int | None = None, **notes) -> Plan:
     """Plan for a checkpoint set, evaluated by the cost model on the runtime's order."""
     checkpoints = frozenset(checkpoints)
