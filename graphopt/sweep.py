@@ -27,7 +27,7 @@ from .annotate import write_annotations
 from .costmodel import simulate
 from .errors import BudgetInfeasibleError, VerificationError
 from .inputs import save_inputs
-from .optimize import (ORIGINAL_UNOPTIMIZED, OptimizeOptions, _annotate, _prepare, _profiled_schedule,
+from .optimize import (ORIGINAL_UNOPTIMIZED, OptimizeOptions, _prepare, _runtime_graph, _profiled_schedule,
                        plan_model, save_model)
 from .rewrite import PLANNED_SETTINGS, rewrite
 from .runtime.measure import measure
@@ -126,7 +126,8 @@ def sweep(model: onnx.ModelProto, options: OptimizeOptions | None = None,
     progress("sweep: analyze", 0.0)
     training, inputs = _prepare(model, options)
     progress("sweep: annotate", 0.02)
-    annotations, graph = _annotate(training, inputs, options)
+    # function ops ORT inlines at load are written out first, as optimize does
+    training, annotations, graph, _, _ = _runtime_graph(training, inputs, options)
     predicted_original = simulate(graph, _profiled_schedule(graph, annotations.execution_order))
 
     def plan_for(budget, strategy=options.strategy):
