@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -187,6 +188,21 @@ def table(results: dict, size: str, exporter: str) -> str:
     return "\n".join(lines)
 
 
+def explain_in_subprocess(name: str, folder: str, top: int, timeout: float = 1800) -> dict:
+    """builder_vs_eager.explain of folder/NAME.onnx in a fresh process (a full-size model's
+    cost graph and annotation run stay out of this one)."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--explain-worker", name, folder, str(top)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": "timed out after %d s" % timeout}
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = proc.stderr.strip().splitlines()
+        return {"error": tail[-1] if tail else "exit %d" % proc.returncode}
+    return json.loads(lines[-1])
+
+
 # ------------------------------------------------------------------------------ main --
 
 def main(argv=None) -> int:
@@ -201,7 +217,13 @@ def main(argv=None) -> int:
     parser.add_argument("--keep", help="keep the built models and inputs in this folder")
     parser.add_argument("--json", help="also write every measurement here")
     parser.add_argument("--worker", nargs=3, metavar=("MODEL", "SIZE", "INPUTS"), help=argparse.SUPPRESS)
+    parser.add_argument("--explain-worker", nargs=3, metavar=("MODEL", "FOLDER", "TOP"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+
+    if args.explain_worker:
+        name, folder, top = args.explain_worker
+        print(json.dumps(builder_vs_eager.explain(name, folder, top=int(top)), default=str))
+        return 0
 
     if args.worker:
         name, size, inputs_path = args.worker
@@ -236,7 +258,11 @@ def main(argv=None) -> int:
             print("  %.0f s%s" % (r["wall_seconds"], "" if "error" not in r else " " + r["error"]),
                   file=sys.stderr, flush=True)
         total = time.perf_counter() - started
-        print(table(results, args.size, args.exporter))
+        print(table(results, args.size, args.exporter), flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"size": args.size, "exporter": args.exporter, "total_seconds": total,
+                           "results": results}, f, indent=2, default=str)
         print("\nwhole run %.0f s" % total)
         explained = {}
         if args.explain:
@@ -244,9 +270,10 @@ def main(argv=None) -> int:
             ranked = sorted((n for n in results if ratio(results[n], "optimizations_off") is not None),
                             key=lambda n: -ratio(results[n], "optimizations_off"))
             for name in ranked[:args.explain]:
-                explained[name] = builder_vs_eager.explain(name, folder, top=args.top)
+                explained[name] = explain_in_subprocess(name, folder, args.top)
                 print()
-                print(builder_vs_eager.explain_text(name, explained[name]))
+                print(builder_vs_eager.explain_text(name, explained[name]) if "error" not in explained[name]
+                      else "%s: explain failed: %s" % (name, explained[name]["error"]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"size": args.size, "exporter": args.exporter, "total_seconds": total,

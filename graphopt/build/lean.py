@@ -224,3 +224,112 @@ def transposed_products(model: onnx.ModelProto, shapes: dict[str, list]) -> int:
         graph.ClearField("node")
         graph.node.extend(kept_nodes)
     return replaced
+
+
+_ELEMENTWISE = ("Add", "Sub", "Mul", "Div", "Sum", "Neg", "Relu", "Tanh", "Sigmoid", "Exp", "Where")
+
+
+def outputs_written_in_place(model: onnx.ModelProto, shapes: dict[str, list]) -> int:
+    """A graph output that is a reshape of an intermediate is a copy in ONNX Runtime (measured:
+    Gather -> Reshape -> output peaks at two tables, Gather -> output at one): gradients come
+    out of reverse mode with a trailing seed axis and are reshaped to the parameter's shape, so
+    each gradient was allocated twice at its end. The producer writes the output itself: renamed
+    when the shapes agree, else its inputs reshaped instead (row Gathers and ScatterElements
+    along axis 0 whose rows keep their length, elementwise ops without broadcasting). In place;
+    returns how many outputs changed."""
+    graph = model.graph
+    producers = {o: n for n in graph.node for o in n.output if o}
+    readers = _readers(model)
+    outputs = {o.name for o in graph.output}
+    declared = {v.name for v in graph.input} | {t.name for t in graph.initializer}
+    taken = {n.name for n in graph.node} | {o for n in graph.node for o in n.output} | declared
+    changed, dead, before = 0, set(), {}
+
+    def fresh(stem):
+        name = stem
+        while name in taken:
+            name += "_"
+        taken.add(name)
+        return name
+
+    def static(name):
+        shape = shapes.get(name)
+        return None if shape is None or None in shape else list(shape)
+
+    for alias in list(graph.node):
+        if alias.op_type not in _ALIASES or alias.output[0] not in outputs:
+            continue
+        source, target = alias.input[0], alias.output[0]
+        producer = producers.get(source)
+        if producer is None or producer.op_type in _ALIASES or source in outputs or source in declared \
+                or len(readers.get(source, [])) != 1 or len(producer.output) != 1:
+            continue
+        have, want = static(source), static(target)
+        if have is None or want is None or int(np.prod(have)) != int(np.prod(want)):
+            continue
+        reshaped = []     # (input slot, new shape)
+        if have != want:
+            op = producer.op_type
+            if op == "Gather" and attribute(producer, "axis", 0) == 0 and static(producer.input[1]) is not None \
+                    and len(static(producer.input[1])) == 1 and want[0] == have[0] and static(producer.input[0]):
+                reshaped = [(0, [static(producer.input[0])[0]] + want[1:])]
+            elif op == "ScatterElements" and attribute(producer, "axis", 0) == 0 and want[0] == have[0] \
+                    and all(static(producer.input[k]) is not None and static(producer.input[k])[1:] == have[1:]
+                            for k in (1, 2)):
+                reshaped = [(0, want)] + [(k, [static(producer.input[k])[0]] + want[1:]) for k in (1, 2)]
+            elif op in _ELEMENTWISE and all(static(i) == have for i in producer.input if op != "Where") \
+                    and (op != "Where" or all(static(i) == have for i in producer.input)):
+                reshaped = [(k, want) for k in range(len(producer.input))]
+            else:
+                continue
+        for slot, shape in reshaped:
+            shape_name = fresh(f"{target}__in{slot}_shape")
+            graph.initializer.append(onnx.numpy_helper.from_array(np.array(shape, np.int64), shape_name))
+            value = fresh(f"{target}__in{slot}")
+            before.setdefault(id(producer), []).append(helper.make_node(
+                "Reshape", [producer.input[slot], shape_name], [value], name=fresh(f"{producer.name}/reshape_in{slot}")))
+            producer.input[slot] = value
+        producer.output[0] = target
+        dead.add(id(alias))
+        changed += 1
+    if changed:
+        nodes = []
+        for node in graph.node:
+            nodes.extend(before.get(id(node), []))
+            if id(node) not in dead:
+                nodes.append(node)
+        graph.ClearField("node")
+        graph.node.extend(nodes)
+    return changed
+
+
+def loss_first(model: onnx.ModelProto, loss: str) -> int:
+    """Move the nodes only the loss needs (cross entropy's GatherElements, mean, Neg) to the end
+    of the file. ONNX Runtime's default order walks back from the graph's leaves, the last
+    node's first, so the loss is then computed right after the forward, not after the whole
+    backward with the log-probabilities (a logits-sized tensor) kept alive for it. In place;
+    returns how many nodes moved."""
+    graph = model.graph
+    producers = {o: n for n in graph.node for o in n.output if o}
+    others = set()
+    stack = [o.name for o in graph.output if o.name != loss]
+    while stack:
+        node = producers.get(stack.pop())
+        if node is None or id(node) in others:
+            continue
+        others.add(id(node))
+        stack.extend(i for i in node.input if i)
+    only = set()
+    stack = [loss]
+    while stack:
+        node = producers.get(stack.pop())
+        if node is None or id(node) in others or id(node) in only:
+            continue
+        only.add(id(node))
+        stack.extend(i for i in node.input if i)
+    if not only:
+        return 0
+    nodes = [n for n in graph.node if id(n) not in only] + [n for n in graph.node if id(n) in only]
+    graph.ClearField("node")
+    graph.node.extend(nodes)
+    return len(only)
