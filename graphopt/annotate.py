@@ -1,18 +1,34 @@
 """Annotate a training graph by measuring it in ONNX Runtime.
 
-Two runs of the model on real inputs:
+(a) **Order and time.** The unmodified model, opened with the given ``settings`` and
+    profiling on, run twice (warm-up, then the profiled run); the kernel events of the
+    last run, in timestamp order, give the order ORT really executed and the duration of
+    each kernel.
 
-(a) **Sizes.** A copy of the model with every node output added as a graph output, run
-    with all graph optimizations disabled (so every value keeps its name): shapes,
-    dtypes and bytes (``ndarray.nbytes``) come from the arrays the run produced, not
-    from shape inference. Optional outputs a node did not produce are skipped. This
-    run keeps every intermediate alive at once, so it needs the sum of all of them
-    in memory.
+(b) **Sizes**, every one measured, none inferred. ORT's profiler records, for each kernel
+    it ran, the element type and shape of every output tensor the kernel produced
+    (``output_type_shape``: one ``{type: shape}`` per output that exists, in output order;
+    ``ort-facts.md`` §3). Those come from a profiled run of the *unmodified* model with
+    graph optimizations disabled (so every node keeps its name and its outputs): the run
+    of (a) itself when ``settings`` disable optimizations (what ``optimize`` does), else
+    one extra run. A kernel event is matched to its node by ``node_index`` (ORT's index of
+    the node at load, Constant nodes excluded), checked against the node's name and op type
+    and against its number of outputs; bytes = elements x item size.
+    What the profile cannot give is measured from real arrays:
 
-(b) **Order and time.** The unmodified model, opened with the given ``settings``
-    and profiling on, run twice (warm-up, then the profiled run); the kernel events
-    of the last run, in timestamp order, give the order ORT really executed and the
-    duration of each kernel.
+    * graph inputs fed and initializers: from the arrays and tensors themselves;
+    * ``Constant`` nodes (ORT turns them into initializers at load, no kernel runs): from
+      the attribute's tensor;
+    * everything left (outputs of function ops ORT inlined at load, a kernel that skipped
+      a named optional output, element types numpy has no dtype for): a copy of the model
+      with only those values added as graph outputs, run with optimizations off, at most
+      ``EXPOSE_CHUNK`` values per run; ``ndarray.nbytes`` of what it returns. Optional
+      outputs a node did not produce are skipped.
+
+    Memory: each run holds what the model itself holds in one step, plus at most
+    ``EXPOSE_CHUNK`` extra values in an exposing run (the old way, every intermediate
+    exposed at once, held all of them: a BERT-base training step at 8x256 tokens passed
+    12 GB). ``benchmarks/annotate_memory.py`` measures both.
 
 When ``settings`` enable graph optimizations, ORT may fuse, remove or rename nodes
 (for example ``matmul_14/MatmulTransposeFusion/`` for a fused MatMul+Transpose, or a
@@ -25,7 +41,8 @@ Even with optimizations disabled, an ONNX *function* op that ORT has no kernel f
 (SoftmaxCrossEntropyLoss, NegativeLogLikelihoodLoss, ... on the CPU provider) is inlined
 at load: the profile then shows its body nodes under generated names (``LogSoftmax_10``,
 ``GatherElements_16``, ...) instead of the node itself, and their intermediate values
-are not in ``tensor_bytes`` (only the function node's outputs are).
+are not in ``tensor_bytes`` (only the function node's outputs are, measured by exposing
+them).
 """
 
 from __future__ import annotations
@@ -40,7 +57,7 @@ from typing import Any
 
 import numpy as np
 import onnx
-from onnx import helper
+from onnx import helper, numpy_helper
 
 from graphopt.errors import InvalidModelError, UnsupportedOpError
 from graphopt.runtime.session import (
@@ -115,21 +132,25 @@ class Annotations:
         return cls.from_dict(d)
 
 
-def _all_outputs_model(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]:
-    m = onnx.ModelProto()
-    m.CopyFrom(model)
-    existing = {o.name for o in m.graph.output}
-    added = []
-    for node in m.graph.node:
-        for out in node.output:
-            if out and out not in existing:
-                m.graph.output.append(onnx.ValueInfoProto(name=out))
-                existing.add(out)
-                added.append(out)
-    return m, [o.name for o in m.graph.output]
+# At most this many values are added as graph outputs to one run (see the module docstring).
+EXPOSE_CHUNK = 32
+
+_SIZES_SETTINGS = SessionSettings(graph_optimization_level="ORT_DISABLE_ALL")
+
+# ORT's names of tensor element types (DataTypeImpl::ToString) -> numpy dtype names.
+_ORT_TYPES = {
+    "float": "float32", "double": "float64", "float16": "float16",
+    "int8": "int8", "int16": "int16", "int32": "int32", "int64": "int64",
+    "uint8": "uint8", "uint16": "uint16", "uint32": "uint32", "uint64": "uint64",
+    "bool": "bool",
+}
+
+SOURCES = ("input", "initializer", "constant", "profile", "exposed")
+"""Where a size in :func:`measure_sizes` came from (see the module docstring)."""
 
 
-def _parse_profile(path: str) -> tuple[list[str], dict[str, float]]:
+def _kernel_events(path: str) -> list[dict]:
+    """The kernel events of the last ``model_run`` in the profile at ``path``, in time order."""
     with open(path) as f:
         events = json.load(f)
     runs = [e for e in events if e.get("cat") == "Session" and e.get("name") == "model_run"]
@@ -142,6 +163,10 @@ def _parse_profile(path: str) -> tuple[list[str], dict[str, float]]:
         lo, hi = last["ts"], last["ts"] + last.get("dur", 0)
         kernels = [e for e in kernels if lo <= e["ts"] <= hi]
     kernels.sort(key=lambda e: e["ts"])
+    return kernels
+
+
+def _order_and_seconds(kernels: list[dict]) -> tuple[list[str], dict[str, float]]:
     order: list[str] = []
     seconds: dict[str, float] = {}
     for e in kernels:
@@ -151,6 +176,95 @@ def _parse_profile(path: str) -> tuple[list[str], dict[str, float]]:
             seconds[name] = 0.0
         seconds[name] += float(e.get("dur", 0)) * 1e-6
     return order, seconds
+
+
+def _parse_profile(path: str) -> tuple[list[str], dict[str, float]]:
+    """Execution order and seconds per node of the last run in the profile at ``path``."""
+    return _order_and_seconds(_kernel_events(path))
+
+
+class _Sizes:
+    """Bytes, shapes, dtypes and the source of each, filled in by the steps of measure_sizes."""
+
+    def __init__(self) -> None:
+        self.bytes: dict[str, int] = {}
+        self.shapes: dict[str, list[int]] = {}
+        self.dtypes: dict[str, str] = {}
+        self.sources: dict[str, str] = {}
+
+    def add(self, name: str, shape, dtype: np.dtype, source: str) -> None:
+        shape = [int(d) for d in shape]
+        self.bytes[name] = int(np.prod(shape, dtype=np.int64)) * int(dtype.itemsize)
+        self.shapes[name] = shape
+        self.dtypes[name] = dtype.name
+        self.sources[name] = source
+
+    def add_array(self, name: str, arr: Any, source: str) -> None:
+        if not isinstance(arr, np.ndarray):
+            return
+        self.add(name, arr.shape, arr.dtype, source)
+        self.bytes[name] = int(arr.nbytes)
+
+
+def _constant_value(node: onnx.NodeProto) -> np.ndarray | None:
+    """The value of a Constant node, from its attribute (None for kinds we do not read)."""
+    for attr in node.attribute:
+        if attr.name == "value":
+            return numpy_helper.to_array(attr.t)
+        if attr.name == "value_float":
+            return np.array(attr.f, dtype=np.float32)
+        if attr.name == "value_floats":
+            return np.array(list(attr.floats), dtype=np.float32)
+        if attr.name == "value_int":
+            return np.array(attr.i, dtype=np.int64)
+        if attr.name == "value_ints":
+            return np.array(list(attr.ints), dtype=np.int64)
+    return None
+
+
+def _is_constant(node: onnx.NodeProto) -> bool:
+    return node.op_type == "Constant" and node.domain in ("", "ai.onnx")
+
+
+def _sizes_from_kernels(model: onnx.ModelProto, kernels: list[dict], sizes: _Sizes,
+                        skip: set[str]) -> None:
+    """Record the output sizes the profiled kernels report (optimizations off).
+
+    ORT numbers the nodes it loads in file order, Constant nodes excluded (they become
+    initializers); the event's ``node_index`` must point at a node of the same op type and
+    name (an unnamed node is profiled as ``<op_type>_<index>``), or else its name must be
+    unique in the model; and the node must have as many non-empty outputs as the event
+    reports. Otherwise the event is left alone (its values are measured by exposing them)."""
+    loaded = [n for n in model.graph.node if not _is_constant(n)]
+    by_name: dict[str, onnx.NodeProto] = {}
+    for n in loaded:
+        by_name[n.name] = n if n.name not in by_name else None  # type: ignore[assignment]
+    for e in kernels:
+        args = e.get("args", {})
+        profiled = e["name"][: -len(_KERNEL_SUFFIX)]
+        try:
+            index = int(args.get("node_index", -1))
+        except (TypeError, ValueError):
+            index = -1
+        node = loaded[index] if 0 <= index < len(loaded) else None
+        if node is not None and node.name and node.name != profiled:
+            node = None  # an unnamed node is profiled as <op_type>_<index>
+        if node is None:
+            node = by_name.get(profiled) if profiled else None
+        if node is None or node.op_type != args.get("op_name"):
+            continue
+        produced = args.get("output_type_shape")
+        outputs = [o for o in node.output if o]
+        if not isinstance(produced, list) or len(produced) != len(outputs):
+            continue
+        for name, entry in zip(outputs, produced):
+            if name in skip or name in sizes.bytes or not isinstance(entry, dict) or len(entry) != 1:
+                continue
+            (ort_type, shape), = entry.items()
+            dtype = _ORT_TYPES.get(ort_type)
+            if dtype is None or not isinstance(shape, list):
+                continue
+            sizes.add(name, shape, np.dtype(dtype), "profile")
 
 
 def _load_error(error: Exception) -> Exception:
@@ -167,6 +281,132 @@ def _load_error(error: Exception) -> Exception:
         f"ONNX Runtime cannot load the model: {message.strip()}")
 
 
+def _open_exposing(model: onnx.ModelProto, names: list[str], providers: list, threads: int):
+    """A session (optimizations off) of ``model`` with ``names`` added as graph outputs. The
+    outputs are added to ``model`` itself only while the session is made, then removed (a copy
+    of the model would duplicate its initializers)."""
+    outputs = model.graph.output
+    before = len(outputs)
+    existing = {o.name for o in outputs}
+    try:
+        for name in names:
+            if name not in existing:
+                outputs.append(onnx.ValueInfoProto(name=name))
+                existing.add(name)
+        return open_session(model, _SIZES_SETTINGS, providers=providers, threads=threads)
+    except Exception as e:
+        raise _load_error(e) from e
+    finally:
+        while len(outputs) > before:
+            outputs.pop()
+
+
+def measure_exposed(model: onnx.ModelProto, inputs: dict[str, np.ndarray], names: list[str], *,
+                    providers: list | None = None, threads: int = 1,
+                    chunk: int | None = None) -> dict[str, np.ndarray]:
+    """Run ``model`` (optimizations off) with ``names`` added as graph outputs, ``chunk``
+    values per run (default :data:`EXPOSE_CHUNK`; 0 = all in one run), and return the arrays
+    produced (optional outputs a node did not produce are left out). The real arrays, one
+    chunk at a time: what ``annotate`` measures sizes with where the profile says nothing,
+    and the oracle its tests compare the profile's sizes with."""
+    if providers is None:
+        providers = default_providers()
+    chunk = EXPOSE_CHUNK if chunk is None else chunk
+    names = list(dict.fromkeys(names))
+    step = len(names) if chunk <= 0 else chunk
+    out: dict[str, np.ndarray] = {}
+    for lo in range(0, len(names), max(step, 1)):
+        part = names[lo:lo + step]
+        sess = _open_exposing(model, part, providers, threads)
+        try:
+            results = sess.run(part, inputs)
+        except Exception as e:
+            raise InvalidModelError(f"annotate: the model failed to run: {e}") from e
+        del sess
+        for name, arr in zip(part, results):
+            if isinstance(arr, np.ndarray):
+                out[name] = arr
+        del results
+    return out
+
+
+def _profile(model: onnx.ModelProto, inputs: dict[str, np.ndarray], settings: SessionSettings,
+             runs: int, providers: list, threads: int) -> tuple[str, list[dict]]:
+    """Open ``model`` with ``settings`` and profiling on, run it ``runs`` times; the provider
+    and the kernel events of the last run."""
+    tmp = tempfile.mkdtemp(prefix="graphopt-profile-")
+    try:
+        try:
+            sess = open_session(
+                model, settings, providers=providers, threads=threads,
+                profile_prefix=os.path.join(tmp, "profile"),
+            )
+        except Exception as e:
+            raise _load_error(e) from e
+        provider = sess.get_providers()[0]
+        try:
+            for _ in range(runs):  # warm-up first; the parser keeps the last run only
+                sess.run(None, inputs)
+        except Exception as e:
+            raise InvalidModelError(f"annotate: the model failed to run: {e}") from e
+        path = sess.end_profiling()
+        del sess
+        if not path or not os.path.exists(path):
+            found = sorted(glob.glob(os.path.join(tmp, "profile*.json")))
+            if not found:
+                raise InvalidModelError("annotate: onnxruntime wrote no profile")
+            path = found[-1]
+        return provider, _kernel_events(path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _static_sizes(model: onnx.ModelProto, inputs: dict[str, np.ndarray]) -> tuple[_Sizes, list[str]]:
+    """Sizes of the fed inputs, initializers and Constant outputs; the node outputs left."""
+    sizes = _Sizes()
+    for inp in model.graph.input:
+        if inp.name in inputs:
+            sizes.add_array(inp.name, np.asarray(inputs[inp.name]), "input")
+    for t in model.graph.initializer:
+        if t.name in sizes.bytes:
+            continue
+        dtype = np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type))
+        sizes.add(t.name, t.dims, dtype, "initializer")
+    init_names = {t.name for t in model.graph.initializer}
+    left: list[str] = []
+    for node in model.graph.node:
+        value = _constant_value(node) if _is_constant(node) else None
+        for out in node.output:
+            if not out or out in init_names:
+                continue
+            if value is not None and out == node.output[0]:
+                sizes.add_array(out, value, "constant")
+            else:
+                left.append(out)
+    return sizes, left
+
+
+def measure_sizes(model: onnx.ModelProto, inputs: dict[str, np.ndarray], *,
+                  kernels: list[dict] | None = None, providers: list | None = None,
+                  threads: int = 1) -> _Sizes:
+    """Every value's size (module docstring, (b)). ``kernels``: the kernel events of a
+    profiled run of ``model`` with optimizations off, if the caller has one (else one is
+    made). The result's ``sources[name]`` says where each size came from (:data:`SOURCES`)."""
+    if providers is None:
+        providers = default_providers()
+    sizes, left = _static_sizes(model, inputs)
+    if kernels is None:
+        _, kernels = _profile(model, inputs, _SIZES_SETTINGS, 1, providers, threads)
+    skip = {t.name for t in model.graph.initializer}
+    _sizes_from_kernels(model, kernels, sizes, skip)
+    unknown = [n for n in left if n not in sizes.bytes]
+    if unknown:
+        for name, arr in measure_exposed(model, inputs, unknown, providers=providers,
+                                         threads=threads).items():
+            sizes.add_array(name, arr, "exposed")
+    return sizes
+
+
 def annotate(
     model: onnx.ModelProto,
     inputs: dict[str, np.ndarray],
@@ -180,63 +420,18 @@ def annotate(
         providers = default_providers()
     known = {i.name for i in model.graph.input}
     inputs = {k: v for k, v in inputs.items() if k in known}
-    # (a) sizes, every value kept as a graph output, optimizations off.
-    sizes_model, out_names = _all_outputs_model(model)
-    sizes_settings = SessionSettings(graph_optimization_level="ORT_DISABLE_ALL")
-    try:
-        sess = open_session(sizes_model, sizes_settings, providers=providers, threads=threads)
-    except Exception as e:
-        raise _load_error(e) from e
-    try:
-        results = sess.run(out_names, inputs)
-    except Exception as e:
-        raise InvalidModelError(f"annotate: the model failed to run: {e}") from e
-    del sess
-    ann = Annotations(provider="", settings=settings)
-    init_names = {t.name for t in model.graph.initializer}
-
-    def record(name: str, arr: Any) -> None:
-        if not isinstance(arr, np.ndarray):
-            return
-        ann.tensor_bytes[name] = int(arr.nbytes)
-        ann.tensor_shapes[name] = [int(d) for d in arr.shape]
-        ann.tensor_dtypes[name] = arr.dtype.name
-
-    for inp in model.graph.input:
-        if inp.name in inputs:
-            record(inp.name, np.asarray(inputs[inp.name]))
-    for t in model.graph.initializer:
-        if t.name in ann.tensor_bytes:
-            continue
-        dtype = np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type))
-        ann.tensor_bytes[t.name] = int(np.prod(t.dims, dtype=np.int64)) * dtype.itemsize
-        ann.tensor_shapes[t.name] = [int(d) for d in t.dims]
-        ann.tensor_dtypes[t.name] = dtype.name
-    for name, arr in zip(out_names, results):
-        if name not in init_names:
-            record(name, arr)
-    del results
-
-    # (b) order and durations, the model as is, with the given settings.
-    tmp = tempfile.mkdtemp(prefix="graphopt-profile-")
-    try:
-        sess = open_session(
-            model, settings, providers=providers, threads=threads,
-            profile_prefix=os.path.join(tmp, "profile"),
-        )
-        ann.provider = sess.get_providers()[0]
-        sess.run(None, inputs)  # warm-up
-        sess.run(None, inputs)  # profiled (the parser keeps the last run only)
-        path = sess.end_profiling()
-        del sess
-        if not path or not os.path.exists(path):
-            found = sorted(glob.glob(os.path.join(tmp, "profile*.json")))
-            if not found:
-                raise InvalidModelError("annotate: onnxruntime wrote no profile")
-            path = found[-1]
-        ann.execution_order, ann.node_seconds = _parse_profile(path)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    same_run = settings.graph_optimization_level == "ORT_DISABLE_ALL"
+    sizes = None
+    if not same_run:
+        # Sizes first, from one profiled run with optimizations off (its session closed
+        # before the timed one opens).
+        sizes = measure_sizes(model, inputs, providers=providers, threads=threads)
+    provider, kernels = _profile(model, inputs, settings, 2, providers, threads)
+    if sizes is None:
+        sizes = measure_sizes(model, inputs, kernels=kernels, providers=providers, threads=threads)
+    ann = Annotations(provider=provider, settings=settings)
+    ann.execution_order, ann.node_seconds = _order_and_seconds(kernels)
+    ann.tensor_bytes, ann.tensor_shapes, ann.tensor_dtypes = sizes.bytes, sizes.shapes, sizes.dtypes
     return ann
 
 

@@ -1,0 +1,191 @@
+"""Memory and time of graphopt.annotate on large training graphs, next to the model's own
+one-step peak and to the old way of measuring sizes (every intermediate exposed as a graph
+output in one run).
+
+    python benchmarks/annotate_memory.py [--models bert:large,gpt2:large]
+        [--modes step,annotate,all-outputs] [--limit-gib 8] [--cache DIR]
+
+Per model, the training graph is built once in a subprocess (``real_zoo.CORPUS[name](size)``,
+legacy export, ``build_training_graph(..., loss="cross_entropy")``, nodes named as optimize
+names them) and cached in ``--cache`` with its inputs and labels. Then each mode runs in a
+fresh subprocess, which loads the graph and inputs, notes its RSS ("before") and runs:
+
+* ``step``: a session opened as optimize opens it (UNOPTIMIZED_SETTINGS, CPU arena off) and one
+  ``session.run``: the model's own one-step peak (session and weights included, as in the others);
+* ``annotate``: ``annotate(graph, inputs, UNOPTIMIZED_SETTINGS)`` as optimize calls it;
+* ``all-outputs``: what annotate did before (every node output exposed in one run, then the
+  two profiled runs), via ``measure_exposed(..., chunk=0)``.
+
+Peak RSS is the child's ``ru_maxrss`` (from ``wait4``), with ``MALLOC_MMAP_THRESHOLD_=65536``
+so freed buffers go back to the OS. A child whose RSS passes ``--limit-gib`` is killed and
+reported as over the limit (the old way on BERT-base 8x256 passed 12 GB). Prints a markdown
+table: peak RSS, peak above "before", that over the step's, and wall seconds.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+TESTS = os.path.join(ROOT, "tests")
+for _path in (ROOT, TESTS):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
+
+MiB = 2 ** 20
+MODES = ("step", "annotate", "all-outputs")
+
+
+def _rss_bytes(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _child(args: list[str], limit_bytes: int) -> dict:
+    """Run this script with ``args`` in a child; its JSON line, peak RSS and wall seconds."""
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    killed = False
+    while True:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            break
+        if _rss_bytes(proc.pid) > limit_bytes:
+            proc.kill()
+            killed = True
+            pid, status, usage = os.wait4(proc.pid, 0)
+            break
+        time.sleep(0.1)
+    wall = time.perf_counter() - t0
+    out, err = proc.stdout.read(), proc.stderr.read()
+    row = {"peak_rss_bytes": usage.ru_maxrss * 1024, "wall_seconds": wall, "killed_over_limit": killed}
+    lines = [l for l in out.splitlines() if l.startswith("{")]
+    if lines:
+        row.update(json.loads(lines[-1]))
+    elif not killed:
+        row["error"] = err.strip().splitlines()[-3:] if err.strip() else f"exit status {status}"
+    return row
+
+
+def _paths(cache: str, spec: str) -> tuple[str, str]:
+    name, size = spec.split(":")
+    return os.path.join(cache, f"{name}.{size}.train.onnx"), os.path.join(cache, f"{name}.{size}.npz")
+
+
+def build(spec: str, cache: str) -> None:
+    import numpy as np
+    import onnx
+    import real_zoo
+    from graphopt.build.train_graph import build_training_graph
+    from graphopt.ingest import name_nodes
+    from graphopt.inputs import save_inputs
+    name, size = spec.split(":")
+    model_path, inputs_path = _paths(cache, spec)
+    m = real_zoo.CORPUS[name](size)
+    train = build_training_graph(real_zoo.export(m, "legacy"), loss="cross_entropy", class_axis=m.class_axis)
+    name_nodes(train)
+    onnx.save(train, model_path)
+    feeds = {k: v.numpy() for k, v in m.inputs.items()}
+    feeds["labels"] = m.labels.numpy().astype(np.int64)
+    save_inputs(inputs_path, feeds)
+
+
+def worker(mode: str, model_path: str, inputs_path: str) -> dict:
+    import onnx
+    from graphopt.annotate import _profile, annotate, measure_exposed
+    from graphopt.inputs import load_inputs
+    from graphopt.runtime.session import UNOPTIMIZED_SETTINGS, open_session
+    model = onnx.load(model_path)
+    inputs = load_inputs(inputs_path)
+    known = {i.name for i in model.graph.input}
+    inputs = {k: v for k, v in inputs.items() if k in known}
+    before = _rss_bytes(os.getpid())
+    t0 = time.perf_counter()
+    row: dict = {"nodes": len(model.graph.node)}
+    if mode == "step":
+        sess = open_session(model, UNOPTIMIZED_SETTINGS, threads=1)
+        sess.run(None, inputs)
+    elif mode == "annotate":
+        ann = annotate(model, inputs, UNOPTIMIZED_SETTINGS, threads=1)
+        row["tensors"] = len(ann.tensor_bytes)
+        row["order"] = len(ann.execution_order)
+    elif mode == "all-outputs":
+        names = [o for n in model.graph.node for o in n.output if o]
+        arrays = measure_exposed(model, inputs, names, threads=1, chunk=0)
+        row["tensors"] = len(arrays)
+        del arrays
+        _profile(model, inputs, UNOPTIMIZED_SETTINGS, 2, ["CPUExecutionProvider"], 1)
+    else:
+        raise SystemExit(f"unknown mode {mode!r}")
+    row["seconds"] = time.perf_counter() - t0
+    row["before_rss_bytes"] = before
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="bert:large,gpt2:large")
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--limit-gib", type=float, default=8.0)
+    p.add_argument("--cache", default="/tmp/graphopt-annotate-memory")
+    p.add_argument("--json")
+    p.add_argument("--worker", nargs=3, metavar=("MODE", "MODEL", "INPUTS"))
+    p.add_argument("--build", metavar="NAME:SIZE")
+    args = p.parse_args(argv)
+    if args.worker:
+        print(json.dumps(worker(*args.worker)), flush=True)
+        return 0
+    if args.build:
+        build(args.build, args.cache)
+        print("{}")
+        return 0
+    os.makedirs(args.cache, exist_ok=True)
+    limit = int(args.limit_gib * 2 ** 30)
+    rows = []
+    print("| model | mode | peak RSS MiB | above before MiB | / step's | seconds | note |")
+    print("|---|---|---|---|---|---|---|")
+    for spec in args.models.split(","):
+        model_path, inputs_path = _paths(args.cache, spec)
+        if not (os.path.exists(model_path) and os.path.exists(inputs_path)):
+            built = _child(["--build", spec, "--cache", args.cache], limit)
+            if "error" in built:
+                print(f"| {spec} | build | | | | | {built['error']} |", flush=True)
+                continue
+        step_above = None
+        for mode in args.modes.split(","):
+            r = _child(["--worker", mode, model_path, inputs_path], limit)
+            r.update(model=spec, mode=mode)
+            rows.append(r)
+            above = r["peak_rss_bytes"] - r.get("before_rss_bytes", 0)
+            if mode == "step" and not r["killed_over_limit"] and "error" not in r:
+                step_above = above
+            if r["killed_over_limit"]:
+                note = f"killed: RSS passed {args.limit_gib:g} GiB"
+            else:
+                note = r.get("error", f"{r.get('tensors', '')} tensors" if "tensors" in r else "")
+            ratio = f"{above / step_above:.2f}" if step_above and mode != "step" and not r["killed_over_limit"] else ""
+            secs = f"{r['seconds']:.1f}" if "seconds" in r else f">{r['wall_seconds']:.0f}"
+            above_text = f"{above / MiB:.0f}" if "before_rss_bytes" in r else ""
+            print(f"| {spec} | {mode} | {r['peak_rss_bytes'] / MiB:.0f} | "
+                  f"{above_text} | {ratio} | {secs} | {note} |", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
