@@ -7,7 +7,6 @@ graphs. Memory and time on large graphs: benchmarks/annotate_memory.py."""
 from __future__ import annotations
 
 import json
-import os
 
 import numpy as np
 import onnx
@@ -70,7 +69,7 @@ def _plain_profile_order(model, inputs, settings: SessionSettings, tmp_path) -> 
 
 
 def awkward_graph():
-    """Ops whose outputs are awkward to size: Constants (tensor, ints, float attributes), no
+    """Ops whose outputs are awkward to size: Constants (tensor, ints, float attributes; no
     kernel at run time), multi-output Dropout and TopK, LayerNormalization with its optional
     outputs left empty, casts to float16 and bool, Shape, unnamed nodes, and a function op ORT
     inlines at load (SoftmaxCrossEntropyLoss: its outputs have no kernel event of their own)."""
