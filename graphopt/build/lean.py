@@ -342,3 +342,31 @@ def loss_first(model: onnx.ModelProto, loss: str) -> int:
     graph.ClearField("node")
     graph.node.extend(nodes)
     return len(only)
+
+
+def gradients_early(model: onnx.ModelProto, sources: set[str]) -> int:
+    """Put the nodes that produce gradient outputs (leaves: read by no node) from `sources`
+    (or reshapes of them) last in the file, in reverse order. ONNX Runtime's default order walks
+    back from the leaves, the last one's first, so such a gradient is computed as soon as
+    `sources` exist, not after the whole backward with them kept alive for it. Measured: a
+    language model's head weight gradient, reading the logits' gradient (a [tokens, vocabulary]
+    tensor), ran last (Llama full: 183.4 -> 172.4 MiB). Only for the given sources: moving every
+    gradient leaf this way reorders the whole backward (measured worse: BERT 425 -> 654 MiB).
+    In place; returns how many nodes moved."""
+    graph = model.graph
+    every = list(graph.node)
+    near = set(sources)
+    for node in every:
+        if node.op_type in _ALIASES and node.input and node.input[0] in near:
+            near.update(node.output)
+    read = {name for node in every for name in node.input}
+    wanted = {o.name for o in graph.output}
+    leaves = [k for k, n in enumerate(every) if n.output and near.intersection(n.input)
+              and all(o in wanted and o not in read for o in n.output if o)]
+    if not leaves:
+        return 0
+    moved = set(leaves)
+    nodes = [n for k, n in enumerate(every) if k not in moved] + [every[k] for k in reversed(leaves)]
+    graph.ClearField("node")
+    graph.node.extend(nodes)
+    return len(leaves)

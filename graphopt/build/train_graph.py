@@ -35,7 +35,7 @@ from . import rules
 from .deterministic import scatter_nd_rows_to_elements, static_shapes
 from .graph_util import Names, infer_shapes, sequence_splits_to_split, small_constants
 from .embedding_grad import lean_embedding_gradients
-from .lean import (loss_first, outputs_written_in_place, pads_sum_to_concat,
+from .lean import (gradients_early, loss_first, outputs_written_in_place, pads_sum_to_concat,
                    recompute_gelu_intermediates, transposed_products)
 from .losses import LOSS_NAME, attach_loss_parts, cross_entropy_seed, parse_loss
 from .training_mode import batchnorm_training, copy_statistics_inputs, dropout_training
@@ -574,6 +574,7 @@ def _finish(model, loss, loss_shape, loss_type, params, initializers, extras, ty
         shapes = static_shapes(model)
     if outputs_written_in_place(model, shapes):
         model = cleanup_graph(model)
+    gradients_early(model, {o for n in seed_nodes for o in n.output})
     loss_first(model, loss)
     name_nodes(model)
     recompute_gelu_intermediates(model, _backward_names(model, loss))
