@@ -146,6 +146,18 @@ def optional_output_positions(node: onnx.NodeProto, opset: int) -> set[int]:
     return positions
 
 
+def clobbered_inputs(node: onnx.NodeProto) -> tuple[str, ...]:
+    """Inputs whose buffers ONNX Runtime overwrites with an output (its kernel declares them
+    aliased): a training-mode BatchNormalization writes the updated running statistics into
+    the buffers of its statistics inputs (3 and 4). Read after the op, such a tensor holds the
+    updated values, so no plan may keep it for a later reader (a recomputed clone)."""
+    if node.domain in ("", "ai.onnx") and node.op_type == "BatchNormalization":
+        training = next((a.i for a in node.attribute if a.name == "training_mode"), 0)
+        if training:
+            return tuple(t for t in node.input[3:5] if t)
+    return ()
+
+
 def opset_of(model: onnx.ModelProto, domain: str = "") -> int:
     for imp in model.opset_import:
         if imp.domain in (domain, "ai.onnx" if domain == "" else domain):
@@ -177,9 +189,15 @@ def build_cost_graph(training: TrainingGraph, tensor_bytes: dict[str, int],
                 readers[t] = readers.get(t, 0) + 1
     outputs = {o.name for o in model.graph.output}
     droppable = set()
+    clobbered = set()
     for name in training.forward + training.backward:
         node = nodes[name]
         inputs = tuple(t for t in node.input if t)
+        clobbers = clobbered_inputs(node)
+        # overwriting a resident tensor (an initializer, a graph input), a clone would read
+        # the updated values: such an op is never recomputed
+        overwrites_resident = any(t in training.resident for t in clobbers)
+        clobbered.update(clobbers)
         outs = tuple(t for t in node.output if t)
         optional = optional_output_positions(node, opset)
         for k, t in enumerate(node.output):
@@ -196,9 +214,10 @@ def build_cost_graph(training: TrainingGraph, tensor_bytes: dict[str, int],
             seconds=float(node_seconds.get(name, 0.0)),
             phase="forward" if name in forward else "backward",
             alias=is_alias(node),
-            recomputable=not is_random(node) and not folded,
+            recomputable=not is_random(node) and not folded and not overwrites_resident,
             runs_first=node.op_type in RUNS_FIRST_OPS,
             folded=folded,
+            clobbers=clobbers,
             workspace=0 if folded else workspace_bytes(node, shapes, tensor_bytes),
         )
         for t in inputs:
@@ -211,6 +230,7 @@ def build_cost_graph(training: TrainingGraph, tensor_bytes: dict[str, int],
         resident=frozenset(training.resident) | frozenset(folded_outputs),
         kept=frozenset(outputs),
         droppable=frozenset(droppable),
+        clobbered=frozenset(clobbered),
         forward_order=list(training.forward),
         backward_order=list(training.backward),
     )

@@ -7,6 +7,9 @@
   never merge it back into the original (ONNX checkers skip `__` attributes);
 - optional outputs nobody reads are dropped (ONNX Runtime never frees an unread output);
 - nodes that feed no graph output are removed;
+- a plan that reads a tensor after an op overwrote it in place (a training-mode
+  BatchNormalization's statistics inputs, `costgraph.clobbered_inputs`) is refused with a
+  ValueError: its rewritten model would compute from the updated values;
 - the session settings the order needs go into `metadata_props["graphopt.session"]`.
 
 `expand_functions` writes the nodes ONNX Runtime would inline at load (function ops it has no
@@ -26,6 +29,7 @@ import onnx.inliner
 from onnx import helper
 
 from .analyze import TrainingGraph
+from .costgraph import clobbered_inputs
 from .costmodel import resolve_versions
 from .runtime.session import SessionSettings, write_settings
 from .search.plan import Plan
@@ -78,8 +82,19 @@ def rewrite(training: TrainingGraph, graph: nx.DiGraph, plan: Plan,
         return names[version]
 
     new_nodes = []
+    overwritten: dict[tuple[str, int], str] = {}   # version -> the step that overwrote it in place
     for step in steps:
         original = nodes[step.op]
+        for version in step.reads:
+            if version in overwritten:
+                raise ValueError(
+                    f"the plan has {step.op!r} (copy {step.copy}) read {version[0]!r} (copy {version[1]}) "
+                    f"after {overwritten[version]!r} overwrote it in place (ONNX Runtime aliases an "
+                    "output to that input): the plan must recompute it")
+        clobbers = set(clobbered_inputs(original))
+        for t, version in zip((t for t in original.input if t), step.reads):
+            if t in clobbers and version[1] >= 0:
+                overwritten[version] = f"{step.op}" + (f" (copy {step.copy})" if step.copy else "")
         node = onnx.NodeProto()
         node.CopyFrom(original)
         reads = iter(step.reads)

@@ -112,3 +112,74 @@ def test_unused_optional_outputs_are_dropped_from_clones():
         if node.op_type == "LayerNormalization":
             for extra in node.output[1:]:
                 assert extra == "" or extra in read
+
+
+def batchnorm_training_graph(batch=8, channels=4, size=6, classes=3):
+    """Conv -> BatchNormalization -> Relu -> Conv -> pool -> logits, in the form model zoos
+    hold it (BatchNormalization in eval form), built into a training graph by graphopt's own
+    builder: the node runs in training mode and reads copies of its running statistics."""
+    from graphopt.build.train_graph import build_training_graph
+    rng = np.random.default_rng(3)
+    f32 = lambda a: a.astype(np.float32)  # noqa: E731
+    inits = [numpy_helper.from_array(f32(rng.standard_normal((channels, 3, 3, 3)) * 0.3), "w1"),
+             numpy_helper.from_array(f32(rng.uniform(0.5, 1.5, channels)), "bn.weight"),
+             numpy_helper.from_array(f32(rng.standard_normal(channels) * 0.1), "bn.bias"),
+             numpy_helper.from_array(f32(rng.standard_normal(channels) * 0.5), "bn.running_mean"),
+             numpy_helper.from_array(f32(rng.uniform(0.5, 2.0, channels)), "bn.running_var"),
+             numpy_helper.from_array(f32(rng.standard_normal((channels, channels, 3, 3)) * 0.3), "w2"),
+             numpy_helper.from_array(f32(rng.standard_normal((channels, classes)) * 0.3), "fc")]
+    n = helper.make_node
+    nodes = [n("Conv", ["x", "w1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+             n("BatchNormalization", ["c1", "bn.weight", "bn.bias", "bn.running_mean", "bn.running_var"],
+               ["b1"], name="bn", epsilon=1e-5, momentum=0.9),
+             n("Relu", ["b1"], ["r1"], name="relu"),
+             n("Conv", ["r1", "w2"], ["c2"], name="conv2", pads=[1, 1, 1, 1]),
+             n("GlobalAveragePool", ["c2"], ["p"], name="pool"),
+             n("Flatten", ["p"], ["f"], name="flatten"),
+             n("MatMul", ["f", "fc"], ["logits"], name="fc")]
+    graph = helper.make_graph(
+        nodes, "conv_bn", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, 3, size, size])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [batch, classes])], inits)
+    forward = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    inputs = {"x": f32(rng.standard_normal((batch, 3, size, size))),
+              "labels": rng.integers(0, classes, batch).astype(np.int64)}
+    return build_training_graph(forward, loss="cross_entropy"), inputs
+
+
+def test_recomputed_batchnorm_reads_fresh_statistics():
+    """ONNX Runtime writes a training-mode BatchNormalization's updated running statistics into
+    the buffers of its statistics inputs (its kernel aliases outputs 1, 2 to inputs 3, 4). A
+    plan that kept those inputs for a recomputed clone made the clone start from the updated
+    statistics (ResNet-50: layer3.5.bn1.running_var_updated off by 0.66). Asking to keep them
+    is ignored: each run of the node, the clone included, reads its own fresh copy."""
+    model, inputs = batchnorm_training_graph()
+    bn = next(n for n in model.graph.node if n.op_type == "BatchNormalization")
+    statistics = set(bn.input[3:5])
+    training, graph, plan, rewritten = planned(model, inputs, checkpoints=statistics)
+    assert graph.graph["clobbered"] == statistics
+    assert not plan.checkpoints & statistics
+    recomputed = {op for op, copy in plan.schedule if copy}
+    assert bn.name in recomputed                         # the clone runs ...
+    assert {graph.nodes[op]["outputs"][0] for op in recomputed} >= statistics  # ... on new copies
+    reference = run_outputs(training.model, inputs, ORIGINAL_UNOPTIMIZED)
+    comparison = compare_outputs(reference, run_outputs(rewritten, inputs))
+    assert comparison.match, comparison.per_output
+
+
+def test_rewrite_refuses_a_plan_that_reads_an_overwritten_tensor():
+    """A plan whose clone would read the statistics after the node overwrote them (made by hand
+    here, bypassing `schedule_for`) is refused instead of silently computing from them."""
+    import pytest
+
+    from graphopt.search.plan import Plan
+    model, inputs = batchnorm_training_graph()
+    bn = next(n for n in model.graph.node if n.op_type == "BatchNormalization")
+    training, graph, plan, _ = planned(model, inputs)
+    producers = {graph.nodes[op]["outputs"][0] for op, copy in plan.schedule if copy}
+    assert set(bn.input[3:5]) <= producers
+    # drop the clones of the statistics copies: the clone of bn reads the overwritten ones
+    schedule = [(op, copy) for op, copy in plan.schedule
+                if not (copy and graph.nodes[op]["outputs"][0] in set(bn.input[3:5]))]
+    bad = Plan("by-hand", plan.checkpoints, schedule)
+    with pytest.raises(ValueError, match="overwrote it in place"):
+        rewrite(training, graph, bad)

@@ -61,8 +61,10 @@ def forced_checkpoints(graph: nx.DiGraph) -> set[str]:
 def candidate_checkpoints(graph: nx.DiGraph) -> list[str]:
     """Forward tensors a solver may choose to keep (the others forced or free), in forward order."""
     forced = forced_checkpoints(graph)
+    clobbered = graph.graph.get("clobbered", frozenset())
     tensor_bytes = graph.graph["tensor_bytes"]
-    return [t for t in forward_tensors(graph) if t not in forced and tensor_bytes.get(t, 0) > 0]
+    return [t for t in forward_tensors(graph)
+            if t not in forced and t not in clobbered and tensor_bytes.get(t, 0) > 0]
 
 
 def stashed_tensors(graph: nx.DiGraph) -> set[str]:
@@ -118,12 +120,18 @@ def schedule_for(graph: nx.DiGraph, checkpoints: set[str] | frozenset[str],
     `refresh_gap`: a recomputed tensor whose next backward reader is more than this many
     backward ops away is dropped after its reader and recomputed again when needed (a copy
     2, 3, ...), instead of being held across the gap. None: each op is recomputed at most
-    once (the tensor is held until its last reader)."""
+    once (the tensor is held until its last reader).
+
+    Tensors an op overwrites in place (`graph.graph["clobbered"]`: a training-mode
+    BatchNormalization's statistics inputs) are never kept: every run of that op, a
+    recomputed clone included, reads a fresh copy (the checkpoints named are ignored)."""
     nodes = graph.nodes
     fwd_order = graph.graph["forward_order"]
     position = {op: i for i, op in enumerate(fwd_order)}
     producer = forward_tensors(graph)
-    available = set(checkpoints) | forced_checkpoints(graph)
+    clobbered = graph.graph.get("clobbered", frozenset())
+    forced = forced_checkpoints(graph)
+    available = (set(checkpoints) - clobbered) | forced
     schedule: list[Step] = [(op, 0) for op in fwd_order]
     copies: dict[str, int] = {}
 
@@ -158,6 +166,8 @@ def schedule_for(graph: nx.DiGraph, checkpoints: set[str] | frozenset[str],
                 schedule.append((r, copies[r]))
                 available.update(nodes[r]["outputs"])
                 recomputed.update(nodes[r]["outputs"])
+            for r in todo:
+                available.difference_update(t for t in nodes[r].get("clobbers", ()) if t not in forced)
         schedule.append((op, 0))
         if refresh_gap is not None and recomputed:
             for t in list(recomputed):
@@ -195,7 +205,7 @@ def peak_floor_bytes(graph: nx.DiGraph) -> int:
 
 def make_plan(graph: nx.DiGraph, strategy: str, checkpoints, refresh_gap: int | None = None, **notes) -> Plan:
     """Plan for a checkpoint set, evaluated by the cost model on the runtime's order."""
-    checkpoints = frozenset(checkpoints)
+    checkpoints = frozenset(checkpoints) - graph.graph.get("clobbered", frozenset())
     schedule = schedule_for(graph, checkpoints, refresh_gap)
     executed = priority_order(graph, schedule)
     plan = Plan(strategy, checkpoints, schedule, simulate(graph, executed), dict(notes))
