@@ -6,6 +6,10 @@
 error; a rewritten model whose outputs differ from the original's is never returned.
 
 Contracts at delivery (checked, never assumed):
+- OUTPUTS: a plan whose rewritten model's outputs differ from the original's is rejected
+  (a warning is logged and `report["rejected_for_outputs"]` and `outcome_reason` name the
+  output and the difference); the next plan is tried as below. VerificationError only when
+  even the plan without recomputation differs (the rewrite itself is broken).
 - ORDER: a rewritten model is returned only if ONNX Runtime's profile shows it ran the planned
   order. Otherwise the next plan is tried (store-all: no recomputation, only the order is
   ours), then none: the original is returned.
@@ -208,19 +212,51 @@ def _order_check(graph, plan: Plan, rewritten: onnx.ModelProto, inputs, options)
     return compare_order(planned, executed)
 
 
-def _check_outputs(reference_model: onnx.ModelProto, rewritten: onnx.ModelProto, inputs, options,
-                   report: dict) -> None:
-    """Raise VerificationError unless the rewritten model's outputs equal the original's."""
+def _compare_with_original(reference_model: onnx.ModelProto, rewritten: onnx.ModelProto, inputs, options):
     reference = run_outputs(reference_model, inputs, ORIGINAL_UNOPTIMIZED, threads=1)
     candidate = run_outputs(rewritten, inputs, None, threads=1)
-    comparison = compare_outputs(reference, candidate, options.tolerance)
+    return compare_outputs(reference, candidate, options.tolerance)
+
+
+def _difference(comparison, options) -> str:
+    return (f"output {comparison.worst_output()!r} differs from the original's (relative difference "
+            f"{comparison.max_relative_difference:.3g} > {options.tolerance})")
+
+
+def _check_outputs(reference_model: onnx.ModelProto, rewritten: onnx.ModelProto, inputs, options,
+                   report: dict) -> bool:
+    """Whether the rewritten model's outputs equal the original's (within the tolerance);
+    records the comparison in `report` (and the difference under "outputs_differ")."""
+    comparison = _compare_with_original(reference_model, rewritten, inputs, options)
     report["outputs_match"] = comparison.match
     report["max_relative_difference"] = comparison.max_relative_difference
     if not comparison.match:
-        raise VerificationError(
-            f"the rewritten model's output {comparison.worst_output()!r} differs from the original "
-            f"(relative difference {comparison.max_relative_difference:.3g} > {options.tolerance}); "
-            "nothing was returned")
+        report["outputs_differ"] = {"output": comparison.worst_output(),
+                                    "relative_difference": comparison.max_relative_difference,
+                                    "reason": _difference(comparison, options)}
+    return comparison.match
+
+
+def _verify_plan(original, graph, plan: Plan, rewritten, inputs, options, report: dict) -> dict:
+    """Outputs, then (if they match) the order of one rewritten plan: its `plans_tried` entry.
+    A plan whose outputs differ is logged and rejected (its order is not checked)."""
+    entry = _plan_summary(plan)
+    record: dict = {}
+    if not _check_outputs(original, rewritten, inputs, options, record):
+        entry.update(outputs_match=False, outputs_differ=record["outputs_differ"],
+                     order={"followed": False, "checked": False})
+        log.warning("the %s plan was rejected: its %s", plan.strategy, record["outputs_differ"]["reason"])
+        report.setdefault("rejected_for_outputs", []).append(dict(_plan_summary(plan), **record["outputs_differ"]))
+        return entry
+    report["outputs_match"] = True
+    report["max_relative_difference"] = record["max_relative_difference"]
+    entry["outputs_match"] = True
+    entry["order"] = _order_check(graph, plan, rewritten, inputs, options).to_dict()
+    return entry
+
+
+def _accepted(entry: dict) -> bool:
+    return entry.get("outputs_match", True) and entry["order"]["followed"]
 
 
 def save_model(model: onnx.ModelProto, path) -> None:
@@ -304,19 +340,32 @@ def _returned_original(original: onnx.ModelProto, settings: SessionSettings, ann
 
 def first_in_order(original: onnx.ModelProto, training: TrainingGraph, graph, annotations, plans: list[Plan],
                    inputs, options: OptimizeOptions, report: dict, tried: list | None = None):
-    """The first of `plans` whose rewritten model ONNX Runtime runs in the planned order (its
-    profile checked), with outputs equal to `original`'s: (plan, rewritten), or None. Each plan
-    tried is appended to `tried` with where its order deviated."""
+    """The first of `plans` whose rewritten model has outputs equal to `original`'s and that
+    ONNX Runtime runs in the planned order (its profile checked): (plan, rewritten), or None.
+    Each plan tried is appended to `tried` with whether its outputs matched and where its
+    order deviated."""
     tried = [] if tried is None else tried
     for plan in plans:
         rewritten = rewrite(training, graph, plan, PLANNED_SETTINGS)
         write_annotations(rewritten, annotations)
-        _check_outputs(original, rewritten, inputs, options, report)
-        order = _order_check(graph, plan, rewritten, inputs, options)
-        tried.append(dict(_plan_summary(plan), order=order.to_dict()))
-        if order.followed:
+        entry = _verify_plan(original, graph, plan, rewritten, inputs, options, report)
+        tried.append(entry)
+        if _accepted(entry):
             return plan, rewritten
     return None
+
+
+def _not_delivered(report: dict) -> str:
+    if report.get("rejected_for_outputs"):
+        return ("no plan tried both computed the original's outputs and ran in the planned order in "
+                "ONNX Runtime")
+    return "ONNX Runtime did not run the planned order of any plan tried"
+
+
+def _rejections(report: dict) -> str:
+    """The plans rejected because their outputs differed, for `outcome_reason`."""
+    return "".join(f"; the {r['strategy']} plan ({r['recompute_nodes']} recomputed nodes) was rejected: its "
+                   f"{r['reason']}" for r in report.get("rejected_for_outputs", []))
 
 
 def optimize(model: onnx.ModelProto, options: OptimizeOptions | None = None) -> OptimizeResult:
@@ -381,19 +430,25 @@ def optimize(model: onnx.ModelProto, options: OptimizeOptions | None = None) -> 
     deliverable = True
     if options.verify:
         progress("verify", 0.6)
-        _check_outputs(original, rewritten, inputs, options, report)
-        first = _order_check(graph, plan, rewritten, inputs, options)
-        tried = [dict(_plan_summary(plan), order=first.to_dict())]
-        if not first.followed:
-            progress(f"ONNX Runtime left the planned order at step {first.position}: trying the next plan", 0.62)
+        first = _verify_plan(original, graph, plan, rewritten, inputs, options, report)
+        tried = [first]
+        if not _accepted(first):
+            why = ("its outputs differ from the original's" if not first["outputs_match"] else
+                   f"ONNX Runtime left the planned order at step {first['order']['first_deviation']['position']}")
+            progress(f"{why}: trying the next plan", 0.62)
             found = first_in_order(original, training, graph, annotations, list(_fallback_plans(graph, plan)),
                                    inputs, options, report, tried)
             if found is not None:
                 plan, rewritten = found
                 describe(plan, rewritten)
-        deliverable = tried[-1]["order"]["followed"]
-        report["order_followed"] = deliverable
-        report["order"] = {"followed": deliverable, "plans_tried": tried}
+        if not any(entry["outputs_match"] for entry in tried):
+            # even the plan without recomputation computes something else: the rewrite is broken
+            raise VerificationError(
+                f"the rewritten model's {tried[-1]['outputs_differ']['reason']} (plans tried: "
+                f"{[entry['strategy'] for entry in tried]}); nothing was returned")
+        deliverable = _accepted(tried[-1])
+        report["order_followed"] = tried[-1]["order"]["followed"]
+        report["order"] = {"followed": report["order_followed"], "plans_tried": tried}
 
     measured: dict[str, Measurement] = {}
     attempts = []
@@ -414,10 +469,9 @@ def optimize(model: onnx.ModelProto, options: OptimizeOptions | None = None) -> 
                 break
             candidate = make(retry)
             if options.verify:
-                _check_outputs(original, candidate, inputs, options, report)
-                order = _order_check(graph, retry, candidate, inputs, options)
-                report["order"]["plans_tried"].append(dict(_plan_summary(retry), order=order.to_dict()))
-                if not order.followed:
+                entry = _verify_plan(original, graph, retry, candidate, inputs, options, report)
+                report["order"]["plans_tried"].append(entry)
+                if not _accepted(entry):
                     break
             plan, rewritten = retry, candidate
             measured["optimized"] = _measure_one(rewritten, inputs, options)
@@ -447,10 +501,9 @@ def optimize(model: onnx.ModelProto, options: OptimizeOptions | None = None) -> 
                          f"original's {bar}: trying {fallback.strategy}", 0.85)
                 candidate = make(fallback)
                 if options.verify:
-                    _check_outputs(original, candidate, inputs, options, report)
-                    order = _order_check(graph, fallback, candidate, inputs, options)
-                    report["order"]["plans_tried"].append(dict(_plan_summary(fallback), order=order.to_dict()))
-                    if not order.followed:
+                    entry = _verify_plan(original, graph, fallback, candidate, inputs, options, report)
+                    report["order"]["plans_tried"].append(entry)
+                    if not _accepted(entry):
                         continue
                 m = _measure_one(candidate, inputs, options)
                 report["plans_measured"].append(dict(_plan_summary(fallback), measured_peak_bytes=m.peak_bytes))
@@ -473,8 +526,7 @@ def optimize(model: onnx.ModelProto, options: OptimizeOptions | None = None) -> 
         else:
             outcome = OUTCOME_ORIGINAL
             session = best_original.replace("original_", "").replace("_", " ")
-            why = ("ONNX Runtime did not run the planned order of any plan tried"
-                   if not deliverable else
+            why = (_not_delivered(report) if not deliverable else
                    f"the optimized model measured {_mib(measured['optimized'].peak_bytes)}, not below the "
                    f"original's {_mib(bar)} ({session})")
             reason = (f"{why}; the original model is returned with the session that measured lowest "
@@ -490,7 +542,7 @@ def optimize(model: onnx.ModelProto, options: OptimizeOptions | None = None) -> 
                     f"budget of {options.budget_bytes} bytes is not met: {why}, and the original "
                     f"measured {bar} bytes", least_feasible_peak_bytes=bar)
         report["outcome"] = outcome
-        report["outcome_reason"] = reason
+        report["outcome_reason"] = reason + _rejections(report)
         report["measured"] = {k: _measurement_dict(m) for k, m in measured.items()}
         opt = measured["optimized"]
         report["ratios"] = {
@@ -505,8 +557,8 @@ def optimize(model: onnx.ModelProto, options: OptimizeOptions | None = None) -> 
         # no measurement to choose a session by: the original, as it came (its own settings)
         report["rejected"] = dict(_plan_summary(plan), order_followed=False)
         report["outcome"] = OUTCOME_ORIGINAL
-        report["outcome_reason"] = ("ONNX Runtime did not run the planned order of any plan tried; the "
-                                    "original model is returned unchanged")
+        report["outcome_reason"] = (f"{_not_delivered(report)}; the original model is returned "
+                                    f"unchanged{_rejections(report)}")
         rewritten = onnx.ModelProto()
         rewritten.CopyFrom(original)
         report.update(checkpoints=[], recompute_nodes=0)
@@ -515,7 +567,7 @@ def optimize(model: onnx.ModelProto, options: OptimizeOptions | None = None) -> 
     else:
         report["outcome"] = OUTCOME_UNMEASURED
         report["outcome_reason"] = ("measurement was off: the optimized model is returned without checking "
-                                    "that it needs less memory than the original")
+                                    "that it needs less memory than the original" + _rejections(report))
     report["total_seconds"] = time.perf_counter() - started
     progress("done", 1.0)
     return OptimizeResult(rewritten, plan, report)

@@ -142,3 +142,52 @@ def test_never_worse_returns_the_best_measured_original():
         report["measured"]["original_optimizations_off"]["peak_bytes"])
     text = summary_text(report)
     assert "NOT IMPROVED, the original model is returned" in text and "not below the original" in text
+
+
+def _corrupting(real_rewrite, when):
+    """The real rewrite, then (for plans where `when(plan)`) the first gradient scaled by 1.5:
+    a rewritten model whose outputs differ, as a wrong plan's would."""
+    from onnx import helper, numpy_helper
+
+    def corrupt(training, graph, plan, settings=PLANNED_SETTINGS):
+        model = real_rewrite(training, graph, plan, settings)
+        if when(plan):
+            name = model.graph.output[1].name
+            producer = next(n for n in model.graph.node if name in n.output)
+            producer.output[list(producer.output).index(name)] = name + "__raw"
+            model.graph.initializer.append(numpy_helper.from_array(np.array(1.5, np.float32), "corrupt_by"))
+            model.graph.node.append(helper.make_node("Mul", [name + "__raw", "corrupt_by"], [name],
+                                                     name="corrupt"))
+        return model
+    return corrupt
+
+
+def test_a_plan_whose_outputs_differ_is_rejected_for_the_next_one(monkeypatch, caplog):
+    """OUTPUTS: the chosen plan's outputs differ -> a warning, store-all (no recomputation)
+    is delivered, and the report names the rejected plan's output and difference."""
+    import graphopt.optimize as pipeline
+    from test_rewrite import batchnorm_training_graph
+    model, feeds = batchnorm_training_graph()
+    monkeypatch.setattr(pipeline, "rewrite", _corrupting(rewrite, lambda plan: plan.recompute_ops > 0))
+    with caplog.at_level("WARNING", logger="graphopt.optimize"):
+        result = optimize(model, OptimizeOptions(strategy="chen-sqrt", inputs=feeds, measure=False))
+    report = result.report
+    gradient = model.graph.output[1].name
+    assert [t["outputs_match"] for t in report["order"]["plans_tried"]] == [False, True]
+    assert report["strategy"] == "store-all" and report["recompute_nodes"] == 0 and report["outputs_match"]
+    rejected = report["rejected_for_outputs"]
+    assert len(rejected) == 1 and rejected[0]["strategy"] == "chen-sqrt" and rejected[0]["output"] == gradient
+    assert rejected[0]["relative_difference"] > 0.3
+    assert repr(gradient) in report["outcome_reason"] and "rejected" in report["outcome_reason"]
+    assert any("rejected" in r.getMessage() and gradient in r.getMessage() for r in caplog.records)
+    assert not any(n.name == "corrupt" for n in result.model.graph.node)
+
+
+def test_verification_error_when_even_the_plan_without_recomputation_differs(monkeypatch):
+    import graphopt.optimize as pipeline
+    from graphopt.errors import VerificationError
+    from test_rewrite import batchnorm_training_graph
+    model, feeds = batchnorm_training_graph()
+    monkeypatch.setattr(pipeline, "rewrite", _corrupting(rewrite, lambda plan: True))
+    with pytest.raises(VerificationError, match=model.graph.output[1].name):
+        optimize(model, OptimizeOptions(strategy="chen-sqrt", inputs=feeds, measure=False))
