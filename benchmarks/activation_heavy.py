@@ -207,12 +207,12 @@ def main(argv=None) -> int:
             row["wall_seconds"] = time.perf_counter() - started
             rows.append(row)
             print("%s done in %.0f s" % (name, row["wall_seconds"]), file=sys.stderr, flush=True)
+            if args.json:       # after each model: a long run keeps what it measured
+                with open(args.json, "w") as f:
+                    json.dump(rows, f, indent=1, default=float)
     print(table(rows))
     print()
     print(summary(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1, default=float)
     return 0
 
 
