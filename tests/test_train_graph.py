@@ -358,3 +358,40 @@ def test_cross_entropy_gradient_is_fused(class_axis):
     for name, param in module.named_parameters():
         expected = param.grad.numpy()
         assert np.abs(got[name + "_grad"] - expected).max() / np.abs(expected).max() <= 1e-5, name
+
+
+def test_silu_backward_reads_only_its_input():
+    # SiLU / Swish, x * Sigmoid(x) in either operand order (EfficientNet's activation): reverse
+    # mode read the forward's Sigmoid output in the backward, a tensor the size of x kept
+    # besides x (PyTorch's silu keeps x alone). The backward recomputes the Sigmoid from x, so
+    # each forward Sigmoid is read by its product alone.
+    torch.manual_seed(8)
+
+    class Swishes(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(6, 20), nn.Linear(20, 20), nn.Linear(20, 5)
+
+        def forward(self, x):
+            h = F.silu(self.a(x))
+            h = self.b(h)
+            return self.c(torch.sigmoid(h) * h)
+
+    module = Swishes()
+    x, labels = torch.randn(7, 6), torch.randint(0, 5, (7,))
+    buffer = io.BytesIO()
+    torch.onnx.export(module, (x,), buffer, input_names=["x"], output_names=["logits"],
+                      dynamo=False, opset_version=17, do_constant_folding=False)
+    forward = onnx.load_from_string(buffer.getvalue())
+    sigmoids = [n.output[0] for n in forward.graph.node if n.op_type == "Sigmoid"]
+    assert len(sigmoids) == 2
+    train = build_training_graph(forward, loss="cross_entropy")
+    for name in sigmoids:
+        readers = [n.op_type for n in train.graph.node if name in n.input]
+        assert readers == ["Mul"], (name, readers)
+    F.cross_entropy(module(x), labels).backward()
+    got = dict(zip([o.name for o in train.graph.output], open_session(train, threads=1).run(
+        None, {"x": x.numpy(), "labels": labels.numpy()})))
+    for name, param in module.named_parameters():
+        expected = param.grad.numpy()
+        assert np.abs(got[name + "_grad"] - expected).max() / np.abs(expected).max() <= 1e-5, name

@@ -7,7 +7,8 @@ built graph's own peak stays near PyTorch eager's (benchmarks/builder_vs_eager.p
 * recompute_gelu_intermediates: exact GELU as exported (x / sqrt 2 -> Erf -> + 1 -> * x ->
   * 0.5) leaves the backward reading the Div and Add outputs, two tensors the size of x kept
   from the forward besides x itself. The backward gets its own copies of them, recomputed
-  from x right before their first backward reader, as PyTorch's gelu backward does.
+  from x right before their first backward reader, as PyTorch's gelu backward does. The same
+  for SiLU / Swish, x * Sigmoid(x): the backward recomputes the Sigmoid from x (EfficientNet).
 * transposed_products: Transpose(A @ B) of 2-D products (a weight's gradient through a
   transposed weight: a tied language-model head) -> one Gemm writing B^T A^T.
 * outputs_written_in_place: a graph output that is a Reshape of an intermediate is a copy in
@@ -112,16 +113,39 @@ def _gelu_patterns(model: onnx.ModelProto):
         yield div.input[0], div, node, add
 
 
+def _silu_patterns(model: onnx.ModelProto):
+    """(x, sigmoid) of SiLUs / Swishes: Mul(x, Sigmoid(x)), either operand order."""
+    producers = {o: n for n in model.graph.node for o in n.output if o}
+    seen = set()
+    for node in model.graph.node:
+        if node.op_type != "Mul" or len(node.input) != 2:
+            continue
+        for k in (0, 1):
+            sigmoid = producers.get(node.input[k])
+            if sigmoid is not None and sigmoid.op_type == "Sigmoid" \
+                    and sigmoid.input[0] == node.input[1 - k] and id(sigmoid) not in seen:
+                seen.add(id(sigmoid))
+                yield sigmoid.input[0], sigmoid
+                break
+
+
 def recompute_gelu_intermediates(model: onnx.ModelProto, backward: set[str]) -> int:
-    """In place; `backward` holds the names of the backward nodes. Returns GELUs changed."""
+    """In place; `backward` holds the names of the backward nodes. Returns the activations
+    changed: exact GELUs (their Div, Erf and Add outputs) and SiLUs / Swishes, x * Sigmoid(x)
+    (the Sigmoid's output: reverse mode reads it for both the product's and the sigmoid's
+    derivative, a tensor the size of x kept through the backward where PyTorch's silu keeps x
+    alone). The backward gets its own copies, recomputed from x right before their first
+    backward reader."""
+    groups = [[div, erf, add] for _, div, erf, add in _gelu_patterns(model)]
+    groups += [[sigmoid] for _, sigmoid in _silu_patterns(model)]
     graph = model.graph
     taken = {o for n in graph.node for o in n.output} | {n.name for n in graph.node}
     clones_before: dict[int, list] = {}
     changed = 0
     node_list = list(graph.node)
     position = {id(n): k for k, n in enumerate(node_list)}
-    for x, div, erf, add in list(_gelu_patterns(model)):
-        stashed = [(n, n.output[0]) for n in (div, erf, add)]
+    for group in groups:
+        stashed = [(n, n.output[0]) for n in group]
         readers = [r for r in node_list if r.name in backward
                    and any(name in r.input for _, name in stashed)]
         if not readers:
