@@ -25,6 +25,7 @@ GRAPHOPT_RULES = {
     "Dropout": "graphopt (seeded mask + Where; the mask is drawn once)",
     "Gather": "onnx-ad, its ScatterND made a ScatterElements (exact with threads)",
     "MaxPool": "onnx-ad, its ScatterND made a ScatterElements (exact with threads)",
+    "Slice": "onnx-ad; graphopt for steps other than 1 (negative too)",
 }
 
 
