@@ -78,9 +78,7 @@ def graphopt_row(name: str, size: str, exporter: str, folder: str) -> dict:
 
     row = {"model": name, "size": size, "exporter": exporter}
     model = real_zoo.CORPUS[name](size)
-    import numpy as np
-    feeds = {k: v.numpy() for k, v in model.inputs.items()}
-    feeds["labels"] = model.labels.numpy().astype(np.int64)
+    feeds = real_zoo.model_feeds(model)
     row["inputs_path"] = os.path.join(folder, name + ".npz")
     save_inputs(row["inputs_path"], feeds)
     row["inputs"] = {k: list(v.shape) for k, v in feeds.items()}

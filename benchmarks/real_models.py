@@ -47,13 +47,6 @@ for _path in (ROOT, HERE, TESTS):
 MiB = 2 ** 20
 
 
-def _feeds(model):
-    import numpy as np
-    feeds = {k: v.numpy() for k, v in model.inputs.items()}
-    feeds["labels"] = model.labels.numpy().astype(np.int64)
-    return feeds
-
-
 def run_one(name: str, size: str, exporter: str, eager: bool, grad_check: bool) -> dict:
     """Everything measured for one model and exporter (runs in the worker process)."""
     import onnx
@@ -72,7 +65,7 @@ def run_one(name: str, size: str, exporter: str, eager: bool, grad_check: bool) 
     row["build_seconds"] = time.perf_counter() - started
     row["nodes_forward"], row["nodes_training"] = len(forward.graph.node), len(train.graph.node)
     onnx.checker.check_model(train)
-    feeds = _feeds(model)
+    feeds = real_zoo.model_feeds(model)
     if grad_check:
         check = real_zoo.gradient_check(model, forward, train, sensitivity_samples=2)
         row.update({k: check[k] for k in ("loss_error", "grad_error_fp64", "grad_error_fp32",

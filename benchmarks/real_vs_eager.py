@@ -52,14 +52,6 @@ DEFAULT_MODELS = TRANSFORMERS + ("vit_b_16", "resnet50", "mobilenet_v3_large", "
 TARGET = 1.05          # issue 11: built graph <= 1.05x PyTorch eager's peak
 
 
-def corpus_feeds(model) -> dict:
-    """The corpus model's own inputs and labels, as numpy, by the training graph's names."""
-    import numpy as np
-    feeds = {k: v.numpy() for k, v in model.inputs.items()}
-    feeds["labels"] = model.labels.numpy().astype(np.int64)
-    return feeds
-
-
 # ------------------------------------------------------------------ torch (subprocess) --
 
 class _CorpusStep:
@@ -124,7 +116,7 @@ def prepare(name: str, size: str, exporter: str, folder: str) -> dict:
     from graphopt.optimize import save_model
 
     model = real_zoo.CORPUS[name](size)
-    feeds = corpus_feeds(model)
+    feeds = real_zoo.model_feeds(model)
     r = {"inputs_path": os.path.join(folder, name + ".npz"),
          "inputs": {k: list(v.shape) for k, v in feeds.items()}}
     save_inputs(r["inputs_path"], feeds)

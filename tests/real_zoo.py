@@ -453,6 +453,14 @@ def relative_error(value, expected, floor: float = 0.0) -> float:
     return 0.0 if diff == 0.0 else (diff / scale if scale else float("inf"))
 
 
+def model_feeds(model: RealModel) -> dict:
+    """The model's own inputs and labels as numpy, by the training graph's input names."""
+    import numpy as np
+    feeds = {k: v.numpy() for k, v in model.inputs.items()}
+    feeds["labels"] = model.labels.numpy().astype(np.int64)
+    return feeds
+
+
 def gradient_check(model: RealModel, forward: onnx.ModelProto, train: onnx.ModelProto,
                    threads: int = 1, sensitivity_samples: int = 5) -> dict:
     """Run the training graph once in ONNX Runtime (CPU, `threads`) and compare its loss and
@@ -476,8 +484,7 @@ def gradient_check(model: RealModel, forward: onnx.ModelProto, train: onnx.Model
     options.log_severity_level = 3
     session = ort.InferenceSession(train.SerializeToString(), options,
                                    providers=["CPUExecutionProvider"])
-    feeds = {k: v.numpy() for k, v in model.inputs.items()}
-    feeds["labels"] = model.labels.numpy().astype(np.int64)
+    feeds = model_feeds(model)
     wanted = {i.name for i in session.get_inputs()}
     names = [o.name for o in session.get_outputs()]
     results = dict(zip(names, session.run(names, {k: v for k, v in feeds.items() if k in wanted})))
