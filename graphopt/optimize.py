@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import os
-import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -31,18 +30,21 @@ import numpy as np
 import onnx
 
 from .analyze import TrainingGraph, analyze
-from .annotate import Annotations, annotate, write_annotations
+from .annotate import Annotations, write_annotations
 from .costgraph import build_cost_graph
 from .costgraph import FOLDED_AT_LOAD_OPS, opset_of
 from .costmodel import Step, priority_order, simulate
 from .errors import BudgetInfeasibleError, InvalidOptionError, VerificationError
 from .ingest import name_nodes
-from .inputs import save_inputs, synthesize_inputs
+from .inputs import synthesize_inputs
 from .rewrite import PLANNED_SETTINGS, expand_functions, has_function, rewrite
+from .runtime.isolated import Workspace, run_task
+from .runtime.isolated import save_model as save_model
 from .runtime.measure import Measurement, measure
-from .runtime.session import DEFAULT_SETTINGS, UNOPTIMIZED_SETTINGS, SessionSettings, write_settings
+from .runtime.session import (DEFAULT_SETTINGS, UNOPTIMIZED_SETTINGS, SessionSettings, read_settings,
+                              write_settings)
 from .search import DEFAULT_STRATEGY, STRATEGIES, Plan, store_all
-from .verify import compare_order, compare_outputs, executed_order, run_outputs
+from .verify import OutputComparison, compare_order
 
 log = logging.getLogger(__name__)
 
@@ -104,9 +106,21 @@ def _prepare(model: onnx.ModelProto, options: OptimizeOptions):
     return training, inputs
 
 
-def _annotate(training: TrainingGraph, inputs, options) -> tuple[Annotations, object]:
-    annotations = annotate(training.model, inputs, ORIGINAL_UNOPTIMIZED,
-                           providers=options.providers, threads=options.threads)
+def _annotate(training: TrainingGraph, inputs, options, workspace: Workspace | None = None,
+              label: str = "annotated") -> tuple[Annotations, object]:
+    """`annotate` `training.model` (saved in `workspace` as `label`) in a fresh process; the
+    annotations and the cost graph."""
+    if workspace is None:
+        with Workspace(inputs) as temporary:
+            return _annotate(training, inputs, options, temporary, label)
+    path = workspace.save(training.model, label)
+    out = os.path.join(workspace.folder, label + ".annotations.json")
+    run_task("annotate", {"model": path, "inputs": workspace.inputs_path, "out": out,
+                          "settings": ORIGINAL_UNOPTIMIZED.to_dict(), "providers": options.providers,
+                          "threads": options.threads})
+    with open(out) as f:
+        annotations = Annotations.from_json(f.read())
+    os.remove(out)
     graph = build_cost_graph(training, annotations.tensor_bytes, annotations.node_seconds,
                              tensor_shapes=annotations.tensor_shapes)
     return annotations, graph
@@ -133,13 +147,17 @@ def _type_protos(annotations: Annotations) -> dict[str, onnx.TypeProto]:
     return types
 
 
-def _runtime_graph(training: TrainingGraph, inputs, options):
+def _runtime_graph(training: TrainingGraph, inputs, options, workspace: Workspace | None = None):
     """Annotate `training`; where ONNX Runtime inlined function ops at load, write their
     bodies into the graph (`rewrite.expand_functions`) and annotate that instead, so the plan's
     order covers every node ORT runs (inlined at load, the body nodes would come after every
     node of the file in ORT's priority order). Returns (training, annotations, graph,
-    {op_type: nodes expanded}, the annotations of the graph as it came)."""
-    annotations, graph = _annotate(training, inputs, options)
+    {op_type: nodes expanded}, the annotations of the graph as it came). The graph as it came
+    is saved in `workspace` as "original"."""
+    if workspace is None:
+        with Workspace(inputs) as temporary:
+            return _runtime_graph(training, inputs, options, temporary)
+    annotations, graph = _annotate(training, inputs, options, workspace, "original")
     first = annotations
     inlined = inlined_at_load(training.model, annotations.execution_order)
     if not inlined:
@@ -153,7 +171,8 @@ def _runtime_graph(training: TrainingGraph, inputs, options):
         if node.name in expanded_names:
             op_types[node.op_type] = op_types.get(node.op_type, 0) + 1
     training = analyze(model, options.loss)
-    annotations, graph = _annotate(training, inputs, options)
+    del model
+    annotations, graph = _annotate(training, inputs, options, workspace, "expanded")
     return training, annotations, graph, op_types, first
 
 
@@ -175,47 +194,65 @@ def plan_model(graph, options: OptimizeOptions) -> Plan:
     return plan
 
 
-def _measure_all(original: onnx.ModelProto, rewritten: onnx.ModelProto, inputs, options) -> dict[str, Measurement]:
+def _original_path(original: onnx.ModelProto, workspace: Workspace) -> str:
+    return workspace.path("original") or workspace.save(original, "original")
+
+
+def _measure_all(original: onnx.ModelProto, rewritten: onnx.ModelProto, inputs, options,
+                 workspace: Workspace | None = None) -> dict[str, Measurement]:
+    """The original under both sessions and `rewritten` under its own, each in a fresh
+    process, one after the other."""
+    if workspace is None:
+        with Workspace(inputs) as temporary:
+            return _measure_all(original, rewritten, inputs, options, temporary)
     provider = options.providers[0] if options.providers else None
-    with tempfile.TemporaryDirectory(prefix="graphopt-") as tmp:
-        inputs_path = os.path.join(tmp, "inputs.npz")
-        save_inputs(inputs_path, inputs)
-        paths = {}
-        for label, model in (("original", original), ("optimized", rewritten)):
-            paths[label] = os.path.join(tmp, f"{label}.onnx")
-            save_model(model, paths[label])
-        runs = {
-            "original_default_session": (paths["original"], DEFAULT_SETTINGS),
-            "original_optimizations_off": (paths["original"], ORIGINAL_UNOPTIMIZED),
-            "optimized": (paths["optimized"], None),  # its own metadata settings
-        }
-        return {label: measure(path, inputs_path, settings, provider=provider, threads=options.threads)
-                for label, (path, settings) in runs.items()}
+    original_path = _original_path(original, workspace)
+    runs = {
+        "original_default_session": (original_path, DEFAULT_SETTINGS),
+        "original_optimizations_off": (original_path, ORIGINAL_UNOPTIMIZED),
+        "optimized": (workspace.save(rewritten, "measured"), None),  # its own metadata settings
+    }
+    return {label: measure(path, workspace.inputs_path, settings, provider=provider, threads=options.threads)
+            for label, (path, settings) in runs.items()}
 
 
-def _measure_one(model: onnx.ModelProto, inputs, options) -> Measurement:
+def _measure_one(model: onnx.ModelProto, inputs, options, workspace: Workspace | None = None) -> Measurement:
+    if workspace is None:
+        with Workspace(inputs) as temporary:
+            return _measure_one(model, inputs, options, temporary)
     provider = options.providers[0] if options.providers else None
-    with tempfile.TemporaryDirectory(prefix="graphopt-") as tmp:
-        inputs_path = os.path.join(tmp, "inputs.npz")
-        save_inputs(inputs_path, inputs)
-        path = os.path.join(tmp, "optimized.onnx")
-        save_model(model, path)
-        return measure(path, inputs_path, None, provider=provider, threads=options.threads)
+    return measure(workspace.save(model, "measured"), workspace.inputs_path, None, provider=provider,
+                   threads=options.threads)
 
 
-def _order_check(graph, plan: Plan, rewritten: onnx.ModelProto, inputs, options):
-    """ONNX Runtime's profile of the rewritten model against the planned order
-    (`verify.OrderCheck`: followed, and where it first deviates)."""
-    executed = executed_order(rewritten, inputs, PLANNED_SETTINGS, threads=options.threads,
-                              providers=options.providers)
-    planned = [op if copy == 0 else f"{op}__rc{copy}" for op, copy in priority_order(graph, plan.schedule)]
-    return compare_order(planned, executed)
+def _reference_outputs(original: onnx.ModelProto, workspace: Workspace) -> str:
+    """The original's outputs (optimizations off, one thread), computed once per workspace in
+    a fresh process and kept on disk: their path."""
+    if workspace.reference_path is None:
+        out = os.path.join(workspace.folder, "reference.npz")
+        run_task("reference", {"model": _original_path(original, workspace), "inputs": workspace.inputs_path,
+                               "settings": ORIGINAL_UNOPTIMIZED.to_dict(), "threads": 1, "out": out})
+        workspace.reference_path = out
+    return workspace.reference_path
 
 
-def _compare_with_original(reference_model: onnx.ModelProto, rewritten: onnx.ModelProto, inputs, options):
-    reference = run_outputs(reference_model, inputs, ORIGINAL_UNOPTIMIZED, threads=1)
-    candidate = run_outputs(rewritten, inputs, None, threads=1)
-    return compare_outputs(reference, candidate, options.tolerance)
+def _check_in_child(original: onnx.ModelProto, rewritten: onnx.ModelProto, options, workspace: Workspace,
+                    order: bool) -> tuple[OutputComparison, list[str] | None]:
+    """In a fresh process: `rewritten`'s outputs (its metadata session, one thread) against the
+    original's, one array at a time; if they match and `order` is asked, the node order of
+    one profiled run under PLANNED_SETTINGS (`verify.executed_order`)."""
+    reference = _reference_outputs(original, workspace)
+    settings = read_settings(rewritten) or DEFAULT_SETTINGS
+    result = run_task("verify", {
+        "model": workspace.save(rewritten, "candidate"), "inputs": workspace.inputs_path,
+        "settings": settings.to_dict(), "threads": 1, "reference": reference, "tolerance": options.tolerance,
+        "order": order, "order_settings": PLANNED_SETTINGS.to_dict(), "order_threads": options.threads,
+        "providers": options.providers})
+    return OutputComparison.from_dict(result["comparison"]), result["executed"]
+
+
+def _planned_order(graph, plan: Plan) -> list[str]:
+    return [op if copy == 0 else f"{op}__rc{copy}" for op, copy in priority_order(graph, plan.schedule)]
 
 
 def _difference(comparison, options) -> str:
@@ -223,11 +260,9 @@ def _difference(comparison, options) -> str:
             f"{comparison.max_relative_difference:.3g} > {options.tolerance})")
 
 
-def _check_outputs(reference_model: onnx.ModelProto, rewritten: onnx.ModelProto, inputs, options,
-                   report: dict) -> bool:
+def _record_comparison(comparison: OutputComparison, options, report: dict) -> bool:
     """Whether the rewritten model's outputs equal the original's (within the tolerance);
     records the comparison in `report` (and the difference under "outputs_differ")."""
-    comparison = _compare_with_original(reference_model, rewritten, inputs, options)
     report["outputs_match"] = comparison.match
     report["max_relative_difference"] = comparison.max_relative_difference
     if not comparison.match:
@@ -237,12 +272,18 @@ def _check_outputs(reference_model: onnx.ModelProto, rewritten: onnx.ModelProto,
     return comparison.match
 
 
-def _verify_plan(original, graph, plan: Plan, rewritten, inputs, options, report: dict) -> dict:
+def _verify_plan(original, graph, plan: Plan, rewritten, inputs, options, report: dict,
+                 workspace: Workspace | None = None) -> dict:
     """Outputs, then (if they match) the order of one rewritten plan: its `plans_tried` entry.
-    A plan whose outputs differ is logged and rejected (its order is not checked)."""
+    A plan whose outputs differ is logged and rejected (its order is not checked). Both run in
+    one fresh process (`_check_in_child`)."""
+    if workspace is None:
+        with Workspace(inputs) as temporary:
+            return _verify_plan(original, graph, plan, rewritten, inputs, options, report, temporary)
     entry = _plan_summary(plan)
     record: dict = {}
-    if not _check_outputs(original, rewritten, inputs, options, record):
+    comparison, executed = _check_in_child(original, rewritten, options, workspace, order=True)
+    if not _record_comparison(comparison, options, record):
         entry.update(outputs_match=False, outputs_differ=record["outputs_differ"],
                      order={"followed": False, "checked": False})
         log.warning("the %s plan was rejected: its %s", plan.strategy, record["outputs_differ"]["reason"])
@@ -251,22 +292,12 @@ def _verify_plan(original, graph, plan: Plan, rewritten, inputs, options, report
     report["outputs_match"] = True
     report["max_relative_difference"] = record["max_relative_difference"]
     entry["outputs_match"] = True
-    entry["order"] = _order_check(graph, plan, rewritten, inputs, options).to_dict()
+    entry["order"] = compare_order(_planned_order(graph, plan), executed).to_dict()
     return entry
 
 
 def _accepted(entry: dict) -> bool:
     return entry.get("outputs_match", True) and entry["order"]["followed"]
-
-
-def save_model(model: onnx.ModelProto, path) -> None:
-    """Save a model; one over protobuf's 2 GB limit gets its weights as external data."""
-    path = str(path)
-    if model.ByteSize() > 2**31 - 2**24:
-        onnx.save(model, path, save_as_external_data=True, all_tensors_to_one_file=True,
-                  location=os.path.basename(path) + ".data")
-    else:
-        onnx.save(model, path)
 
 
 def analyze_model(model: onnx.ModelProto, options: OptimizeOptions | None = None, plan: bool = False) -> dict:
@@ -339,16 +370,21 @@ def _returned_original(original: onnx.ModelProto, settings: SessionSettings, ann
 
 
 def first_in_order(original: onnx.ModelProto, training: TrainingGraph, graph, annotations, plans: list[Plan],
-                   inputs, options: OptimizeOptions, report: dict, tried: list | None = None):
+                   inputs, options: OptimizeOptions, report: dict, tried: list | None = None,
+                   workspace: Workspace | None = None):
     """The first of `plans` whose rewritten model has outputs equal to `original`'s and that
     ONNX Runtime runs in the planned order (its profile checked): (plan, rewritten), or None.
     Each plan tried is appended to `tried` with whether its outputs matched and where its
     order deviated."""
+    if workspace is None:
+        with Workspace(inputs) as temporary:
+            return first_in_order(original, training, graph, annotations, plans, inputs, options, report,
+                                  tried, temporary)
     tried = [] if tried is None else tried
     for plan in plans:
         rewritten = rewrite(training, graph, plan, PLANNED_SETTINGS)
         write_annotations(rewritten, annotations)
-        entry = _verify_plan(original, graph, plan, rewritten, inputs, options, report)
+        entry = _verify_plan(original, graph, plan, rewritten, inputs, options, report, workspace)
         tried.append(entry)
         if _accepted(entry):
             return plan, rewritten
@@ -377,9 +413,17 @@ def optimize(model: onnx.ModelProto, options: OptimizeOptions | None = None) -> 
 
     progress("analyze", 0.0)
     training, inputs = _prepare(model, options)
+    # every ONNX Runtime run in a fresh process, one at a time, models and outputs on disk
+    with Workspace(inputs) as workspace:
+        return _optimize(training, inputs, options, workspace, progress, started)
+
+
+def _optimize(training: TrainingGraph, inputs, options: OptimizeOptions, workspace: Workspace,
+              progress: Progress, started: float) -> OptimizeResult:
     original = training.model          # the user's graph (nodes named): reference and baseline
     progress("annotate", 0.1)
-    training, annotations, graph, expanded, original_annotations = _runtime_graph(training, inputs, options)
+    training, annotations, graph, expanded, original_annotations = _runtime_graph(training, inputs, options,
+                                                                                  workspace)
     predicted_original = simulate(graph, _profiled_schedule(graph, annotations.execution_order))
 
     progress("plan", 0.3)
@@ -430,14 +474,14 @@ def optimize(model: onnx.ModelProto, options: OptimizeOptions | None = None) -> 
     deliverable = True
     if options.verify:
         progress("verify", 0.6)
-        first = _verify_plan(original, graph, plan, rewritten, inputs, options, report)
+        first = _verify_plan(original, graph, plan, rewritten, inputs, options, report, workspace)
         tried = [first]
         if not _accepted(first):
             why = ("its outputs differ from the original's" if not first["outputs_match"] else
                    f"ONNX Runtime left the planned order at step {first['order']['first_deviation']['position']}")
             progress(f"{why}: trying the next plan", 0.62)
             found = first_in_order(original, training, graph, annotations, list(_fallback_plans(graph, plan)),
-                                   inputs, options, report, tried)
+                                   inputs, options, report, tried, workspace)
             if found is not None:
                 plan, rewritten = found
                 describe(plan, rewritten)
@@ -454,7 +498,7 @@ def optimize(model: onnx.ModelProto, options: OptimizeOptions | None = None) -> 
     attempts = []
     if options.measure:
         progress("measure", 0.7)
-        measured = _measure_all(original, rewritten, inputs, options)
+        measured = _measure_all(original, rewritten, inputs, options, workspace)
         attempts = [{"planned_for_bytes": options.budget_bytes, "predicted_peak_bytes": plan.peak_bytes,
                      "measured_peak_bytes": measured["optimized"].peak_bytes}]
         while (deliverable and options.budget_bytes is not None
@@ -469,12 +513,12 @@ def optimize(model: onnx.ModelProto, options: OptimizeOptions | None = None) -> 
                 break
             candidate = make(retry)
             if options.verify:
-                entry = _verify_plan(original, graph, retry, candidate, inputs, options, report)
+                entry = _verify_plan(original, graph, retry, candidate, inputs, options, report, workspace)
                 report["order"]["plans_tried"].append(entry)
                 if not _accepted(entry):
                     break
             plan, rewritten = retry, candidate
-            measured["optimized"] = _measure_one(rewritten, inputs, options)
+            measured["optimized"] = _measure_one(rewritten, inputs, options, workspace)
             attempts.append({"planned_for_bytes": target, "predicted_peak_bytes": plan.peak_bytes,
                              "measured_peak_bytes": measured["optimized"].peak_bytes})
         if options.budget_bytes is not None:
@@ -501,11 +545,12 @@ def optimize(model: onnx.ModelProto, options: OptimizeOptions | None = None) -> 
                          f"original's {bar}: trying {fallback.strategy}", 0.85)
                 candidate = make(fallback)
                 if options.verify:
-                    entry = _verify_plan(original, graph, fallback, candidate, inputs, options, report)
+                    entry = _verify_plan(original, graph, fallback, candidate, inputs, options, report,
+                                         workspace)
                     report["order"]["plans_tried"].append(entry)
                     if not _accepted(entry):
                         continue
-                m = _measure_one(candidate, inputs, options)
+                m = _measure_one(candidate, inputs, options, workspace)
                 report["plans_measured"].append(dict(_plan_summary(fallback), measured_peak_bytes=m.peak_bytes))
                 if m.peak_bytes < measured["optimized"].peak_bytes:
                     plan, rewritten, measured["optimized"] = fallback, candidate, m

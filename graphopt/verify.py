@@ -35,6 +35,15 @@ class OutputComparison:
             return ""
         return max(self.per_output, key=lambda k: self.per_output[k])
 
+    def to_dict(self) -> dict:
+        return {"match": self.match, "max_relative_difference": self.max_relative_difference,
+                "per_output": dict(self.per_output)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "OutputComparison":
+        return cls(bool(d["match"]), float(d["max_relative_difference"]),
+                   {str(k): float(v) for k, v in d["per_output"].items()})
+
 
 def run_outputs(
     model: onnx.ModelProto | str | os.PathLike,
@@ -113,8 +122,38 @@ def compare_outputs(
     return OutputComparison(match=worst <= tolerance, max_relative_difference=worst, per_output=per)
 
 
+def save_outputs(path: str | os.PathLike, outputs: dict[str, np.ndarray]) -> None:
+    """Write a run's outputs to ``path`` (.npz, any names), for :func:`compare_with_saved`."""
+    from graphopt.inputs import save_inputs
+    save_inputs(path, outputs)
+
+
+def compare_with_saved(
+    reference_path: str | os.PathLike,
+    candidate: dict[str, np.ndarray],
+    tolerance: float = 1e-5,
+) -> OutputComparison:
+    """:func:`compare_outputs` against outputs saved by :func:`save_outputs`, reading one
+    reference array at a time (the reference run's outputs are never all in memory)."""
+    from graphopt.inputs import _NAMES_KEY
+    per: dict[str, float] = {}
+    with np.load(reference_path, allow_pickle=False) as z:
+        names = [str(n) for n in z[_NAMES_KEY]]
+        for i, name in enumerate(names):
+            if name not in candidate:
+                per[name] = math.inf
+                continue
+            per.update(compare_outputs({name: z[f"arr_{i}"]}, {name: candidate[name]}, tolerance).per_output)
+    known = set(names)
+    for name in candidate:
+        if name not in known:
+            per[name] = math.inf
+    worst = max(per.values(), default=0.0)
+    return OutputComparison(match=worst <= tolerance, max_relative_difference=worst, per_output=per)
+
+
 def executed_order(
-    model: onnx.ModelProto,
+    model: onnx.ModelProto | str | os.PathLike,
     inputs: dict[str, np.ndarray],
     settings: SessionSettings | None = None,
     *,

@@ -1,0 +1,76 @@
+"""Child process of :func:`graphopt.runtime.isolated.run_task`:
+
+    python -m graphopt.runtime._task_worker TASK   (arguments as JSON on stdin)
+
+Tasks (paths are files of a :class:`~graphopt.runtime.isolated.Workspace`):
+
+* ``annotate``: ``annotate(model, inputs, settings)``; the annotations' JSON written to ``out``.
+* ``reference``: every output of one deterministic run (``verify.run_outputs``), saved to
+  ``out`` (``verify.save_outputs``).
+* ``verify``: the model's outputs (its metadata session) compared with ``reference`` one array
+  at a time; if they match and ``order`` is asked, the node order of one profiled run under
+  ``order_settings`` (``verify.executed_order``), in a new session after the first is closed.
+
+Prints one JSON object on stdout (the last line); a failure is ``{"error": {...}}``.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import sys
+import traceback
+
+
+def _settings(value):
+    from graphopt.runtime.session import SessionSettings
+    return None if value is None else SessionSettings.from_dict(value)
+
+
+def run(task: str, args: dict) -> dict:
+    import onnx
+
+    from graphopt.inputs import load_inputs
+    from graphopt.runtime.rss import malloc_trim
+    inputs = load_inputs(args["inputs"])
+    if task == "annotate":
+        from graphopt.annotate import annotate
+        model = onnx.load(args["model"])
+        ann = annotate(model, inputs, _settings(args["settings"]), providers=args.get("providers"),
+                       threads=args.get("threads", 1))
+        with open(args["out"], "w") as f:
+            f.write(ann.to_json())
+        return {"tensors": len(ann.tensor_bytes)}
+    from graphopt.verify import compare_with_saved, executed_order, run_outputs, save_outputs
+    if task == "reference":
+        outputs = run_outputs(args["model"], inputs, _settings(args["settings"]), threads=args.get("threads", 1))
+        save_outputs(args["out"], outputs)
+        return {"outputs": len(outputs)}
+    if task == "verify":
+        outputs = run_outputs(args["model"], inputs, _settings(args.get("settings")), threads=args.get("threads", 1))
+        comparison = compare_with_saved(args["reference"], outputs, args["tolerance"])
+        del outputs
+        gc.collect()
+        malloc_trim()
+        result = {"comparison": comparison.to_dict(), "executed": None}
+        if comparison.match and args.get("order"):
+            result["executed"] = executed_order(args["model"], inputs, _settings(args["order_settings"]),
+                                                threads=args.get("order_threads", 1),
+                                                providers=args.get("providers"))
+        return result
+    raise ValueError(f"unknown task {task!r}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = json.loads(sys.stdin.read())
+    try:
+        result = run(argv[0], args)
+    except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises it typed
+        result = {"error": {"type": type(exc).__name__, "message": str(exc),
+                            "traceback": traceback.format_exc()}}
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
