@@ -5,13 +5,15 @@ torch.compile for the same step.
     python benchmarks/activation_heavy.py [--models gpt2,bert] [--size large]
         [--exporter legacy] [--no-torch] [--json out.json]
 
-Per model, in a fresh subprocess (one model's memory does not stay for the next):
+Per model, in fresh subprocesses (one model's memory does not stay for the next):
 
 * ``real_zoo.CORPUS[name](size)`` (default "large": GPT-2 6 layers at 4 x 256 tokens, BERT-base
   at 8 x 256, T5-small 8 x 256, Llama / Qwen2 4 x 512, ViT-B/16 at 224 px batch 8), exported
-  (eval mode, no loss) and built by ``build_training_graph(..., loss="cross_entropy")``;
-* ``graphopt.optimize.optimize(train, OptimizeOptions(inputs=its own inputs and labels,
-  threads=1))`` (strategy ``auto``): from its report, the measured one-step peaks of the
+  (eval mode, no loss) and built by ``build_training_graph(..., loss="cross_entropy")``, saved;
+* in another process, ``graphopt.optimize.optimize(train, OptimizeOptions(inputs=its own inputs
+  and labels, threads=1))`` (strategy ``auto``) on the saved graph: that process's peak RSS
+  (column "optimize's own peak RSS": its ModelProtos; ONNX Runtime runs in its children, one at
+  a time, each about one step), and from its report, the measured one-step peaks of the
   original under ONNX Runtime's default session and with graph optimizations off, of the
   returned model, step-time ratios, outputs identical, the profile in the planned order, the
   recompute nodes, the search seconds and the cost model's floor (no plan's predicted peak is
@@ -67,14 +69,13 @@ def measure_torch(name: str, size: str, inputs_path: str, config: str, timeout: 
 
 # ----------------------------------------------------------------- graphopt (subprocess) --
 
-def graphopt_row(name: str, size: str, exporter: str, folder: str) -> dict:
-    """Export, build, optimize: the report's figures (runs in a worker process)."""
-    import onnx  # noqa: F401
-
+def build_row(name: str, size: str, exporter: str, folder: str) -> dict:
+    """Export and build; the training graph and its inputs saved in `folder` (a worker
+    process, so that torch's memory is gone before optimize runs)."""
     import real_zoo
     from graphopt.build.train_graph import build_training_graph
     from graphopt.inputs import save_inputs
-    from graphopt.optimize import OptimizeOptions, optimize
+    from graphopt.optimize import save_model
 
     row = {"model": name, "size": size, "exporter": exporter}
     model = real_zoo.CORPUS[name](size)
@@ -84,8 +85,22 @@ def graphopt_row(name: str, size: str, exporter: str, folder: str) -> dict:
     row["inputs"] = {k: list(v.shape) for k, v in feeds.items()}
     forward = real_zoo.export(model, exporter)
     train = build_training_graph(forward, loss="cross_entropy", class_axis=model.class_axis)
-    del forward, model
     row["nodes"] = len(train.graph.node)
+    row["train_path"] = os.path.join(folder, name + ".train.onnx")
+    save_model(train, row["train_path"])
+    return row
+
+
+def graphopt_row(row: dict) -> dict:
+    """Optimize the saved training graph: the report's figures (a worker process of its own;
+    ``optimize_peak_rss_bytes`` is its peak RSS, ONNX Runtime's children not counted)."""
+    import onnx
+
+    from graphopt.inputs import load_inputs
+    from graphopt.optimize import OptimizeOptions, optimize
+
+    train = onnx.load(row["train_path"])
+    feeds = load_inputs(row["inputs_path"])
     result = optimize(train, OptimizeOptions(inputs=feeds, threads=1))
     report = result.report
     notes = result.plan.notes
@@ -95,13 +110,29 @@ def graphopt_row(name: str, size: str, exporter: str, folder: str) -> dict:
         "prediction_error", "outcome", "total_seconds")}
     row["peak_floor_bytes"] = notes.get("peak_floor_bytes")
     row["reached_floor"] = notes.get("reached_floor")
+    row["optimize_peak_rss_bytes"] = _hwm_bytes()
     return row
 
 
-def _worker_main(argv) -> int:
-    name, size, exporter, folder = argv
+def _hwm_bytes() -> int | None:
     try:
-        row = graphopt_row(name, size, exporter, folder)
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _worker_main(argv) -> int:
+    stage, name, size, exporter, folder = argv
+    try:
+        if stage == "build":
+            row = build_row(name, size, exporter, folder)
+        else:
+            with open(os.path.join(folder, name + ".row.json")) as f:
+                row = graphopt_row(json.load(f))
     except Exception as exc:   # one model's failure is a row of the table
         row = {"model": name, "size": size, "exporter": exporter,
                "error": "%s: %s" % (type(exc).__name__, str(exc).splitlines()[0][:300] if str(exc) else ""),
@@ -110,18 +141,28 @@ def _worker_main(argv) -> int:
     return 0
 
 
-def measure_graphopt(name: str, size: str, exporter: str, folder: str, timeout: float = 7200) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", name, size, exporter, folder]
+def _run_stage(stage: str, name: str, size: str, exporter: str, folder: str, timeout: float) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", stage, name, size, exporter, folder]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
-        return {"model": name, "error": "timed out after %d s" % timeout}
+        return {"model": name, "error": "%s timed out after %d s" % (stage, timeout)}
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if not lines:
         tail = proc.stderr.strip().splitlines()
-        return {"model": name, "error": "worker exit %d: %s" % (proc.returncode, tail[-1] if tail else "")}
+        return {"model": name, "error": "%s worker exit %d: %s" % (stage, proc.returncode, tail[-1] if tail else "")}
     return json.loads(lines[-1])
+
+
+def measure_graphopt(name: str, size: str, exporter: str, folder: str, timeout: float = 7200) -> dict:
+    """Build in one worker, optimize in another (torch's memory gone by then)."""
+    row = _run_stage("build", name, size, exporter, folder, timeout)
+    if "error" in row:
+        return row
+    with open(os.path.join(folder, name + ".row.json"), "w") as f:
+        json.dump(row, f)
+    return _run_stage("optimize", name, size, exporter, folder, timeout)
 
 
 # ------------------------------------------------------------------------------ table --
@@ -138,7 +179,7 @@ def table(rows: list[dict]) -> str:
     head = ("| model | size | nodes | original, default session MiB | original, optimizations off MiB "
             "| optimized MiB | vs opt. off | vs default | eager MiB | vs eager | compile MiB | vs compile "
             "| step time vs opt. off | outputs identical | order followed | recompute nodes | floor MiB "
-            "| search s |")
+            "| search s | optimize's own peak RSS MiB |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for row in rows:
         if "error" in row:
@@ -154,13 +195,14 @@ def table(rows: list[dict]) -> str:
         comp = torch.get("compile", {}).get("peak_bytes")
         ratios = rep.get("ratios") or {}
         step = ratios.get("step_time_vs_optimizations_off")
-        lines.append("| %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |" % (
+        lines.append("| %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |" % (
             row["model"], row["size"], row.get("nodes", "-"), _mib(default), _mib(off), _mib(opt),
             _ratio(opt, off), _ratio(opt, default), _mib(eager) if eager else torch.get("eager", {}).get("error", "-")[:40],
             _ratio(opt, eager), _mib(comp) if comp else torch.get("compile", {}).get("error", "-")[:40],
             _ratio(opt, comp), "%.2fx" % step if step else "-",
             rep.get("outputs_match"), rep.get("order_followed"), rep.get("recompute_nodes"),
-            _mib(row.get("peak_floor_bytes")), "%.1f" % rep["search_seconds"] if rep.get("search_seconds") else "-"))
+            _mib(row.get("peak_floor_bytes")), "%.1f" % rep["search_seconds"] if rep.get("search_seconds") else "-",
+            _mib(row.get("optimize_peak_rss_bytes"))))
     return "\n".join(lines)
 
 
@@ -181,7 +223,7 @@ def main(argv=None) -> int:
     parser.add_argument("--exporter", default="legacy")
     parser.add_argument("--no-torch", action="store_true")
     parser.add_argument("--json")
-    parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
     parser.add_argument("--torch-worker", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:

@@ -1,9 +1,9 @@
-"""Memory and time of graphopt.annotate on large training graphs, next to the model's own
-one-step peak and to the old way of measuring sizes (every intermediate exposed as a graph
-output in one run).
+"""Memory and time of graphopt.annotate and of the whole graphopt.optimize on large training
+graphs, next to the model's own one-step peak and to the old way of measuring sizes (every
+intermediate exposed as a graph output in one run).
 
     python benchmarks/annotate_memory.py [--models bert:large,gpt2:large]
-        [--modes step,annotate,all-outputs] [--limit-gib 8] [--cache DIR]
+        [--modes step,annotate,optimize,all-outputs] [--limit-gib 8] [--cache DIR]
 
 Per model, the training graph is built once in a subprocess (``real_zoo.CORPUS[name](size)``,
 legacy export, ``build_training_graph(..., loss="cross_entropy")``, nodes named as optimize
@@ -14,12 +14,17 @@ fresh subprocess, which loads the graph and inputs, notes its RSS ("before") and
   ``session.run``: the model's own one-step peak (session and weights included, as in the others);
 * ``annotate``: ``annotate(graph, inputs, UNOPTIMIZED_SETTINGS)`` as optimize calls it;
 * ``all-outputs``: what annotate did before (every node output exposed in one run, then the
-  two profiled runs), via ``measure_exposed(..., chunk=0)``.
+  two profiled runs), via ``measure_exposed(..., chunk=0)``;
+* ``optimize``: ``optimize(graph, OptimizeOptions(inputs=..., threads=1))`` as the CLI runs it
+  (annotate, plan, rewrite, verify, measure); it runs ONNX Runtime in children of its own
+  (``graphopt.runtime.isolated``, the measuring workers), one at a time.
 
-Peak RSS is the child's ``ru_maxrss`` (from ``wait4``), with ``MALLOC_MMAP_THRESHOLD_=65536``
-so freed buffers go back to the OS. A child whose RSS passes ``--limit-gib`` is killed and
+Peak RSS is the child's own peak (``VmHWM``, else ``ru_maxrss`` from ``wait4``), with
+``MALLOC_MMAP_THRESHOLD_=65536`` so freed buffers go back to the OS; "with children" is the
+largest sum of the RSS of the child and its descendants, sampled every 0.1 s (what the machine
+must have free). A child whose RSS with its descendants passes ``--limit-gib`` is killed and
 reported as over the limit (the old way on BERT-base 8x256 passed 12 GB). Prints a markdown
-table: peak RSS, peak above "before", that over the step's, and wall seconds.
+table: peak RSS, peak above "before", that over the step's, with children, and wall seconds.
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -38,7 +44,8 @@ for _path in (ROOT, TESTS):
         sys.path.insert(0, _path)
 
 MiB = 2 ** 20
-MODES = ("step", "annotate", "all-outputs")
+MODES = ("step", "annotate", "optimize", "all-outputs")
+DEFAULT_MODES = ("step", "annotate", "optimize")
 
 
 def _rss_bytes(pid: int) -> int:
@@ -52,31 +59,61 @@ def _rss_bytes(pid: int) -> int:
     return 0
 
 
+def _descendants(pid: int) -> list[int]:
+    """``pid``'s children, grandchildren, ... (from /proc/*/stat)."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    found, frontier = [], [pid]
+    while frontier:
+        parent = frontier.pop()
+        kids = [p for p, pp in parents.items() if pp == parent]
+        found += kids
+        frontier += kids
+    return found
+
+
 def _child(args: list[str], limit_bytes: int) -> dict:
-    """Run this script with ``args`` in a child; its JSON line, peak RSS and wall seconds."""
+    """Run this script with ``args`` in a child; its JSON line, peak RSS (its own, and with its
+    descendants, sampled) and wall seconds."""
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
     t0 = time.perf_counter()
+    # stderr to a file: a chatty child must not block on a full pipe while we only poll it
+    errors = tempfile.TemporaryFile(mode="w+")
     proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), *args], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=errors, text=True)
     killed = False
+    tree_peak = 0
     while True:
         pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
         if pid:
             break
-        if _rss_bytes(proc.pid) > limit_bytes:
+        tree = _rss_bytes(proc.pid) + sum(_rss_bytes(p) for p in _descendants(proc.pid))
+        tree_peak = max(tree_peak, tree)
+        if tree > limit_bytes:
             proc.kill()
             killed = True
             pid, status, usage = os.wait4(proc.pid, 0)
             break
         time.sleep(0.1)
     wall = time.perf_counter() - t0
-    out, err = proc.stdout.read(), proc.stderr.read()
+    out = proc.stdout.read()
+    errors.seek(0)
+    err = errors.read()
+    errors.close()
     row = {"peak_rss_bytes": usage.ru_maxrss * 1024, "wall_seconds": wall, "killed_over_limit": killed}
     lines = [l for l in out.splitlines() if l.startswith("{")]
     if lines:
         row.update(json.loads(lines[-1]))
     elif not killed:
         row["error"] = err.strip().splitlines()[-3:] if err.strip() else f"exit status {status}"
+    row["peak_rss_bytes"] = row.pop("own_peak_rss_bytes", None) or row["peak_rss_bytes"]
+    row["tree_peak_rss_bytes"] = max(tree_peak, row["peak_rss_bytes"])
     return row
 
 
@@ -122,6 +159,11 @@ def worker(mode: str, model_path: str, inputs_path: str) -> dict:
         ann = annotate(model, inputs, UNOPTIMIZED_SETTINGS, threads=1)
         row["tensors"] = len(ann.tensor_bytes)
         row["order"] = len(ann.execution_order)
+    elif mode == "optimize":
+        from graphopt.optimize import OptimizeOptions, optimize
+        report = optimize(model, OptimizeOptions(inputs=inputs, threads=1)).report
+        row.update(outcome=report["outcome"], recompute_nodes=report["recompute_nodes"],
+                   measured_peak_bytes={k: v["peak_bytes"] for k, v in report["measured"].items()})
     elif mode == "all-outputs":
         names = [o for n in model.graph.node for o in n.output if o]
         arrays = measure_exposed(model, inputs, names, threads=1, chunk=0)
@@ -132,13 +174,28 @@ def worker(mode: str, model_path: str, inputs_path: str) -> dict:
         raise SystemExit(f"unknown mode {mode!r}")
     row["seconds"] = time.perf_counter() - t0
     row["before_rss_bytes"] = before
+    hwm = _hwm_bytes()
+    if hwm:
+        row["own_peak_rss_bytes"] = hwm
     return row
+
+
+def _hwm_bytes() -> int:
+    """This process's peak RSS (VmHWM)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="bert:large,gpt2:large")
-    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"of {', '.join(MODES)}")
     p.add_argument("--limit-gib", type=float, default=8.0)
     p.add_argument("--cache", default="/tmp/graphopt-annotate-memory")
     p.add_argument("--json")
@@ -155,8 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.cache, exist_ok=True)
     limit = int(args.limit_gib * 2 ** 30)
     rows = []
-    print("| model | mode | peak RSS MiB | above before MiB | / step's | seconds | note |")
-    print("|---|---|---|---|---|---|---|")
+    print("| model | mode | peak RSS MiB | above before MiB | / step's | with children MiB | seconds | note |")
+    print("|---|---|---|---|---|---|---|---|")
     for spec in args.models.split(","):
         model_path, inputs_path = _paths(args.cache, spec)
         if not (os.path.exists(model_path) and os.path.exists(inputs_path)):
@@ -174,13 +231,16 @@ def main(argv: list[str] | None = None) -> int:
                 step_above = above
             if r["killed_over_limit"]:
                 note = f"killed: RSS passed {args.limit_gib:g} GiB"
+            elif "outcome" in r:
+                note = (f"outcome {r['outcome']}, {r['recompute_nodes']} recompute nodes; measured step peaks MiB: "
+                        + ", ".join(f"{k} {v / MiB:.0f}" for k, v in r["measured_peak_bytes"].items()))
             else:
                 note = r.get("error", f"{r.get('tensors', '')} tensors" if "tensors" in r else "")
             ratio = f"{above / step_above:.2f}" if step_above and mode != "step" and not r["killed_over_limit"] else ""
             secs = f"{r['seconds']:.1f}" if "seconds" in r else f">{r['wall_seconds']:.0f}"
             above_text = f"{above / MiB:.0f}" if "before_rss_bytes" in r else ""
             print(f"| {spec} | {mode} | {r['peak_rss_bytes'] / MiB:.0f} | "
-                  f"{above_text} | {ratio} | {secs} | {note} |", flush=True)
+                  f"{above_text} | {ratio} | {r['tree_peak_rss_bytes'] / MiB:.0f} | {secs} | {note} |", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
