@@ -36,7 +36,8 @@ from .deterministic import scatter_nd_rows_to_elements, static_shapes
 from .graph_util import Names, infer_shapes, sequence_splits_to_split, small_constants
 from .embedding_grad import lean_embedding_gradients
 from .lean import (gradients_early, loss_first, outputs_written_in_place, pads_sum_to_concat,
-                   recompute_gelu_intermediates, transposed_products)
+                   recompute_gelu_intermediates, transposed_products,
+                   transposed_weights_into_gemm)
 from .losses import LOSS_NAME, attach_loss_parts, cross_entropy_seed, parse_loss
 from .training_mode import batchnorm_training, copy_statistics_inputs, dropout_training
 
@@ -569,7 +570,7 @@ def _finish(model, loss, loss_shape, loss_type, params, initializers, extras, ty
     scatter_nd_rows_to_elements(model)
     shapes = static_shapes(model)
     if pads_sum_to_concat(model, shapes) + transposed_products(model, shapes) \
-            + lean_embedding_gradients(model, shapes):
+            + lean_embedding_gradients(model, shapes) + transposed_weights_into_gemm(model, shapes):
         model = cleanup_graph(model)
         shapes = static_shapes(model)
     if outputs_written_in_place(model, shapes):
