@@ -395,3 +395,76 @@ def test_silu_backward_reads_only_its_input():
     for name, param in module.named_parameters():
         expected = param.grad.numpy()
         assert np.abs(got[name + "_grad"] - expected).max() / np.abs(expected).max() <= 1e-5, name
+
+
+def _train_and_compare(module, x, labels, forward, tol=1e-5):
+    train = build_training_graph(forward, loss="cross_entropy")
+    logits = module(x)
+    F.cross_entropy(logits.movedim(-1, 1) if logits.dim() > 2 else logits, labels).backward()
+    got = dict(zip([o.name for o in train.graph.output], open_session(train, threads=1).run(
+        None, {"x": x.numpy(), "labels": labels.numpy()})))
+    for name, param in module.named_parameters():
+        expected = param.grad.numpy()
+        assert np.abs(got[name + "_grad"] - expected).max() / np.abs(expected).max() <= tol, name
+    return train
+
+
+def test_linear_on_a_sequence_reads_its_weight_in_place():
+    # Exporters write nn.Linear on [B, T, D] as MatMul(x, Transpose(W)): a weight-sized copy per
+    # layer that ORT's default order made at the start of the step (the walk takes a node's
+    # highest-index producer first), so every layer's copy was alive from the first layer on
+    # (Swin-T: about 60 MiB at its peak). The built graph reads W itself (Gemm, transB=1).
+    torch.manual_seed(9)
+
+    class Tokens(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.head = nn.Linear(6, 16), nn.Linear(16, 16), nn.Linear(16, 5)
+
+        def forward(self, x):
+            return self.head(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+    module = Tokens()
+    x, labels = torch.randn(3, 7, 6), torch.randint(0, 5, (3, 7))
+    forward = _export_logits(module, x)
+    weights = {t.name for t in forward.graph.initializer if len(t.dims) == 2}
+    assert len([n for n in forward.graph.node if n.op_type == "Transpose" and n.input[0] in weights]) == 3
+    train = _train_and_compare(module, x, labels, forward)
+    transposed = [n.name for n in train.graph.node if n.op_type == "Transpose" and n.input[0] in weights]
+    assert transposed == []
+
+
+def test_scalar_gathers_gradient_is_one_concat():
+    # q, k, v = qkv[0], qkv[1], qkv[-1] (Swin's attention, the dynamo exporter's q/k/v): each is a
+    # Gather of one constant position. Reverse mode made a scatter-add into zeros the size of
+    # qkv per read, summed (and, on a real model, zeros and index rows computed early and kept);
+    # the adjoint of such a slice is the output's adjoint padded back, and the three pads tile
+    # the axis: one Concat, no zeros, no scatter.
+    torch.manual_seed(10)
+
+    class Packed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv, self.head = nn.Linear(6, 24), nn.Linear(8, 5)
+
+        def forward(self, x):
+            qkv = self.qkv(x).reshape(x.shape[0], 3, 8).permute(1, 0, 2)
+            q, k, v = qkv[0], qkv[1], qkv[-1]
+            return self.head(torch.tanh(q) * k + v)
+
+    module = Packed()
+    x, labels = torch.randn(4, 6), torch.randint(0, 5, (4,))
+    forward = _export_logits(module, x)
+    assert len([n for n in forward.graph.node if n.op_type == "Gather"]) == 3
+    train = _train_and_compare(module, x, labels, forward)
+    sized = [n.op_type for n in _table_sized(train, 3 * 4 * 8)]    # qkv-sized buffers
+    assert not {"ScatterND", "ScatterElements", "ConstantOfShape", "Sum", "Add"} & set(sized), sized
+    assert "Concat" in sized
+
+
+def _export_logits(module, x):
+    buffer = io.BytesIO()
+    torch.onnx.export(module.eval(), (x,), buffer, input_names=["x"], output_names=["logits"],
+                      dynamo=False, opset_version=17, do_constant_folding=False)
+    return onnx.load_from_string(buffer.getvalue())
+

@@ -20,6 +20,9 @@
   zeros elsewhere, with data movement only: per strided axis, reversed first if the step is
   negative, then interleaved with step-1 zeros (Unsqueeze, Pad, Reshape), then zero-padded
   to the input's extent (_slice_reverse).
+* Gather of one constant position (a scalar index: Swin's q, k, v = qkv[0], qkv[1], qkv[2]):
+  the adjoint unsqueezed and zero-padded (_gather_reverse), not a scatter-add into zeros the
+  size of the input; several such reads summed then become one Concat (lean.py).
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ _CONV = _onnx_ad_rules.REVERSE["Conv"]
 _MATMUL = _onnx_ad_rules.REVERSE["MatMul"]
 _CONV_TRANSPOSE = _onnx_ad_rules.REVERSE["ConvTranspose"]
 _SLICE = _onnx_ad_rules.REVERSE["Slice"]
+_GATHER = _onnx_ad_rules.REVERSE["Gather"]
 _conv_attributes = _onnx_ad_rules._conv_attributes   # onnx-ad's own reading of the attributes
 
 
@@ -249,6 +253,31 @@ def _slice_reverse(ctx, node, grads):
     return [value] + rest
 
 
+def _gather_reverse(ctx, node, grads):
+    """Gather of one constant position (a scalar index: q, k, v = qkv[0], qkv[1], qkv[2]) is a
+    slice that drops its axis: the adjoint is the output's adjoint with the axis put back and
+    zero-padded to the input's extent, data movement only. onnx-ad's rule scatter-adds into a
+    zero tensor the size of the input; several such reads of one tensor then summed their
+    full-size scatters, where the padded pieces tile the axis and become one Concat
+    (lean.pads_sum_to_concat). Other indices go to onnx-ad's rule."""
+    data, indices = node.input[0], node.input[1]
+    shape, index_shape = ctx.shapes.static(data), ctx.shapes.static(indices)
+    position = ctx.integers(indices)
+    if shape is None or index_shape is None or len(index_shape) != 0 or position is None or len(position) != 1:
+        return _GATHER(ctx, node, grads)
+    rank = len(shape)
+    axis = attribute(node, "axis", 0) % rank
+    index = position[0] + shape[axis] if position[0] < 0 else position[0]
+    if not 0 <= index < shape[axis]:
+        return _GATHER(ctx, node, grads)
+    value = ctx.unsqueeze(ctx.full(grads[0], node.output[0]), [axis])
+    before, after = [0] * (rank + 1), [0] * (rank + 1)
+    before[axis], after[axis] = index, shape[axis] - index - 1
+    if index or after[axis]:
+        value = _onnx_ad_rules._pad(ctx, value, before, after)
+    return [value, None]
+
+
 def register() -> None:
     """Install graphopt's rules (idempotent)."""
     _onnx_ad_rules.REVERSE["BatchNormalization"] = _batch_norm_reverse
@@ -256,5 +285,6 @@ def register() -> None:
     _onnx_ad_rules.REVERSE["MatMul"] = _matmul_reverse
     _onnx_ad_rules.REVERSE["ConvTranspose"] = _conv_transpose_reverse
     _onnx_ad_rules.REVERSE["Slice"] = _slice_reverse
+    _onnx_ad_rules.REVERSE["Gather"] = _gather_reverse
     _onnx_ad_rules.DERIVATIVE["Relu"] = _d_relu
     _onnx_ad_rules.DERIVATIVE["LeakyRelu"] = _d_leaky_relu
