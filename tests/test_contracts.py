@@ -191,3 +191,50 @@ def test_verification_error_when_even_the_plan_without_recomputation_differs(mon
     monkeypatch.setattr(pipeline, "rewrite", _corrupting(rewrite, lambda plan: True))
     with pytest.raises(VerificationError, match=model.graph.output[1].name):
         optimize(model, OptimizeOptions(strategy="chen-sqrt", inputs=feeds, measure=False))
+
+
+def test_optimize_runs_onnx_runtime_only_in_child_processes(monkeypatch):
+    """BOUNDED MEMORY (structure): optimize's own process opens no ONNX Runtime session, so it
+    never holds a training step; annotate, the outputs comparison, the order check and the
+    measurements run in children, one at a time (benchmarks/annotate_memory.py --modes
+    step,optimize measures the peaks). The result is still verified and measured."""
+    import onnxruntime as ort
+    from test_rewrite import batchnorm_training_graph
+    model, feeds = batchnorm_training_graph()
+    opened = []
+
+    def no_session_here(*args, **kwargs):
+        opened.append(args[:1])
+        raise AssertionError("an ONNX Runtime session was opened in optimize's own process")
+
+    monkeypatch.setattr(ort, "InferenceSession", no_session_here)
+    result = optimize(model, OptimizeOptions(strategy="chen-sqrt", inputs=feeds))
+    assert opened == []
+    report = result.report
+    assert report["outputs_match"] and report["order"]["plans_tried"]
+    assert report["measured"]["original_optimizations_off"]["peak_bytes"] >= 0
+    assert report["outcome"] in ("optimized", "original")
+
+
+def test_outputs_compared_from_disk_equal_the_in_memory_comparison():
+    """The reference outputs are written once and compared one array at a time
+    (`verify.compare_with_saved`): the same verdicts as `compare_outputs`, including a missing,
+    an extra and a misshapen output, and NaNs at different places."""
+    from graphopt.verify import compare_outputs, compare_with_saved, save_outputs
+    rng = np.random.default_rng(0)
+    reference = {"loss": np.float32(2.5), "w/grad:0": rng.standard_normal((3, 4)).astype(np.float32),
+                 "b_grad": rng.standard_normal(4).astype(np.float32), "gone": np.zeros(2, np.float32),
+                 "nan": np.array([1.0, np.nan], np.float32)}
+    candidate = {"loss": np.float32(2.5), "w/grad:0": reference["w/grad:0"] * np.float32(1 + 1e-3),
+                 "b_grad": reference["b_grad"].reshape(1, 4), "extra": np.ones(1, np.float32),
+                 "nan": np.array([np.nan, 1.0], np.float32)}
+    with tempfile.TemporaryDirectory(prefix="contracts-") as tmp:
+        path = os.path.join(tmp, "reference.npz")
+        save_outputs(path, reference)
+        from_disk = compare_with_saved(path, candidate, 1e-5)
+        same = compare_with_saved(path, dict(reference), 1e-5)
+    in_memory = compare_outputs(reference, candidate, 1e-5)
+    assert from_disk.per_output == in_memory.per_output
+    assert from_disk.match is False and from_disk.worst_output() in ("gone", "b_grad", "extra", "nan")
+    assert 9e-4 < from_disk.per_output["w/grad:0"] < 1.1e-3
+    assert same.match and same.max_relative_difference == 0.0
