@@ -48,7 +48,7 @@ for _path in (ROOT, HERE, TESTS):
 import builder_vs_eager  # noqa: E402  (the ORT and torch measurements, --explain)
 
 TRANSFORMERS = ("gpt2", "bert", "bert_classifier", "t5", "llama", "qwen2")
-DEFAULT_MODELS = TRANSFORMERS + ("vit_b_16", "resnet50", "mobilenet_v3_large", "convnext_tiny")
+DEFAULT_MODELS = TRANSFORMERS + ("vit_b_16", "swin_t", "resnet50", "mobilenet_v3_large", "convnext_tiny")
 TARGET = 1.05          # issue 11: built graph <= 1.05x PyTorch eager's peak
 
 
