@@ -588,9 +588,20 @@ def _finish(model, loss, loss_shape, loss_type, params, initializers, extras, ty
     model.graph.output.extend(o for o in declared if o.name not in extra_names)
     inferred = _infer(model)
     inferred_types = {v.name: v.type for v in inferred.graph.value_info}
+    unshaped = []
     for output in declared:
-        if output.name in extra_names and output.name in inferred_types:
+        if output.name not in extra_names:
+            continue
+        if output.name in inferred_types and inferred_types[output.name].tensor_type.HasField("shape"):
             output.type.CopyFrom(inferred_types[output.name])
+        elif output.name in extras.shapes:     # shape inference gave up; the shape made with it
+            output.type.CopyFrom(helper.make_tensor_type_proto(
+                output.type.tensor_type.elem_type, extras.shapes[output.name]))
+        else:
+            unshaped.append(output.name)
+    if unshaped:
+        raise InvalidModelError("shape inference found no shape for the training-mode outputs %s "
+                                "of the training graph" % unshaped)
     model.graph.ClearField("output")
     model.graph.output.extend(declared)
     model.graph.ClearField("value_info")

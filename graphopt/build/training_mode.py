@@ -39,10 +39,12 @@ class Extras:
     nodes: list[onnx.NodeProto] = field(default_factory=list)
     initializers: list[onnx.TensorProto] = field(default_factory=list)
     constants: list[str] = field(default_factory=list)   # float initializers that are not parameters
+    shapes: dict[str, list[int]] = field(default_factory=dict)   # outputs' shapes known when made
 
     def __add__(self, other: "Extras") -> "Extras":
         return Extras(self.outputs + other.outputs, self.nodes + other.nodes,
-                      self.initializers + other.initializers, self.constants + other.constants)
+                      self.initializers + other.initializers, self.constants + other.constants,
+                      {**self.shapes, **other.shapes})
 
 
 def _opset(model: onnx.ModelProto) -> int:
@@ -152,6 +154,8 @@ def batchnorm_training(model: onnx.ModelProto) -> Extras:
             helper.make_node("Add", [a, b], [var_out], name=k("Add")),
         ]
         extras.outputs += [mean_out, var_out]
+        statistics_dims = list(next(t.dims for t in graph.initializer if t.name == bn.input[1]))
+        extras.shapes.update({mean_out: statistics_dims, var_out: statistics_dims})
     kept = [node for node in graph.node if id(node) not in dropped]
     graph.ClearField("node")
     graph.node.extend(kept)
