@@ -8,6 +8,7 @@ import pytest
 from graphopt.runtime.session import open_session
 from onnx import TensorProto, helper, numpy_helper
 
+from graphopt.build.deterministic import static_shapes
 from graphopt.build.train_graph import build_training_graph
 from graphopt.errors import InvalidModelError, UnsupportedOpError
 
@@ -468,3 +469,20 @@ def _export_logits(module, x):
                       dynamo=False, opset_version=17, do_constant_folding=False)
     return onnx.load_from_string(buffer.getvalue())
 
+
+
+def test_batch_of_one_weight_gradient_is_written_transposed():
+    # Gemm(x, W, transB=1) at batch 1 (VGG-11-BN's classifier at one image): reverse mode makes
+    # the weight's gradient as an outer product [1, in, out] (the seed keeps a leading axis of
+    # one) and then a transposed copy [out, in]: two 392 MiB tables on VGG, where one Gemm
+    # writes the gradient transposed. The built graph keeps no weight-sized Transpose.
+    torch.manual_seed(11)
+    module = nn.Sequential(nn.Linear(40, 30), nn.ReLU(), nn.Linear(30, 5))
+    x, labels = torch.randn(1, 40), torch.randint(0, 5, (1,))
+    forward = _export_logits(module, x)
+    train = _train_and_compare(module, x, labels, forward)
+    shapes = static_shapes(train)
+    weight_sized = {(30, 40), (40, 30), (5, 30), (30, 5)}
+    transposes = [n.name for n in train.graph.node if n.op_type == "Transpose"
+                  and tuple(d for d in shapes.get(n.output[0], []) if d != 1) in weight_sized]
+    assert transposes == []

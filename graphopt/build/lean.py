@@ -204,8 +204,16 @@ def _squeezed(shape):
     return None if shape is None or None in shape else [d for d in shape if d != 1]
 
 
+def _matrix(shape):
+    """The matrix a MatMul reads or writes: ``shape`` itself when 2-D, its last two axes when
+    every axis before them is 1; None otherwise (a real batch, or an unknown size)."""
+    if shape is None or None in shape or len(shape) < 2 or any(d != 1 for d in shape[:-2]):
+        return None
+    return list(shape[-2:])
+
+
 def transposed_products(model: onnx.ModelProto, shapes: dict[str, list]) -> int:
-    """Transpose(A @ B) -> B^T @ A^T as one Gemm, for 2-D products (through reshapes that
+    """Transpose(A @ B) -> B^T @ A^T as one Gemm, for 2-D products or a batch of one (through reshapes that
     only add or drop size-1 axes): the product is written transposed, where reverse mode
     makes it and then a transposed copy (a weight's gradient through a transposed weight, as a
     tied language-model head reads its embedding: two vocabulary-sized tables, one would do).
@@ -242,10 +250,22 @@ def transposed_products(model: onnx.ModelProto, shapes: dict[str, list]) -> int:
                 and producer.input[2]:
             continue
         a, b = producer.input[0], producer.input[1]
-        sa, sb = shapes.get(a), shapes.get(b)
-        if sa is None or sb is None or len(sa) != 2 or len(sb) != 2 or shapes.get(source) is None \
-                or len(shapes[source]) != 2:
+        ma, mb = _matrix(shapes.get(a)), _matrix(shapes.get(b))
+        if ma is None or mb is None or _matrix(shapes.get(source)) is None:
             continue
+        operands = []       # a 3-D operand with a leading 1 (a batch of one) is read as a matrix
+        for operand, matrix in ((b, mb), (a, ma)):
+            if len(shapes[operand]) == 2:
+                operands.append(operand)
+                continue
+            matrix_name, matrix_shape = operand + "__matrix", operand + "__matrix_shape"
+            while matrix_name in names or matrix_shape in names:
+                matrix_name, matrix_shape = matrix_name + "_", matrix_shape + "_"
+            names.update((matrix_name, matrix_shape))
+            graph.initializer.append(onnx.numpy_helper.from_array(np.array(matrix, np.int64), matrix_shape))
+            before.setdefault(id(node), []).append(helper.make_node(
+                "Reshape", [operand, matrix_shape], [matrix_name], name=matrix_name))
+            operands.append(matrix_name)
         ta, tb = (attribute(producer, "transA", 0), attribute(producer, "transB", 0)) \
             if producer.op_type == "Gemm" else (0, 0)
         alpha = attribute(producer, "alpha", 1.0) if producer.op_type == "Gemm" else 1.0
@@ -253,7 +273,7 @@ def transposed_products(model: onnx.ModelProto, shapes: dict[str, list]) -> int:
         while product in names:
             product += "_"
         names.add(product)
-        gemm = helper.make_node("Gemm", [b, a], [product], name=producer.name + "__transposed",
+        gemm = helper.make_node("Gemm", operands, [product], name=producer.name + "__transposed",
                                 transA=1 - tb, transB=1 - ta, alpha=alpha)
         shape_name = node.output[0] + "__shape"
         while shape_name in names:
@@ -262,14 +282,13 @@ def transposed_products(model: onnx.ModelProto, shapes: dict[str, list]) -> int:
         graph.initializer.append(onnx.numpy_helper.from_array(np.array(out_shape, np.int64), shape_name))
         reshape = helper.make_node("Reshape", [product, shape_name], list(node.output), name=node.name)
         node.CopyFrom(reshape)
-        before[id(node)] = gemm
+        before.setdefault(id(node), []).append(gemm)
         dead.update(id(n) for n in chain + [producer])
         replaced += 1
     if replaced:
         kept_nodes = []
         for n in nodes:
-            if id(n) in before:
-                kept_nodes.append(before[id(n)])
+            kept_nodes.extend(before.get(id(n), []))
             if id(n) not in dead:
                 kept_nodes.append(n)
         graph.ClearField("node")
