@@ -5,6 +5,7 @@ torch, optimized and measured, printed side by side in one table.
 
     python benchmarks/real_models.py [--models resnet50,gpt2] [--size full|tiny|large]
         [--exporters legacy,dynamo] [--no-eager] [--no-grad-check] [--json out.json]
+    python benchmarks/real_models.py --from-json a.json,b.json   # one table from saved runs
 
 Per model and exporter, in a fresh subprocess (a model's memory does not stay for the next):
 
@@ -182,7 +183,18 @@ def main() -> int:
     parser.add_argument("--no-eager", action="store_true", help="skip PyTorch eager's peak")
     parser.add_argument("--no-grad-check", action="store_true", help="skip the comparison with torch")
     parser.add_argument("--json", help="also write every row here")
+    parser.add_argument("--from-json", help="print the table of rows saved by earlier runs' --json "
+                        "(comma-separated files, e.g. runs of model subsets in parallel), in the "
+                        "corpus's order; measures nothing")
     args = parser.parse_args()
+    if args.from_json:
+        order = {name: k for k, name in enumerate(real_zoo.CORPUS)}
+        rows = [row for path in args.from_json.split(",") for row in json.load(open(path))]
+        rows.sort(key=lambda r: (order.get(r["model"], len(order)),
+                                 real_zoo.EXPORTERS.index(r["exporter"])
+                                 if r["exporter"] in real_zoo.EXPORTERS else 0))
+        print_table(rows)
+        return 0
     rows = []
     for name in args.models.split(","):
         for exporter in args.exporters.split(","):
@@ -196,13 +208,17 @@ def main() -> int:
             if args.json:
                 with open(args.json, "w") as f:
                     json.dump(rows, f, indent=1, default=float)
+    print_table(rows)
+    return 0
+
+
+def print_table(rows: list[dict]) -> None:
     print(HEADER)
     print("|" + "---|" * (HEADER.count("|") - 1))
     for row in rows:
         print(table_row(row))
     print()
     print("\n".join(summary(rows)))
-    return 0
 
 
 if __name__ == "__main__":
