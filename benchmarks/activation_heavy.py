@@ -110,19 +110,9 @@ def graphopt_row(row: dict) -> dict:
         "prediction_error", "outcome", "total_seconds")}
     row["peak_floor_bytes"] = notes.get("peak_floor_bytes")
     row["reached_floor"] = notes.get("reached_floor")
-    row["optimize_peak_rss_bytes"] = _hwm_bytes()
+    from graphopt.runtime.rss import peak_rss_bytes
+    row["optimize_peak_rss_bytes"] = peak_rss_bytes()
     return row
-
-
-def _hwm_bytes() -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def _worker_main(argv) -> int:

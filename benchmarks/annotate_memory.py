@@ -174,22 +174,11 @@ def worker(mode: str, model_path: str, inputs_path: str) -> dict:
         raise SystemExit(f"unknown mode {mode!r}")
     row["seconds"] = time.perf_counter() - t0
     row["before_rss_bytes"] = before
-    hwm = _hwm_bytes()
+    from graphopt.runtime.rss import peak_rss_bytes
+    hwm = peak_rss_bytes()
     if hwm:
         row["own_peak_rss_bytes"] = hwm
     return row
-
-
-def _hwm_bytes() -> int:
-    """This process's peak RSS (VmHWM)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -39,6 +39,18 @@ def _readers(model: onnx.ModelProto) -> dict[str, list[onnx.NodeProto]]:
     return readers
 
 
+def _splice(graph: onnx.GraphProto, nodes: list, before: dict[int, list], dead: set[int]) -> None:
+    """Rewrite ``graph``'s nodes as ``nodes`` with ``before[id(n)]`` inserted ahead of each n and
+    the nodes whose ids are in ``dead`` left out (the passes' edits, applied once)."""
+    spliced = []
+    for node in nodes:
+        spliced.extend(before.get(id(node), []))
+        if id(node) not in dead:
+            spliced.append(node)
+    graph.ClearField("node")
+    graph.node.extend(spliced)
+
+
 def _read_by_subgraphs(model: onnx.ModelProto) -> set[str]:
     """Every name a node's subgraph (Scan, Loop, If bodies) reads, at any depth: a conservative
     set of the outer names they capture."""
@@ -286,13 +298,7 @@ def transposed_products(model: onnx.ModelProto, shapes: dict[str, list]) -> int:
         dead.update(id(n) for n in chain + [producer])
         replaced += 1
     if replaced:
-        kept_nodes = []
-        for n in nodes:
-            kept_nodes.extend(before.get(id(n), []))
-            if id(n) not in dead:
-                kept_nodes.append(n)
-        graph.ClearField("node")
-        graph.node.extend(kept_nodes)
+        _splice(graph, nodes, before, dead)
     return replaced
 
 
@@ -363,13 +369,7 @@ def outputs_written_in_place(model: onnx.ModelProto, shapes: dict[str, list]) ->
         dead.add(id(alias))
         changed += 1
     if changed:
-        nodes = []
-        for node in graph.node:
-            nodes.extend(before.get(id(node), []))
-            if id(node) not in dead:
-                nodes.append(node)
-        graph.ClearField("node")
-        graph.node.extend(nodes)
+        _splice(graph, list(graph.node), before, dead)
     return changed
 
 
@@ -492,11 +492,5 @@ def transposed_weights_into_gemm(model: onnx.ModelProto, shapes: dict[str, list]
         dead.add(id(node))
         replaced += 1
     if replaced:
-        nodes = []
-        for n in every:
-            nodes.extend(before.get(id(n), []))
-            if id(n) not in dead:
-                nodes.append(n)
-        graph.ClearField("node")
-        graph.node.extend(nodes)
+        _splice(graph, every, before, dead)
     return replaced

@@ -17,6 +17,12 @@ def status_kb(field: str) -> int | None:
     return None
 
 
+def peak_rss_bytes() -> int | None:
+    """This process's peak RSS since it started or since the last reset, None when unreadable."""
+    kib = status_kb("VmHWM")
+    return None if kib is None else kib * 1024
+
+
 def malloc_trim() -> None:
     """Give freed heap memory back to the OS (glibc), so RSS shows what is live."""
     try:
