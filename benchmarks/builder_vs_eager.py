@@ -347,18 +347,18 @@ def explain(name: str, folder: str, top: int = 15) -> dict:
     order = [(op, 0) for op in annotations.execution_order if op in graph]
     sim = simulate(graph, order)
     live = live_at(graph, order, sim.peak_step)
-    workspace = int(graph.nodes[order[sim.peak_step][0]].get("workspace", 0) or 0)
+    workspace = int(graph.ops[order[sim.peak_step][0]].workspace_bytes)
     producer = {o: n for n in training.model.graph.node for o in n.output}
     rows = []
     for tensor, nbytes in sorted(live.items(), key=lambda kv: -kv[1]):
         node = producer.get(tensor)
-        phase = graph.nodes[node.name].get("phase", "-") if node is not None and node.name in graph else "-"
+        phase = graph.phase(node.name) if node is not None and node.name in graph else "-"
         rows.append({"tensor": tensor, "op": node.op_type if node else "-",
                      "node": node.name if node else "-", "phase": phase, "bytes": nbytes})
     op = order[sim.peak_step][0]
     return {"predicted_peak_bytes": sim.peak_bytes, "peak_step": sim.peak_step, "steps": len(order),
-            "peak_op": op, "peak_op_type": graph.nodes[op].get("op_type", "-"),
-            "peak_phase": graph.nodes[op].get("phase"), "workspace_bytes": workspace,
+            "peak_op": op, "peak_op_type": graph.ops[op].op_type,
+            "peak_phase": graph.phase(op), "workspace_bytes": workspace,
             "live_bytes": sum(live.values()), "live": rows, "top": top}
 
 
@@ -380,24 +380,24 @@ def live_at(graph, schedule, step: int) -> dict[str, int]:
     rules (a storage lives from its producer to its last reader, graph outputs and never-read
     tensors to the end, aliases share their input's storage, folded/resident ones cost 0),
     each named by the tensor that allocated it."""
-    tensor_bytes = graph.graph["tensor_bytes"]
-    resident, kept = graph.graph["resident"], graph.graph["kept"]
-    droppable = graph.graph.get("droppable", frozenset())
+    tensor_bytes = graph.tensor_bytes
+    resident, kept = graph.resident, graph.kept
+    droppable = graph.droppable
     current: dict[str, int] = {}          # tensor -> storage index, -1 = resident
     names, born, last, is_kept = [], [], [], []
     for i, (op, copy) in enumerate(schedule):
-        attrs = graph.nodes[op]
-        inputs = attrs["inputs"]
+        attrs = graph.ops[op]
+        inputs = attrs.inputs
         for t in inputs:
             s = current.get(t)
             if s is not None and s >= 0:
                 last[s] = i
-        if attrs.get("folded"):
-            for t in attrs["outputs"]:
+        if attrs.folded:
+            for t in attrs.outputs:
                 current[t] = -1
             continue
-        alias = attrs.get("alias") and inputs
-        for k, t in enumerate(attrs["outputs"]):
+        alias = attrs.alias and inputs
+        for k, t in enumerate(attrs.outputs):
             if k == 0 and alias:
                 s = current.get(inputs[0])
                 if s is None and inputs[0] in resident:

@@ -32,7 +32,8 @@ from __future__ import annotations
 import math
 import random
 
-import networkx as nx
+from graphopt.costgraph import CostGraph, Op
+
 
 MiB = 2 ** 20
 KiB = 2 ** 10
@@ -40,7 +41,7 @@ STAGE_BYTES = (16 * MiB, 8 * MiB, 4 * MiB, 2 * MiB, 1 * MiB)
 
 
 class _Builder:
-    """Forward ops as plain records, then their backward; the networkx graph is made last."""
+    """Forward ops as plain records, then their backward; the cost graph is made last."""
 
     def __init__(self, rng: random.Random):
         self.rng = rng
@@ -216,22 +217,14 @@ class _Builder:
                                          "backward")[0])]
         raise AssertionError(kind)
 
-    def graph(self) -> nx.DiGraph:
-        g = nx.DiGraph()
-        order = self.forward + self.backward
-        for op in order:
-            g.add_node(op, **self.ops[op])
-        producer: dict[str, str] = {}
-        for op in order:
-            for t in self.ops[op]["inputs"]:
-                if t in producer:
-                    g.add_edge(producer[t], op)
-            for t in self.ops[op]["outputs"]:
-                producer[t] = op
-        g.graph.update(tensor_bytes=dict(self.tensor_bytes), resident=frozenset(self.resident),
-                       kept=frozenset(self.kept), droppable=frozenset(), forward_order=list(self.forward),
-                       backward_order=list(self.backward))
-        return g
+    def graph(self) -> CostGraph:
+        def op(name):
+            rec = self.ops[name]
+            return Op(name, rec["op_type"], rec["inputs"], rec["outputs"], rec["seconds"], alias=rec["alias"],
+                      recomputable=rec["recomputable"], runs_first=rec["runs_first"],
+                      workspace_bytes=rec["workspace"])
+        return CostGraph([op(n) for n in self.forward], [op(n) for n in self.backward], self.tensor_bytes,
+                         resident=self.resident, kept=self.kept)
 
 
 # -- forward bodies: (builder, units) -> last tensor --------------------------------------------
@@ -355,7 +348,7 @@ def _total(b: _Builder) -> int:
     return len(b.forward) + len(b.backward)
 
 
-def make_graph(family: str, n_total: int, seed: int = 0) -> nx.DiGraph:
+def make_graph(family: str, n_total: int, seed: int = 0) -> CostGraph:
     """A training cost graph of `family` with exactly `n_total` ops."""
     if family not in FAMILIES:
         raise KeyError(f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
@@ -378,12 +371,12 @@ def make_graph(family: str, n_total: int, seed: int = 0) -> nx.DiGraph:
     return b.graph()
 
 
-def describe(graph: nx.DiGraph) -> str:
-    fwd = len(graph.graph["forward_order"])
-    tb = graph.graph["tensor_bytes"]
-    acts = [tb[t] for op in graph.graph["forward_order"] for t in graph.nodes[op]["outputs"]]
-    return (f"{graph.number_of_nodes()} ops ({fwd} forward), forward tensors {len(acts)} "
-            f"totalling {sum(acts) / MiB:.0f} MiB, {len(graph.graph['kept'])} kept outputs")
+def describe(graph: CostGraph) -> str:
+    fwd = len(graph.forward_order)
+    tb = graph.tensor_bytes
+    acts = [tb[t] for op in graph.forward_order for t in graph.ops[op].outputs]
+    return (f"{len(graph)} ops ({fwd} forward), forward tensors {len(acts)} "
+            f"totalling {sum(acts) / MiB:.0f} MiB, {len(graph.kept)} kept outputs")
 
 
 if __name__ == "__main__":

@@ -86,12 +86,12 @@ def time_make_plan(graph, repeats: int = 5) -> dict:
     """Best-of-`repeats` wall seconds of one make_plan on store-all's and Chen's checkpoint sets
     (the machine may be shared: the best of several is the least disturbed)."""
     from graphopt.search.chen_sqrt import segment_checkpoints
-    from graphopt.search.plan import candidate_checkpoints, make_plan
+    from graphopt.search.plan import make_plan
     import math
 
     out = {}
-    sets = {"store-all": candidate_checkpoints(graph),
-            "chen": segment_checkpoints(graph, max(1, round(math.sqrt(len(graph.graph["forward_order"])))))}
+    sets = {"store-all": graph.candidate_checkpoints,
+            "chen": segment_checkpoints(graph, max(1, round(math.sqrt(len(graph.forward_order)))))}
     for name, checkpoints in sets.items():
         best = float("inf")
         for _ in range(repeats):
@@ -166,9 +166,8 @@ def main(argv=None) -> int:
             timing = time_make_plan(graph)
             reference = timing["store-all_peak"]
             budget = None if args.budget_fraction is None else int(args.budget_fraction * reference)
-            forward = len(graph.graph["forward_order"])
-            from graphopt.search.plan import candidate_checkpoints
-            candidates = len(candidate_checkpoints(graph))
+            forward = len(graph.forward_order)
+            candidates = len(graph.candidate_checkpoints)
             plan_rows.append(f"| {family} | {size} | {forward} | {candidates} | {generated:.2f} "
                              f"| {timing['store-all'] * 1e3:.1f} | {timing['chen'] * 1e3:.1f} |")
             cells = []

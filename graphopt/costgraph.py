@@ -1,237 +1,177 @@
-"""Build the abstract cost graph (networkx, bytes and seconds) from an analyzed training
-graph and its measured annotations. This is where ONNX knowledge ends: the solvers and the
-cost model see only this graph."""
+"""The cost graph: what the solvers and the one cost model see of a training graph.
+
+Ops and tensors, each with a name and an integer id; measured seconds per op and bytes per
+tensor; the forward and backward orders; which tensors exist before the step (``resident``:
+graph inputs, initializers, folded constants), which are kept to its end (``kept``: graph
+outputs), which the rewrite may drop (``droppable``: unused optional outputs) and which an op
+overwrites in place (``clobbered``). Derived facts (producers, readers, the forward tensors,
+the forced and candidate checkpoints, the tensors the backward reads) are computed once when
+the graph is made; the graph never changes after that (`with_tensor_bytes` makes a new one).
+
+The integer ids and flat lists (``op_input_ids``, ``op_output_ids``, ``tensor_bytes_by_id``, ...)
+serve the inner loops (`costmodel.simulate`); solvers read ops by name. Built from ONNX by
+`op_rules.build_cost_graph`; this module imports no ONNX.
+"""
 from __future__ import annotations
 
-import math
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Iterable, Mapping, Sequence
 
-import networkx as nx
-import onnx
-from onnx import defs, shape_inference
+import numpy as np
 
-from .analyze import TrainingGraph
-
-# Ops whose output 0 shares the buffer of input 0 in ONNX Runtime's CPU and CUDA providers.
-ALIAS_OPS = frozenset({"Reshape", "Identity", "Squeeze", "Unsqueeze", "Flatten"})
-# Ops that draw random numbers: never recomputed (their outputs are always checkpoints).
-RANDOM_OPS = frozenset({"Dropout", "RandomNormal", "RandomNormalLike", "RandomUniform",
-                        "RandomUniformLike", "Multinomial", "Bernoulli"})
-# Ops ONNX Runtime's priority-based order runs as soon as they are ready.
-RUNS_FIRST_OPS = frozenset({"Shape", "Size"})
-# Ops ONNX Runtime replaces by initializers when it loads a graph (onnxruntime/core/graph/
-# graph.cc, at every optimization level): they never run, their outputs exist before the
-# run starts and are not part of its peak. Measured on 1.32: a `Constant` node is absent
-# from the profiled execution order.
-FOLDED_AT_LOAD_OPS = frozenset({"Constant"})
+FORWARD = "forward"
+BACKWARD = "backward"
 
 
-def _numel(shape) -> int | None:
-    if shape is None or any(d is None or d < 0 for d in shape):
-        return None
-    return math.prod(shape)
+@dataclass(frozen=True)
+class Op:
+    """One op of the training graph, as the cost model sees it."""
+    name: str
+    op_type: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    seconds: float = 0.0            # measured time of one run
+    alias: bool = False             # output 0 shares input 0's buffer (Reshape, Identity, ...)
+    recomputable: bool = True       # False: random ops, ops with subgraphs, ops that overwrite residents
+    runs_first: bool = False        # ORT's priority order runs it as soon as it is ready (Shape, Size)
+    folded: bool = False            # never runs (a Constant: an initializer once loaded)
+    clobbers: tuple[str, ...] = ()  # inputs whose buffers the op overwrites with an output
+    workspace_bytes: int = 0        # the kernel's own work buffer while it runs
 
 
-def static_shapes(model: onnx.ModelProto) -> dict[str, list[int | None]]:
-    """Tensor shapes as ONNX shape inference sees them (None for an unknown dimension)."""
-    try:
-        inferred = shape_inference.infer_shapes(model, data_prop=True)
-    except Exception:
-        inferred = model
-    g = inferred.graph
-    shapes: dict[str, list[int | None]] = {}
-    for vi in list(g.input) + list(g.value_info) + list(g.output):
-        tt = vi.type.tensor_type
-        if tt.HasField("shape"):
-            shapes[vi.name] = [d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim]
-    for t in g.initializer:
-        shapes[t.name] = list(t.dims)
-    return shapes
+class CostGraph:
+    """An immutable training cost graph (see the module docstring)."""
+
+    def __init__(self, forward: Sequence[Op], backward: Sequence[Op], tensor_bytes: Mapping[str, int],
+                 resident: Iterable[str] = (), kept: Iterable[str] = (), droppable: Iterable[str] = ()):
+        ops: dict[str, Op] = {}
+        for op in list(forward) + list(backward):
+            if op.name in ops:
+                raise ValueError(f"two ops are named {op.name!r}")
+            ops[op.name] = Op(op.name, op.op_type, tuple(op.inputs), tuple(op.outputs), float(op.seconds),
+                              bool(op.alias), bool(op.recomputable), bool(op.runs_first), bool(op.folded),
+                              tuple(op.clobbers), int(op.workspace_bytes))
+        self.ops: Mapping[str, Op] = MappingProxyType(ops)
+        self.forward_order: tuple[str, ...] = tuple(op.name for op in forward)
+        self.backward_order: tuple[str, ...] = tuple(op.name for op in backward)
+        self._forward_set = frozenset(self.forward_order)
+        folded_outputs = {t for op in ops.values() if op.folded for t in op.outputs}
+        self.resident: frozenset[str] = frozenset(resident) | frozenset(folded_outputs)
+        self.kept: frozenset[str] = frozenset(kept)
+        self.droppable: frozenset[str] = frozenset(droppable)
+        self.clobbered: frozenset[str] = frozenset(t for op in ops.values() for t in op.clobbers)
+        self.tensor_bytes: Mapping[str, int] = MappingProxyType({t: int(b) for t, b in tensor_bytes.items()})
+
+        # ids: ops in order (forward, then backward); tensors in order of first appearance
+        self.op_names: tuple[str, ...] = tuple(ops)
+        self.op_id: Mapping[str, int] = MappingProxyType({name: i for i, name in enumerate(self.op_names)})
+        tensor_id: dict[str, int] = {}
+        for op in ops.values():
+            for t in op.inputs + op.outputs + op.clobbers:
+                tensor_id.setdefault(t, len(tensor_id))
+        for t in self.tensor_bytes:
+            tensor_id.setdefault(t, len(tensor_id))
+        self.tensor_id: Mapping[str, int] = MappingProxyType(tensor_id)
+        self.tensor_names: tuple[str, ...] = tuple(tensor_id)
+        self.op_input_ids: tuple[tuple[int, ...], ...] = tuple(
+            tuple(tensor_id[t] for t in op.inputs) for op in ops.values())
+        self.op_output_ids: tuple[tuple[int, ...], ...] = tuple(
+            tuple(tensor_id[t] for t in op.outputs) for op in ops.values())
+        self.op_seconds: np.ndarray = _frozen(np.array([op.seconds for op in ops.values()], dtype=np.float64))
+        self.op_workspace_bytes: np.ndarray = _frozen(
+            np.array([op.workspace_bytes for op in ops.values()], dtype=np.int64))
+        self.tensor_bytes_by_id: np.ndarray = _frozen(
+            np.array([self.tensor_bytes.get(t, 0) for t in self.tensor_names], dtype=np.int64))
+        # the same facts as plain tuples, for pure-Python inner loops (indexing a tuple is
+        # several times faster than indexing a numpy array element by element)
+        self.op_facts = _OpFacts(
+            seconds=tuple(op.seconds for op in ops.values()),
+            workspace_bytes=tuple(op.workspace_bytes for op in ops.values()),
+            alias=tuple(op.alias and bool(op.inputs) for op in ops.values()),
+            folded=tuple(op.folded for op in ops.values()),
+            runs_first=tuple(op.runs_first for op in ops.values()))
+        self.tensor_facts = _TensorFacts(
+            nbytes=tuple(self.tensor_bytes.get(t, 0) for t in self.tensor_names),
+            resident=tuple(t in self.resident for t in self.tensor_names),
+            kept=tuple(t in self.kept for t in self.tensor_names),
+            droppable=tuple(t in self.droppable for t in self.tensor_names))
+
+        producer: dict[str, str] = {}
+        readers: dict[str, list[str]] = {}
+        for op in ops.values():
+            for t in op.inputs:
+                readers.setdefault(t, []).append(op.name)
+            for t in op.outputs:
+                producer.setdefault(t, op.name)
+        self.producer: Mapping[str, str] = MappingProxyType(producer)
+        self._readers = {t: tuple(r) for t, r in readers.items()}
+
+        forward_tensors: dict[str, str] = {}
+        for name in self.forward_order:
+            for t in ops[name].outputs:
+                forward_tensors[t] = name
+        self.forward_tensors: Mapping[str, str] = MappingProxyType(forward_tensors)
+        self.forced_checkpoints: frozenset[str] = frozenset(
+            t for t, name in forward_tensors.items() if not ops[name].recomputable or t in self.kept)
+        self.candidate_checkpoints: tuple[str, ...] = tuple(
+            t for t in forward_tensors
+            if t not in self.forced_checkpoints and t not in self.clobbered and self.tensor_bytes.get(t, 0) > 0)
+        self.stashed_tensors: frozenset[str] = frozenset(
+            t for name in self.backward_order for t in ops[name].inputs if t in forward_tensors)
+
+    # ---- reading
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.ops
+
+    def __len__(self) -> int:
+        return len(self.ops)
+
+    def __iter__(self):
+        """Op names, forward then backward."""
+        return iter(self.op_names)
+
+    def __repr__(self) -> str:
+        return (f"CostGraph({len(self.forward_order)} forward + {len(self.backward_order)} backward ops, "
+                f"{len(self.tensor_names)} tensors)")
+
+    def phase(self, op: str) -> str:
+        return FORWARD if op in self._forward_set else BACKWARD
+
+    def readers(self, tensor: str) -> tuple[str, ...]:
+        """Ops that read `tensor`, in order (forward, then backward)."""
+        return self._readers.get(tensor, ())
+
+    # ---- new graphs
+
+    def with_tensor_bytes(self, overrides: Mapping[str, int]) -> "CostGraph":
+        """The same graph with some tensors' bytes replaced."""
+        tensor_bytes = dict(self.tensor_bytes)
+        tensor_bytes.update(overrides)
+        return CostGraph([self.ops[n] for n in self.forward_order], [self.ops[n] for n in self.backward_order],
+                         tensor_bytes, self.resident, self.kept, self.droppable)
 
 
-def _ints(node: onnx.NodeProto, name: str, default):
-    for a in node.attribute:
-        if a.name == name:
-            return list(a.ints) if a.type == onnx.AttributeProto.INTS else a.i
-    return default
+@dataclass(frozen=True)
+class _OpFacts:
+    """Per op id."""
+    seconds: tuple[float, ...]
+    workspace_bytes: tuple[int, ...]
+    alias: tuple[bool, ...]
+    folded: tuple[bool, ...]
+    runs_first: tuple[bool, ...]
 
 
-def workspace_bytes(node: onnx.NodeProto, shapes: dict, tensor_bytes: dict[str, int]) -> int:
-    """Bytes a CPU kernel of ONNX Runtime allocates for itself while it runs (freed when it
-    returns), for the kernels where that is a tensor-sized buffer. Each rule is ORT's code
-    and was confirmed by measurement on 1.32 (peak of a one-node graph, arena off):
-
-    - ``Sum`` with three or more inputs accumulates through one temporary of the output's
-      size (2 inputs: none; Max/Min/Mean with 3 inputs: none). Measured: 3 inputs of
-      16 MiB -> 32 MiB (output + temporary), 4 -> 96 MiB with inputs produced in-graph.
-    - ``ConvTranspose`` builds its column buffer of (C_out/group) * prod(kernel) *
-      prod(input spatial) elements (conv_transpose.cc). Measured: x 8x64x64x64, w 64x64x3x3:
-      8 MiB output + 9 MiB column buffer.
-    - ``Conv`` (MLAS, convolve.cpp MlasConvPrepare): a pointwise convolution (or one whose
-      kernel spans the input's width) is a direct GEMM with no buffer; otherwise, when the
-      filter count per group exceeds the output's spatial size, the whole im2col matrix is
-      expanded: prod(output spatial) * (C/group) * prod(kernel) elements; else it works in
-      small per-thread segments (counted as 0). Measured: a weight-gradient convolution
-      x 64x8x66x66, w 64x8x64x64 -> 3x3 output: +1.1 MiB; a 3x3 convolution over 64x64
-      images: no extra.
-    """
-    if node.domain not in ("", "ai.onnx"):
-        return 0
-    outs = [t for t in node.output if t]
-    if not outs:
-        return 0
-    if node.op_type == "Sum":
-        return int(tensor_bytes.get(outs[0], 0)) if len([t for t in node.input if t]) >= 3 else 0
-    if node.op_type not in ("Conv", "ConvTranspose") or len(node.input) < 2:
-        return 0
-    x, w, y = shapes.get(node.input[0]), shapes.get(node.input[1]), shapes.get(outs[0])
-    if x is None or w is None or y is None or None in x or None in w or None in y or len(x) < 3:
-        return 0
-    n_out = _numel(y)
-    if not n_out:
-        return 0
-    elem = int(tensor_bytes.get(outs[0], 0)) // n_out or 4
-    group = int(_ints(node, "group", 1)) or 1
-    kernel = w[2:]
-    if node.op_type == "ConvTranspose":
-        c_out_per_group = w[1]  # weight: (C_in, C_out/group, k...)
-        return elem * c_out_per_group * math.prod(kernel) * math.prod(x[2:])
-    # Conv: weight (M, C/group, k...)
-    dims = len(kernel)
-    strides = _ints(node, "strides", [1] * dims)
-    pads = _ints(node, "pads", [0] * (2 * dims))
-    dilations = _ints(node, "dilations", [1] * dims)
-    auto_pad = next((a.s for a in node.attribute if a.name == "auto_pad"), b"NOTSET")
-    ones = all(s == 1 for s in strides) and all(d == 1 for d in dilations)
-    no_pad = all(p == 0 for p in pads) and auto_pad in (b"NOTSET", b"VALID")
-    if ones and no_pad:
-        if math.prod(kernel) == 1:
-            return 0
-        if dims == 2 and (kernel[1] == x[3] or (kernel[0] == x[2] and kernel[1] == 1)):
-            return 0
-    filters_per_group = w[0] // group
-    output_size = math.prod(y[2:])
-    if filters_per_group > output_size:
-        return elem * output_size * w[1] * math.prod(kernel)
-    return 0
+@dataclass(frozen=True)
+class _TensorFacts:
+    """Per tensor id."""
+    nbytes: tuple[int, ...]
+    resident: tuple[bool, ...]
+    kept: tuple[bool, ...]
+    droppable: tuple[bool, ...]
 
 
-def is_alias(node: onnx.NodeProto) -> bool:
-    return node.domain in ("", "ai.onnx") and node.op_type in ALIAS_OPS
-
-
-def is_random(node: onnx.NodeProto) -> bool:
-    """Random ops, and ops with subgraphs (their bodies are not looked into)."""
-    has_subgraph = any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
-                       for a in node.attribute)
-    return node.op_type in RANDOM_OPS or has_subgraph
-
-
-# Ops whose optional outputs go together: ONNX Runtime takes BatchNormalization with 1 or
-# 3 outputs (training mode writes both running statistics), never 2.
-ALL_OR_NOTHING_OUTPUTS = frozenset({"BatchNormalization"})
-
-
-def optional_output_positions(node: onnx.NodeProto, opset: int) -> set[int]:
-    """Positions of outputs that the op's schema declares optional (may be left unnamed)."""
-    if node.op_type in ALL_OR_NOTHING_OUTPUTS:
-        return set()
-    try:
-        schema = defs.get_schema(node.op_type, opset, node.domain)
-    except Exception:
-        return set()
-    positions = set()
-    for k, formal in enumerate(schema.outputs):
-        if formal.option == defs.OpSchema.FormalParameterOption.Optional:
-            positions.add(k)
-    return positions
-
-
-def clobbered_inputs(node: onnx.NodeProto) -> tuple[str, ...]:
-    """Inputs whose buffers ONNX Runtime overwrites with an output (its kernel declares them
-    aliased): a training-mode BatchNormalization writes the updated running statistics into
-    the buffers of its statistics inputs (3 and 4). Read after the op, such a tensor holds the
-    updated values, so no plan may keep it for a later reader (a recomputed clone)."""
-    if node.domain in ("", "ai.onnx") and node.op_type == "BatchNormalization":
-        training = next((a.i for a in node.attribute if a.name == "training_mode"), 0)
-        if training:
-            return tuple(t for t in node.input[3:5] if t)
-    return ()
-
-
-def opset_of(model: onnx.ModelProto, domain: str = "") -> int:
-    for imp in model.opset_import:
-        if imp.domain in (domain, "ai.onnx" if domain == "" else domain):
-            return imp.version
-    return onnx.defs.onnx_opset_version()
-
-
-def build_cost_graph(training: TrainingGraph, tensor_bytes: dict[str, int],
-                     node_seconds: dict[str, float],
-                     tensor_shapes: dict[str, list[int]] | None = None) -> nx.DiGraph:
-    """The cost graph of `training`: one node per forward/backward op (see costmodel).
-
-    `tensor_shapes` (measured, e.g. ``Annotations.tensor_shapes``) sizes the kernels'
-    work buffers; without it, ONNX shape inference does (unknown shapes count 0)."""
-    model = training.model
-    nodes = training.nodes
-    opset = opset_of(model)
-    shapes = static_shapes(model)
-    if tensor_shapes:
-        shapes.update({k: list(v) for k, v in tensor_shapes.items()})
-    folded_outputs: set[str] = set()
-    graph = nx.DiGraph()
-    forward = set(training.forward)
-    producer: dict[str, str] = {}
-    readers: dict[str, int] = {}
-    for name in training.forward + training.backward:
-        for t in nodes[name].input:
-            if t:
-                readers[t] = readers.get(t, 0) + 1
-    outputs = {o.name for o in model.graph.output}
-    droppable = set()
-    clobbered = set()
-    for name in training.forward + training.backward:
-        node = nodes[name]
-        inputs = tuple(t for t in node.input if t)
-        clobbers = clobbered_inputs(node)
-        # overwriting a resident tensor (an initializer, a graph input), a clone would read
-        # the updated values: such an op is never recomputed
-        overwrites_resident = any(t in training.resident for t in clobbers)
-        clobbered.update(clobbers)
-        outs = tuple(t for t in node.output if t)
-        optional = optional_output_positions(node, opset)
-        for k, t in enumerate(node.output):
-            if t and k in optional and t not in outputs and k > 0:
-                droppable.add(t)
-        folded = node.domain in ("", "ai.onnx") and node.op_type in FOLDED_AT_LOAD_OPS
-        if folded:
-            folded_outputs.update(outs)
-        graph.add_node(
-            name,
-            op_type=node.op_type,
-            inputs=inputs,
-            outputs=outs,
-            seconds=float(node_seconds.get(name, 0.0)),
-            phase="forward" if name in forward else "backward",
-            alias=is_alias(node),
-            recomputable=not is_random(node) and not folded and not overwrites_resident,
-            runs_first=node.op_type in RUNS_FIRST_OPS,
-            folded=folded,
-            clobbers=clobbers,
-            workspace=0 if folded else workspace_bytes(node, shapes, tensor_bytes),
-        )
-        for t in inputs:
-            if t in producer:
-                graph.add_edge(producer[t], name)
-        for t in outs:
-            producer[t] = name
-    graph.graph.update(
-        tensor_bytes={t: int(b) for t, b in tensor_bytes.items()},
-        resident=frozenset(training.resident) | frozenset(folded_outputs),
-        kept=frozenset(outputs),
-        droppable=frozenset(droppable),
-        clobbered=frozenset(clobbered),
-        forward_order=list(training.forward),
-        backward_order=list(training.backward),
-    )
-    return graph
+def _frozen(array: np.ndarray) -> np.ndarray:
+    array.setflags(write=False)
+    return array

@@ -29,20 +29,16 @@ vs off): unet 48.6 vs 20.2 MiB, densenet 96.9 vs 45.2 MiB, transformer 84.3 vs 3
 Not modelled either (it only lowers the real peak): in-place outputs of kernels registered
 ``MayInplace`` that take over an input's buffer at its last read.
 
-The cost graph is a networkx DiGraph whose nodes are ops with attributes ``inputs``,
-``outputs`` (tensor names), ``seconds``, ``phase`` ("forward"/"backward"), ``alias``
-(output 0 shares input 0's buffer), ``recomputable``, ``runs_first`` (ONNX Runtime's
-priority order runs it as soon as it is ready), ``folded`` (never runs; outputs resident)
-and ``workspace`` (bytes); graph attributes ``tensor_bytes``,
-``resident``, ``kept`` (graph outputs), ``droppable``, ``forward_order``, ``backward_order``.
-This module imports no ONNX.
+The cost graph is `costgraph.CostGraph` (ops with inputs, outputs, measured seconds,
+alias/recomputable/runs_first/folded flags and work-buffer bytes; tensor bytes; the resident,
+kept and droppable tensors; the forward and backward orders). This module imports no ONNX.
 """
 from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
 
-import networkx as nx
+from .costgraph import CostGraph
 
 Step = tuple[str, int]
 
@@ -64,59 +60,51 @@ class VersionedStep:
     writes: list[tuple[str, int]]  # (tensor, version) per output
 
 
-def _node_attrs(graph: nx.DiGraph) -> dict:
-    """op -> attribute dict (networkx's own node dict: no view lookups in the hot loops)."""
-    node = getattr(graph, "_node", None)
-    return node if isinstance(node, dict) else dict(graph.nodes(data=True))
-
-
-def resolve_versions(graph: nx.DiGraph, schedule: list[Step]) -> list[VersionedStep]:
+def resolve_versions(graph: CostGraph, schedule: list[Step]) -> list[VersionedStep]:
     """Which version of each tensor every step reads and writes (latest produced wins)."""
-    node = _node_attrs(graph)
+    ops = graph.ops
     latest: dict[str, int] = {}
     get = latest.get
     resolved = []
-    for op, copy in schedule:
-        attrs = node[op]
-        reads = [(t, get(t, -1)) for t in attrs["inputs"]]
+    for name, copy in schedule:
+        op = ops[name]
+        reads = [(t, get(t, -1)) for t in op.inputs]
         writes = []
-        for t in attrs["outputs"]:
+        for t in op.outputs:
             writes.append((t, copy))
             latest[t] = copy
-        resolved.append(VersionedStep(op, copy, reads, writes))
+        resolved.append(VersionedStep(name, copy, reads, writes))
     return resolved
 
 
-def check_schedule(graph: nx.DiGraph, schedule: list[Step]) -> None:
+def check_schedule(graph: CostGraph, schedule: list[Step]) -> None:
     """Raise ValueError unless every non-resident input is produced before it is read."""
-    resident = graph.graph["resident"]
-    node = _node_attrs(graph)
+    resident = graph.resident
+    ops = graph.ops
     produced: set[str] = set()
-    for i, (op, copy) in enumerate(schedule):
-        attrs = node[op]
-        for tensor in attrs["inputs"]:
+    for i, (name, copy) in enumerate(schedule):
+        op = ops[name]
+        for tensor in op.inputs:
             if tensor not in produced and tensor not in resident:
-                raise ValueError(f"step {i} ({op}, copy {copy}) reads {tensor!r} before it exists")
-        produced.update(attrs["outputs"])
+                raise ValueError(f"step {i} ({name}, copy {copy}) reads {tensor!r} before it exists")
+        produced.update(op.outputs)
 
 
-def simulate(graph: nx.DiGraph, schedule: list[Step]) -> Simulation:
+def simulate(graph: CostGraph, schedule: list[Step]) -> Simulation:
     """Peak live bytes of running `schedule` (see the module docstring for the rules)."""
-    tensor_bytes = graph.graph["tensor_bytes"]
-    resident = graph.graph["resident"]
-    kept = graph.graph["kept"]
-    droppable = graph.graph.get("droppable", frozenset())
-    node = _node_attrs(graph)
-    n = len(schedule)
+    op_id = graph.op_id
+    op_inputs, op_outputs = graph.op_input_ids, graph.op_output_ids
+    of, tf = graph.op_facts, graph.tensor_facts
+    op_seconds, op_workspace, op_alias, op_folded = of.seconds, of.workspace_bytes, of.alias, of.folded
+    t_bytes, t_resident, t_kept, t_droppable = tf.nbytes, tf.resident, tf.kept, tf.droppable
 
     # storage of the latest version of each tensor (a read resolves to the latest version):
     # RESIDENT, or an index into the storage_* lists; aliases share their input's storage.
-    # Absent: the tensor was never produced (resident or not yet available).
+    # None: the tensor was never produced (resident or not yet available).
     # A storage was read iff its last use comes after its birth (a step's reads come before
     # its writes, and an alias extends its input's storage only at a step that reads it).
     RESIDENT = -1
-    current: dict[str, int] = {}
-    current_get = current.get
+    current: list[int | None] = [None] * len(t_bytes)
     storage_bytes: list[int] = []
     storage_born: list[int] = []
     storage_last: list[int] = []
@@ -126,42 +114,42 @@ def simulate(graph: nx.DiGraph, schedule: list[Step]) -> Simulation:
     compute = 0.0
     recompute = 0.0
 
-    for i, (op, copy) in enumerate(schedule):
-        attrs = node[op]
-        inputs = attrs["inputs"]
+    for i, (name, copy) in enumerate(schedule):
+        k = op_id[name]
+        inputs = op_inputs[k]
         for t in inputs:
-            s = current_get(t)
+            s = current[t]
             if s is not None and s >= 0:
                 storage_last[s] = i
-        workspace = attrs.get("workspace", 0)
-        step_workspace.append(int(workspace) if workspace else 0)
-        seconds = float(attrs.get("seconds", 0.0))
+        step_workspace.append(op_workspace[k])
+        seconds = op_seconds[k]
         compute += seconds
         if copy:
             recompute += seconds
-        outputs = attrs["outputs"]
-        if attrs.get("folded"):              # an initializer by the time the run starts
-            for t in outputs:
+        if op_folded[k]:                     # an initializer by the time the run starts
+            for t in op_outputs[k]:
                 current[t] = RESIDENT
             continue
-        alias = attrs.get("alias") and inputs
-        for k, tensor in enumerate(outputs):
-            if k == 0 and alias:
+        first_output = op_alias[k]
+        for t in op_outputs[k]:
+            if first_output:
+                first_output = False
                 # the storage of the version input 0 resolved to before this step's writes
-                first = inputs[0]
-                s = src if (src := current_get(first)) is not None or first not in resident \
-                    else RESIDENT
+                source = inputs[0]
+                s = current[source]
+                if s is None and t_resident[source]:
+                    s = RESIDENT
                 if s is not None:
-                    current[tensor] = s
-                    if s != RESIDENT and copy == 0 and tensor in kept:
+                    current[t] = s
+                    if s != RESIDENT and copy == 0 and t_kept[t]:
                         storage_kept[s] = True
                     continue
-            current[tensor] = len(storage_bytes)
-            storage_bytes.append(int(tensor_bytes.get(tensor, 0)))
+            current[t] = len(storage_bytes)
+            storage_bytes.append(t_bytes[t])
             storage_born.append(i)
             storage_last.append(i)
-            storage_kept.append(copy == 0 and tensor in kept)
-            storage_droppable.append(tensor in droppable)
+            storage_kept.append(copy == 0 and t_kept[t])
+            storage_droppable.append(t_droppable[t])
 
     n = len(schedule)
     allocated = [0] * n
@@ -190,15 +178,15 @@ def simulate(graph: nx.DiGraph, schedule: list[Step]) -> Simulation:
     return Simulation(peak, peak_step, compute, recompute, live_bytes)
 
 
-def priority_order(graph: nx.DiGraph, schedule: list[Step]) -> list[Step]:
+def priority_order(graph: CostGraph, schedule: list[Step]) -> list[Step]:
     """The order ONNX Runtime's PRIORITY_BASED execution runs a file written as `schedule`.
 
     Kahn's algorithm over the steps' data dependencies; among ready steps, ``runs_first``
     ops (Shape, Size) first, then the lowest position in the file. ``folded`` steps
     (Constant nodes: initializers once loaded) do not run and are left out.
     """
-    node = _node_attrs(graph)
-    schedule = [step for step in schedule if not node[step[0]].get("folded")]
+    ops = graph.ops
+    schedule = [step for step in schedule if not ops[step[0]].folded]
     # Fast path. When no (tensor, version) is written twice (and no copy is negative), a read
     # depends on the step that last wrote the tensor BEFORE it, so the file order is a
     # topological order; Kahn's algorithm with "lowest position first" then returns the file
@@ -209,20 +197,20 @@ def priority_order(graph: nx.DiGraph, schedule: list[Step]) -> list[Step]:
     first_copy: dict[str, int] = {}
     more_copies: dict[str, set[int]] = {}
     first_deps: dict[int, set[int]] = {}     # runs_first step -> steps it waits for
-    for i, (op, copy) in enumerate(schedule):
-        attrs = node[op]
-        if attrs.get("runs_first"):
-            first_deps[i] = {latest_step[t] for t in attrs["inputs"] if t in latest_step}
-        for t in attrs["outputs"]:
+    for i, (name, copy) in enumerate(schedule):
+        op = ops[name]
+        if op.runs_first:
+            first_deps[i] = {latest_step[t] for t in op.inputs if t in latest_step}
+        for t in op.outputs:
             c0 = first_copy.get(t)
             if c0 is None:
                 if copy < 0:
-                    return _priority_order_general(node, schedule)
+                    return _priority_order_general(ops, schedule)
                 first_copy[t] = copy
             else:
                 seen = more_copies.setdefault(t, set())
                 if copy == c0 or copy in seen or copy < 0:
-                    return _priority_order_general(node, schedule)
+                    return _priority_order_general(ops, schedule)
                 seen.add(copy)
             latest_step[t] = i
     if not first_deps:
@@ -258,7 +246,7 @@ def priority_order(graph: nx.DiGraph, schedule: list[Step]) -> list[Step]:
     return order
 
 
-def _priority_order_general(node: dict, schedule: list[Step]) -> list[Step]:
+def _priority_order_general(ops, schedule: list[Step]) -> list[Step]:
     """`priority_order` by the letter: a read of version v of t depends on the LAST step of
     the schedule that writes (t, v) (which may come later, making a cycle)."""
     m = len(schedule)
@@ -267,13 +255,13 @@ def _priority_order_general(node: dict, schedule: list[Step]) -> list[Step]:
     producer: dict[tuple[str, int], int] = {}
     step_reads = []
     first = [False] * m
-    for i, (op, copy) in enumerate(schedule):
-        attrs = node[op]
-        step_reads.append([(t, latest_get(t, -1)) for t in attrs["inputs"]])
-        for t in attrs["outputs"]:
+    for i, (name, copy) in enumerate(schedule):
+        op = ops[name]
+        step_reads.append([(t, latest_get(t, -1)) for t in op.inputs])
+        for t in op.outputs:
             latest[t] = copy
             producer[(t, copy)] = i
-        if attrs.get("runs_first"):
+        if op.runs_first:
             first[i] = True
     producer_get = producer.get
     indegree = [0] * m

@@ -31,8 +31,8 @@ import onnx
 
 from .analyze import TrainingGraph, analyze
 from .annotate import Annotations, write_annotations
-from .costgraph import build_cost_graph
-from .costgraph import FOLDED_AT_LOAD_OPS, opset_of
+from .op_rules import build_cost_graph
+from .op_rules import FOLDED_AT_LOAD_OPS, opset_of
 from .costmodel import Step, priority_order, simulate
 from .errors import BudgetInfeasibleError, InvalidOptionError, VerificationError
 from .ingest import name_nodes

@@ -8,7 +8,7 @@
 - optional outputs nobody reads are dropped (ONNX Runtime never frees an unread output);
 - nodes that feed no graph output are removed;
 - a plan that reads a tensor after an op overwrote it in place (a training-mode
-  BatchNormalization's statistics inputs, `costgraph.clobbered_inputs`) is refused with a
+  BatchNormalization's statistics inputs, `op_rules.clobbered_inputs`) is refused with a
   ValueError: its rewritten model would compute from the updated values;
 - the session settings the order needs go into `metadata_props["graphopt.session"]`.
 
@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import json
 
-import networkx as nx
 import onnx
 import onnx.defs
 import onnx.inliner
 from onnx import helper
 
 from .analyze import TrainingGraph
-from .costgraph import clobbered_inputs
+from .costgraph import CostGraph
+from .op_rules import clobbered_inputs
 from .costmodel import resolve_versions
 from .runtime.session import SessionSettings, write_settings
 from .search.plan import Plan
@@ -61,7 +61,7 @@ def version_name(tensor: str, version: int, taken: set[str]) -> str:
     return name
 
 
-def rewrite(training: TrainingGraph, graph: nx.DiGraph, plan: Plan,
+def rewrite(training: TrainingGraph, graph: CostGraph, plan: Plan,
             settings: SessionSettings = PLANNED_SETTINGS) -> onnx.ModelProto:
     """The training graph rewritten to follow `plan` (a new model; the input is untouched)."""
     source = training.model
@@ -69,7 +69,7 @@ def rewrite(training: TrainingGraph, graph: nx.DiGraph, plan: Plan,
     steps = resolve_versions(graph, plan.schedule)
     graph_outputs = {o.name for o in source.graph.output}
     read = {r for step in steps for r in step.reads}
-    droppable = graph.graph.get("droppable", frozenset())
+    droppable = graph.droppable
     taken = {t for n in source.graph.node for t in list(n.input) + list(n.output)}
     taken |= {i.name for i in source.graph.input} | {i.name for i in source.graph.initializer}
 

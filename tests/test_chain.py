@@ -91,19 +91,19 @@ def test_budget_dp_is_least_recompute_that_fits(n):
 def test_chain_segments_of_a_chain_graph_is_one_run():
     graph = training_cost_graph(12, seed=3, max_fanin=1)
     runs = chain_segments(graph)
-    assert [op for run in runs for op in run] == graph.graph["forward_order"]
+    assert [op for run in runs for op in run] == list(graph.forward_order)
     assert len(runs) == 1
 
 
 def test_chain_segments_split_at_a_skip_connection():
     graph = training_cost_graph(30, seed=4, max_fanin=3)
     runs = chain_segments(graph)
-    assert [op for run in runs for op in run] == graph.graph["forward_order"]
+    assert [op for run in runs for op in run] == list(graph.forward_order)
     assert len(runs) > 1
-    nodes = graph.nodes
+    nodes = graph.ops
     for run in runs:
         for prev, op in zip(run, run[1:]):
-            assert set(nodes[op]["inputs"]) - {"x"} <= set(nodes[prev]["outputs"])
+            assert set(nodes[op].inputs) - {"x"} <= set(nodes[prev].outputs)
 
 
 def test_chain_costs_of_a_synthetic_chain():
@@ -112,7 +112,7 @@ def test_chain_costs_of_a_synthetic_chain():
     assert costs.n == 9                     # 8 layers and the loss
     assert not any(costs.forced[1:costs.n])
     assert all(costs.need[1:9])             # every layer's backward reads its input and output
-    assert costs.a[3] == graph.graph["tensor_bytes"]["a2"]
+    assert costs.a[3] == graph.tensor_bytes["a2"]
     assert tensors[3] == ["a2"]
 
 
@@ -123,7 +123,7 @@ def test_chain_plans_are_valid_and_never_worse_than_store_all(seed):
     assert_valid(graph, plan)
     full = store_all(graph)
     assert plan.peak_bytes <= full.peak_bytes
-    if len(graph.graph["forward_order"]) > 20:
+    if len(graph.forward_order) > 20:
         assert plan.peak_bytes < full.peak_bytes and plan.recompute_ops > 0
 
 
@@ -134,7 +134,7 @@ def test_chain_on_dags_and_random_ops_is_valid(seed):
     assert_valid(graph, plan)
     for op, copy in plan.schedule:
         if copy:
-            assert graph.nodes[op]["recomputable"], op
+            assert graph.ops[op].recomputable, op
     assert plan.peak_bytes <= store_all(graph).peak_bytes
 
 

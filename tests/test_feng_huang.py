@@ -13,7 +13,6 @@ import pytest
 
 from graphopt.costmodel import check_schedule
 from graphopt.search.feng_huang import brute_force, feng_huang, segment_cost, segment_model, solve
-from graphopt.search.plan import candidate_checkpoints
 
 from synthetic import training_cost_graph
 
@@ -111,7 +110,7 @@ def test_solve_is_exact_and_optimal_on_500_random_graphs():
         graph = training_cost_graph(n, seed=seed, max_fanin=fanin, random_ops=random_ops)
         model = segment_model(graph)
         k = sum(model.candidate)
-        assert k == len(candidate_checkpoints(graph))
+        assert k == len(graph.candidate_checkpoints)
         counts[k] += 1
         cost, kept, exact, probes = solve(model)
         optimum, _ = fast_brute_force(model)
@@ -132,12 +131,12 @@ def linear_graph_optimum(graph):
     shortest path over the positions (an edge p -> q when the tensors strictly between p and q
     weigh at most m in all and none of them must be kept; entering q costs its bytes, nothing
     for tensors that must be kept anyway or for the end); the optimum is the least path + m."""
-    nodes = graph.nodes
-    ops = [op for op in graph.graph["forward_order"] if op != "loss_op"]
+    nodes = graph.ops
+    ops = [op for op in graph.forward_order if op != "loss_op"]
     for k, op in enumerate(ops):           # it is a chain
-        assert nodes[op]["inputs"] == (("x",) if k == 0 else nodes[ops[k - 1]]["outputs"])
-    sizes = [graph.graph["tensor_bytes"][nodes[op]["outputs"][0]] for op in ops]
-    forced = [not nodes[op]["recomputable"] for op in ops]
+        assert nodes[op].inputs == (("x",) if k == 0 else nodes[ops[k - 1]].outputs)
+    sizes = [graph.tensor_bytes[nodes[op].outputs[0]] for op in ops]
+    forced = [not nodes[op].recomputable for op in ops]
     n = len(sizes)
     terms = {0}
     for s in range(n):
@@ -200,8 +199,8 @@ def test_tiny_time_limit_on_a_wide_graph_is_inexact_but_valid(seed):
     plan = feng_huang(graph, time_limit_seconds=1e-3)
     assert plan.notes["exact"] is False
     check_schedule(graph, plan.schedule)
-    assert sorted(op for op, copy in plan.schedule if copy == 0) == sorted(graph.nodes)
-    assert plan.checkpoints <= set(candidate_checkpoints(graph))
+    assert sorted(op for op, copy in plan.schedule if copy == 0) == sorted(graph.ops)
+    assert plan.checkpoints <= set(graph.candidate_checkpoints)
     index = {t: j for j, t in enumerate(model.tensors)}
     plan_kept = {index[t] for t in plan.checkpoints}
     assert sum(segment_cost(model, plan_kept)) == plan.notes["model_cost_bytes"] <= nothing

@@ -7,7 +7,6 @@ import pytest
 
 from graphopt.costmodel import simulate
 from graphopt.search import chen_sqrt, store_all
-from graphopt.search.plan import forward_tensors
 
 from test_search import assert_valid
 
@@ -19,7 +18,7 @@ from graph_families import FAMILIES, make_graph  # noqa: E402
 @pytest.mark.parametrize("n_total", [200, 201])
 def test_family_graph_is_valid_for_store_all_and_chen(family, n_total):
     graph = make_graph(family, n_total, seed=3)
-    assert graph.number_of_nodes() == n_total
+    assert len(graph) == n_total
     full, chen = store_all(graph), chen_sqrt(graph)
     assert_valid(graph, full)
     assert_valid(graph, chen)
@@ -32,44 +31,44 @@ def test_family_graph_is_valid_for_store_all_and_chen(family, n_total):
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_family_has_training_graph_features(family):
     graph = make_graph(family, 300, seed=1)
-    nodes = graph.nodes
-    kinds = {(nodes[op]["op_type"], nodes[op]["phase"]) for op in graph}
-    kept = graph.graph["kept"]
+    nodes = graph.ops
+    kinds = {(nodes[op].op_type, graph.phase(op)) for op in graph}
+    kept = graph.kept
     # parameter gradients are graph outputs, produced by the backward pass
-    weight_grads = [t for op in graph.graph["backward_order"] if nodes[op]["op_type"] == "Transpose"
-                    for t in nodes[op]["outputs"]]
+    weight_grads = [t for op in graph.backward_order if nodes[op].op_type == "Transpose"
+                    for t in nodes[op].outputs]
     assert weight_grads and set(weight_grads) <= kept
-    assert any(nodes[op]["alias"] for op in graph.graph["backward_order"])
-    assert ("Size", "backward") in kinds and any(nodes[op]["runs_first"] for op in graph)
-    assert max(len(nodes[op]["inputs"]) for op in graph.graph["backward_order"]) >= 2
+    assert any(nodes[op].alias for op in graph.backward_order)
+    assert ("Size", "backward") in kinds and any(nodes[op].runs_first for op in graph)
+    assert max(len(nodes[op].inputs) for op in graph.backward_order) >= 2
     if family != "chains":
         # gradients arriving along several paths are accumulated
         assert ("Sum", "backward") in kinds
     if family == "dense":
-        assert max(len(nodes[op]["inputs"]) for op in graph.graph["forward_order"]
-                   if nodes[op]["op_type"] == "Concat") >= 4
+        assert max(len(nodes[op].inputs) for op in graph.forward_order
+                   if nodes[op].op_type == "Concat") >= 4
         # many-way gradient accumulation, with the work buffer of a Sum of 3+ inputs
-        sums = [op for op in graph.graph["backward_order"] if nodes[op]["op_type"] == "Sum"]
-        assert any(len(nodes[op]["inputs"]) >= 3 and nodes[op]["workspace"] > 0 for op in sums)
+        sums = [op for op in graph.backward_order if nodes[op].op_type == "Sum"]
+        assert any(len(nodes[op].inputs) >= 3 and nodes[op].workspace_bytes > 0 for op in sums)
     # every forward activation is read by the backward pass or a later forward op: all reach the loss
-    readers = {t for op in graph for t in nodes[op]["inputs"]}
-    for t in forward_tensors(graph):
+    readers = {t for op in graph for t in nodes[op].inputs}
+    for t in graph.forward_tensors:
         assert t in readers or t in kept, t
-    activations = [graph.graph["tensor_bytes"][t] for op in graph.graph["forward_order"]
-                   if nodes[op]["op_type"] == "Conv" for t in nodes[op]["outputs"]]
+    activations = [graph.tensor_bytes[t] for op in graph.forward_order
+                   if nodes[op].op_type == "Conv" for t in nodes[op].outputs]
     assert max(activations) <= 16 * 2 ** 20 and sorted(activations)[len(activations) // 2] >= 2 ** 19
-    # an edge for every tensor a later op reads, and only those
-    producer = {t: op for op in graph.graph["forward_order"] + graph.graph["backward_order"]
-                for t in nodes[op]["outputs"]}
-    expected = {(producer[t], op) for op in graph for t in nodes[op]["inputs"] if t in producer}
-    assert set(graph.edges) == expected
+    # every tensor an op reads is resident or produced by an earlier op
+    position = {op: i for i, op in enumerate(graph)}
+    for op in graph:
+        for t in nodes[op].inputs:
+            assert t in graph.resident or position[graph.producer[t]] < position[op], (op, t)
 
 def test_families_are_deterministic_and_seeded():
     for family in FAMILIES:
         a, b = make_graph(family, 150, seed=7), make_graph(family, 150, seed=7)
-        assert list(a.nodes(data=True)) == list(b.nodes(data=True))
-        assert a.graph == b.graph
-    assert make_graph("random", 150, seed=1).graph != make_graph("random", 150, seed=2).graph
+        assert list(a.ops.values()) == list(b.ops.values())
+        assert (a.tensor_bytes, a.resident, a.kept) == (b.tensor_bytes, b.resident, b.kept)
+    assert list(make_graph("random", 150, seed=1).ops.values()) != list(make_graph("random", 150, seed=2).ops.values())
 
 
 def test_too_small_a_size_is_refused():

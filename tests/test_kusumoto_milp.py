@@ -117,7 +117,7 @@ def test_strategies_valid_and_budgets(n, seed, fanin):
         assert_valid(graph, plan)
         for op, copy in plan.schedule:
             if copy:
-                assert graph.nodes[op]["recomputable"], op
+                assert graph.ops[op].recomputable, op
     assert least.notes["model_peak_bytes"] <= approx.notes["model_peak_bytes"]
     # a loose budget recomputes nothing
     model = build_model(graph)

@@ -7,13 +7,13 @@ from onnx import TensorProto, helper, numpy_helper
 
 from graphopt.analyze import analyze
 from graphopt.annotate import annotate
-from graphopt.costgraph import build_cost_graph
+from graphopt.op_rules import build_cost_graph
 from graphopt.examples import training_example
 from graphopt.ingest import name_nodes
 from graphopt.optimize import ORIGINAL_UNOPTIMIZED
 from graphopt.rewrite import PLANNED_SETTINGS, rewrite
 from graphopt.runtime.session import read_settings
-from graphopt.search.plan import forced_checkpoints, make_plan
+from graphopt.search.plan import make_plan
 from graphopt.verify import compare_outputs, run_outputs
 
 
@@ -94,7 +94,7 @@ def test_dropout_is_never_recomputed_and_its_mask_is_kept():
     assert plan.recompute_ops > 0                     # tanh outputs are recomputed ...
     recomputed_ops = {n.op_type for n in clones(rewritten)}
     assert "Dropout" not in recomputed_ops            # ... but never the Dropout
-    assert {"d", "mask"} <= forced_checkpoints(graph)
+    assert {"d", "mask"} <= graph.forced_checkpoints
     reads = {t for n in rewritten.graph.node for t in n.input}
     assert "mask" in reads and "d" in reads           # the original mask and output are read
     reference = run_outputs(training.model, inputs, ORIGINAL_UNOPTIMIZED)
@@ -156,11 +156,11 @@ def test_recomputed_batchnorm_reads_fresh_statistics():
     bn = next(n for n in model.graph.node if n.op_type == "BatchNormalization")
     statistics = set(bn.input[3:5])
     training, graph, plan, rewritten = planned(model, inputs, checkpoints=statistics)
-    assert graph.graph["clobbered"] == statistics
+    assert graph.clobbered == statistics
     assert not plan.checkpoints & statistics
     recomputed = {op for op, copy in plan.schedule if copy}
     assert bn.name in recomputed                         # the clone runs ...
-    assert {graph.nodes[op]["outputs"][0] for op in recomputed} >= statistics  # ... on new copies
+    assert {graph.ops[op].outputs[0] for op in recomputed} >= statistics  # ... on new copies
     reference = run_outputs(training.model, inputs, ORIGINAL_UNOPTIMIZED)
     comparison = compare_outputs(reference, run_outputs(rewritten, inputs))
     assert comparison.match, comparison.per_output
@@ -175,11 +175,11 @@ def test_rewrite_refuses_a_plan_that_reads_an_overwritten_tensor():
     model, inputs = batchnorm_training_graph()
     bn = next(n for n in model.graph.node if n.op_type == "BatchNormalization")
     training, graph, plan, _ = planned(model, inputs)
-    producers = {graph.nodes[op]["outputs"][0] for op, copy in plan.schedule if copy}
+    producers = {graph.ops[op].outputs[0] for op, copy in plan.schedule if copy}
     assert set(bn.input[3:5]) <= producers
     # drop the clones of the statistics copies: the clone of bn reads the overwritten ones
     schedule = [(op, copy) for op, copy in plan.schedule
-                if not (copy and graph.nodes[op]["outputs"][0] in set(bn.input[3:5]))]
+                if not (copy and graph.ops[op].outputs[0] in set(bn.input[3:5]))]
     bad = Plan("by-hand", plan.checkpoints, schedule)
     with pytest.raises(ValueError, match="overwrote it in place"):
         rewrite(training, graph, bad)

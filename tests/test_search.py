@@ -1,12 +1,14 @@
 """Solvers on synthetic cost graphs: plans are valid, and never worse than Chen's sqrt(n)."""
+import dataclasses
 import random
 
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from graphopt.costgraph import CostGraph, Op
 from graphopt.costmodel import check_schedule, priority_order, resolve_versions, simulate
 from graphopt.search import STRATEGIES, auto, chen_sqrt, feng_huang, greedy, store_all
-from graphopt.search.plan import Plan, candidate_checkpoints, forced_checkpoints, forward_tensors, make_plan, stashed_tensors
+from graphopt.search.plan import Plan, make_plan
 
 from synthetic import training_cost_graph
 
@@ -29,18 +31,18 @@ def assert_no_read_after_free(graph, plan):
     droppable): every version a step reads was produced earlier and is not freed yet.
     Written apart from `simulate`, so that a disagreement between the schedule, the runtime's
     order and the cost model's accounting shows."""
-    nodes = graph.nodes
+    nodes = graph.ops
     schedule = plan.schedule
     assert len(set(schedule)) == len(schedule), "a step appears twice in the schedule"
     named = {(s.op, s.copy): s for s in resolve_versions(graph, schedule)}
     executed = priority_order(graph, schedule)
-    assert sorted(executed) == sorted(s for s in schedule if not nodes[s[0]].get("folded"))
-    resident = set(graph.graph["resident"])
+    assert sorted(executed) == sorted(s for s in schedule if not nodes[s[0]].folded)
+    resident = set(graph.resident)
     for (op, _), s in named.items():
-        if nodes[op].get("folded"):        # initializers once loaded
+        if nodes[op].folded:        # initializers once loaded
             resident.update(t for t, _ in s.writes)
-    kept = graph.graph["kept"]
-    droppable = graph.graph.get("droppable", frozenset())
+    kept = graph.kept
+    droppable = graph.droppable
     # the cost model's accounting: buffers, where each is born and after which step it is freed
     buffer_of, born, last_read, never_freed = {}, {}, {}, set()
     for i, step in enumerate(resolve_versions(graph, executed)):
@@ -49,7 +51,7 @@ def assert_no_read_after_free(graph, plan):
                 last_read[buffer_of[version]] = i
         attrs = nodes[step.op]
         for k, (t, v) in enumerate(step.writes):
-            if k == 0 and attrs.get("alias") and attrs["inputs"]:
+            if k == 0 and attrs.alias and attrs.inputs:
                 b = buffer_of.get(step.reads[0], "resident")
             else:
                 b = (t, v)
@@ -85,10 +87,10 @@ def assert_valid(graph, plan):
     executed = priority_order(graph, plan.schedule)
     check_schedule(graph, executed)
     assert_no_read_after_free(graph, plan)
-    forward = forward_tensors(graph)
-    available_forward = set(plan.checkpoints) | forced_checkpoints(graph)
+    forward = graph.forward_tensors
+    available_forward = set(plan.checkpoints) | graph.forced_checkpoints
     for step in resolve_versions(graph, executed):
-        if graph.nodes[step.op]["phase"] != "backward":
+        if graph.phase(step.op) != "backward":
             continue
         for tensor, version in step.reads:
             # a backward op reads a forward tensor only if it was kept or recomputed
@@ -96,28 +98,24 @@ def assert_valid(graph, plan):
                 assert tensor in available_forward, (step.op, tensor)
     # every op of the training graph runs once as itself
     originals = [op for op, copy in plan.schedule if copy == 0]
-    assert sorted(originals) == sorted(graph.nodes)
+    assert sorted(originals) == sorted(graph.ops)
 
 
 def _hazard_graph():
     """x -> a -> t -> s (runs first, like Shape) -> shp, read by d (forward), b1 and b2
     (backward); c is an unrelated forward op."""
-    import networkx as nx
-    g = nx.DiGraph()
+    ops = {"forward": [], "backward": []}
 
     def op(name, inputs, outputs, phase, runs_first=False):
-        g.add_node(name, inputs=inputs, outputs=outputs, seconds=1.0, phase=phase, alias=False,
-                   recomputable=True, runs_first=runs_first)
+        ops[phase].append(Op(name, "X", inputs, outputs, seconds=1.0, runs_first=runs_first))
     op("a", ("x",), ("t",), "forward")
     op("s", ("t",), ("shp",), "forward", runs_first=True)
     op("d", ("shp",), ("dd",), "forward")
     op("c", ("x",), ("u",), "forward")
     op("b1", ("shp", "u", "dd"), ("g1",), "backward")
     op("b2", ("shp", "g1"), ("g2",), "backward")
-    g.graph.update(tensor_bytes={"t": 10, "shp": 1, "dd": 1, "u": 10, "g1": 5, "g2": 5},
-                   resident=frozenset({"x"}), kept=frozenset({"g2"}), droppable=frozenset(),
-                   forward_order=["a", "s", "d", "c"], backward_order=["b1", "b2"])
-    return g
+    return CostGraph(ops["forward"], ops["backward"],
+                     {"t": 10, "shp": 1, "dd": 1, "u": 10, "g1": 5, "g2": 5}, resident={"x"}, kept={"g2"})
 
 
 def test_read_after_free_check_catches_a_stale_version():
@@ -139,8 +137,8 @@ def test_chain_store_all_counts_every_activation():
     plan = store_all(graph)
     assert plan.recompute_ops == 0
     assert_valid(graph, plan)
-    stashed = stashed_tensors(graph)
-    assert plan.peak_bytes >= sum(graph.graph["tensor_bytes"][t] for t in stashed if t != "x")
+    stashed = graph.stashed_tensors
+    assert plan.peak_bytes >= sum(graph.tensor_bytes[t] for t in stashed if t != "x")
 
 
 def test_chen_recomputes_and_saves_on_a_chain():
@@ -154,7 +152,7 @@ def test_chen_recomputes_and_saves_on_a_chain():
 def assert_recomputes_no_random_op(graph, plan):
     for op, copy in plan.schedule:
         if copy:
-            assert graph.nodes[op]["recomputable"], op
+            assert graph.ops[op].recomputable, op
 
 
 @settings(max_examples=50, deadline=None)
@@ -220,7 +218,7 @@ def test_refresh_gap_schedules_are_valid(n, seed, fanin, random_ops, gap, keep):
     2, 3, ...): every read still finds its version produced and not freed."""
     graph = training_cost_graph(n, seed=seed, max_fanin=fanin, random_ops=random_ops)
     rng = random.Random(seed)
-    checkpoints = {t for t in candidate_checkpoints(graph) if rng.random() < keep}
+    checkpoints = {t for t in graph.candidate_checkpoints if rng.random() < keep}
     plan = make_plan(graph, "test", checkpoints, refresh_gap=gap)
     assert_valid(graph, plan)
     assert_recomputes_no_random_op(graph, plan)
@@ -248,20 +246,18 @@ def test_budget_objective_prefers_less_recomputation_when_budget_is_loose():
 
 
 def test_simulate_frees_after_last_reader_and_keeps_outputs():
-    import networkx as nx
-    g = nx.DiGraph()
+    forward = []
+
     def op(name, inputs, outputs, alias=False):
-        g.add_node(name, inputs=inputs, outputs=outputs, seconds=1.0, phase="forward", alias=alias,
-                   recomputable=True, runs_first=False)
+        forward.append(Op(name, "X", inputs, outputs, seconds=1.0, alias=alias))
     op("a", ("x",), ("t1",))
     op("b", ("t1",), ("t2",))
     op("r", ("t2",), ("t2r",), alias=True)
     op("c", ("t2r",), ("t3",))
     op("d", ("t3", "t1"), ("out",))
     op("e", ("t3",), ("unread",))
-    g.graph.update(tensor_bytes={"t1": 10, "t2": 20, "t2r": 20, "t3": 30, "out": 5, "unread": 7},
-                   resident=frozenset({"x"}), kept=frozenset({"out"}), droppable=frozenset(),
-                   forward_order=list("abrcde"), backward_order=[])
+    g = CostGraph(forward, [], {"t1": 10, "t2": 20, "t2r": 20, "t3": 30, "out": 5, "unread": 7},
+                  resident={"x"}, kept={"out"})
     sim = simulate(g, [(o, 0) for o in ["a", "b", "r", "c", "d", "e"]])
     # live: a:10; b:30; r:30 (alias); c:60 -> t2 freed; d: 10+30+5=45 -> t1 freed;
     # e: 30+5+7=42 -> t3 freed, unread stays
@@ -274,7 +270,7 @@ def test_simulate_frees_after_last_reader_and_keeps_outputs():
 def _subset_plans(graph, gaps=(None, 0)):
     """Every plan of every subset of the candidate checkpoints (brute force, small graphs)."""
     import itertools
-    candidates = candidate_checkpoints(graph)
+    candidates = graph.candidate_checkpoints
     for r in range(len(candidates) + 1):
         for subset in itertools.combinations(candidates, r):
             for gap in gaps:
@@ -284,13 +280,11 @@ def _subset_plans(graph, gaps=(None, 0)):
 def _with_backward_workspace(graph, op_index, workspace_bytes):
     """The graph with a kernel work buffer on one backward op (a plan-independent peak, like a
     transformer's embedding gradient at the end of the backward)."""
-    g = graph.copy()
-    g.graph = dict(graph.graph)
-    g.graph.pop("_sunk_backward", None)
-    g.graph.pop("_peak_floor_bytes", None)
-    op = graph.graph["backward_order"][op_index]
-    g.nodes[op]["workspace"] = workspace_bytes
-    return g
+    name = graph.backward_order[op_index]
+    backward = [dataclasses.replace(graph.ops[n], workspace_bytes=workspace_bytes) if n == name else graph.ops[n]
+                for n in graph.backward_order]
+    return CostGraph([graph.ops[n] for n in graph.forward_order], backward, graph.tensor_bytes,
+                     graph.resident, graph.kept, graph.droppable)
 
 
 @pytest.mark.parametrize("n,seed,fanin", [(6, 1, 1), (7, 2, 2), (8, 3, 3), (9, 4, 2), (10, 5, 1),
@@ -319,7 +313,7 @@ def test_auto_at_the_floor_matches_brute_force(n, seed, fanin):
     from graphopt.search.auto import PEAK_TOLERANCE
     from graphopt.search.plan import peak_floor_bytes
     graph = training_cost_graph(n, seed=seed, max_fanin=fanin)
-    backward = graph.graph["backward_order"]
+    backward = graph.backward_order
     sums = [i for i, op in enumerate(backward) if op.startswith("sum_")]
     plain = [p.peak_bytes for p in _subset_plans(graph, (None,))]
     heavy = _with_backward_workspace(graph, sums[len(sums) // 2], 3 * max(plain))

@@ -10,7 +10,7 @@
 * Dropout: its training-mode computation in plain ops, a mask drawn by RandomUniformLike
   with a fixed seed per node (reproducible runs, so a rewritten graph can be compared with
   the original) and a Where; the boolean mask is an extra graph output, and is what the
-  backward reads. Random ops are never recomputed (graphopt/costgraph.py), so the mask is
+  backward reads. Random ops are never recomputed (graphopt/op_rules.py), so the mask is
   drawn once per step.
 
 Each pass changes the model in place and returns the Extras to add once the model has been

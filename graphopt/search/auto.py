@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import time
 
-import networkx as nx
+from ..costgraph import CostGraph
 
 from .chain import chain
 from .chen_greedy import chen_greedy
@@ -43,7 +43,7 @@ from .chen_sqrt import chen_sqrt
 from .feng_huang import feng_huang
 from .greedy import greedy, objective, value_prefix
 from .kusumoto import kusumoto, kusumoto_approx
-from .plan import Plan, candidate_checkpoints, peak_floor_bytes
+from .plan import Plan, peak_floor_bytes
 from .store_all import store_all
 
 # candidate tensors above which a solver is left out (its time grows too fast to pay off
@@ -90,11 +90,11 @@ def choose(plans: list[Plan], budget_bytes: int | None, cap_bytes: int | None = 
     return min(near, key=lambda p: (p.recompute_seconds, p.peak_bytes))
 
 
-def default_time_limit_seconds(graph: nx.DiGraph) -> float:
+def default_time_limit_seconds(graph: CostGraph) -> float:
     """A safety net: below it the evaluation budget decides, so plans do not depend on the
     machine's speed; large graphs (over LARGE_GRAPH_OPS ops) are cut at 8 s (10,000 ops
     planned in under 10 s on 2 cores)."""
-    return 8.0 if graph.number_of_nodes() > LARGE_GRAPH_OPS else 60.0
+    return 8.0 if len(graph) > LARGE_GRAPH_OPS else 60.0
 
 
 LARGE_GRAPH_OPS = 3_000
@@ -109,13 +109,13 @@ FAST_SOLVERS = ("store-all", "chen-sqrt", "chen-greedy", "chain")
 EVALUATIONS_AT_FLOOR = 400
 
 
-def auto(graph: nx.DiGraph, budget_bytes: int | None = None, *,
+def auto(graph: CostGraph, budget_bytes: int | None = None, *,
          time_limit_seconds: float | None = None) -> Plan:
     started = time.perf_counter()
     if time_limit_seconds is None:
         time_limit_seconds = default_time_limit_seconds(graph)
     deadline = started + time_limit_seconds
-    candidates = len(candidate_checkpoints(graph))
+    candidates = len(graph.candidate_checkpoints)
     floor_bytes = peak_floor_bytes(graph)
     seeds: list[Plan] = []
     seed_seconds = {}

@@ -76,9 +76,9 @@ import math
 import time
 from dataclasses import dataclass, field
 
-import networkx as nx
+from ..costgraph import CostGraph
 
-from .plan import Plan, candidate_checkpoints, forced_checkpoints, make_plan, stashed_tensors
+from .plan import Plan, make_plan
 
 INF = float("inf")
 
@@ -386,26 +386,26 @@ def chain_budget(c: ChainCosts, bound, max_front: int | None = None):
 
 # ---------------------------------------------------------------- our cost graph
 
-def _effective_forward(graph: nx.DiGraph):
-    nodes = graph.nodes
-    order = [op for op in graph.graph["forward_order"] if not nodes[op].get("folded")]
-    resident = set(graph.graph["resident"])
-    for op in graph.graph["forward_order"]:
-        if nodes[op].get("folded"):
-            resident.update(nodes[op]["outputs"])
+def _effective_forward(graph: CostGraph):
+    nodes = graph.ops
+    order = [op for op in graph.forward_order if not nodes[op].folded]
+    resident = set(graph.resident)
+    for op in graph.forward_order:
+        if nodes[op].folded:
+            resident.update(nodes[op].outputs)
     return order, resident
 
 
-def _layers(graph: nx.DiGraph):
+def _layers(graph: CostGraph):
     """Forward ops grouped into layers: an aliasing op joins the op whose output it aliases
     when that op is the previous layer's last op (same buffer, no new bytes)."""
-    nodes = graph.nodes
+    nodes = graph.ops
     order, resident = _effective_forward(graph)
     layers: list[list[str]] = []
     for op in order:
         attrs = nodes[op]
-        if (layers and attrs.get("alias") and attrs["inputs"]
-                and attrs["inputs"][0] in nodes[layers[-1][-1]]["outputs"]):
+        if (layers and attrs.alias and attrs.inputs
+                and attrs.inputs[0] in nodes[layers[-1][-1]].outputs):
             layers[-1].append(op)
         else:
             layers.append([op])
@@ -413,9 +413,9 @@ def _layers(graph: nx.DiGraph):
 
 
 def _layer_io(graph, layers, resident):
-    nodes = graph.nodes
-    outputs = [set(t for op in layer for t in nodes[op]["outputs"]) for layer in layers]
-    inputs = [set(t for op in layer for t in nodes[op]["inputs"] if t not in resident) - outputs[i]
+    nodes = graph.ops
+    outputs = [set(t for op in layer for t in nodes[op].outputs) for layer in layers]
+    inputs = [set(t for op in layer for t in nodes[op].inputs if t not in resident) - outputs[i]
               for i, layer in enumerate(layers)]
     producer = {}
     for i, outs in enumerate(outputs):
@@ -429,7 +429,7 @@ def _layer_io(graph, layers, resident):
     return outputs, inputs, producer, readers
 
 
-def chain_segments(graph: nx.DiGraph) -> list[list[str]]:
+def chain_segments(graph: CostGraph) -> list[list[str]]:
     """Maximal chain runs of the forward order (folded ops left out): consecutive layers where
     each layer reads, besides resident tensors, only the previous layer's outputs, and those
     outputs are read by no other forward op. Aliasing ops are part of their input's layer.
@@ -449,19 +449,19 @@ def chain_segments(graph: nx.DiGraph) -> list[list[str]]:
     return runs
 
 
-def chain_costs(graph: nx.DiGraph):
+def chain_costs(graph: CostGraph):
     """The whole forward order as one abstract chain (see module doc) and, per position,
     the candidate tensors that keeping it means. A position may be left out only if its
     layer's outputs are candidates (or free) and are read in the forward pass by the next
     layer alone: a chain link, slightly relaxed — the next layer may also read kept tensors.
     Every other position is forced (kept), so non-chain regions are stored whole."""
-    nodes = graph.nodes
-    tensor_bytes = graph.graph["tensor_bytes"]
+    nodes = graph.ops
+    tensor_bytes = graph.tensor_bytes
     layers, resident = _layers(graph)
     outputs, inputs, producer, readers = _layer_io(graph, layers, resident)
-    forced_t = forced_checkpoints(graph)
-    candidates = set(candidate_checkpoints(graph))
-    stashed = stashed_tensors(graph)
+    forced_t = graph.forced_checkpoints
+    candidates = set(graph.candidate_checkpoints)
+    stashed = graph.stashed_tensors
     n = len(layers)
     a, need, f, t, forced, g = ([0] * (n + 1) for _ in range(6))
     a = [0] * (n + 1)
@@ -470,29 +470,29 @@ def chain_costs(graph: nx.DiGraph):
         nbytes = 0
         for op in layer:
             attrs = nodes[op]
-            for k, tensor in enumerate(attrs["outputs"]):
-                if k == 0 and attrs.get("alias") and attrs["inputs"]:
+            for k, tensor in enumerate(attrs.outputs):
+                if k == 0 and attrs.alias and attrs.inputs:
                     continue
                 nbytes += int(tensor_bytes.get(tensor, 0))
         a[p] = nbytes
         need[p] = bool(outputs[p - 1] & stashed)
-        f[p] = max(int(nodes[op].get("workspace", 0) or 0) for op in layer)
-        t[p] = sum(float(nodes[op].get("seconds", 0.0)) for op in layer)
+        f[p] = max(int(nodes[op].workspace_bytes or 0) for op in layer)
+        t[p] = sum(float(nodes[op].seconds) for op in layer)
         tensors[p] = [x for x in sorted(outputs[p - 1]) if x in candidates]
         forced[p] = bool(outputs[p - 1] & forced_t) or not readers[p - 1] <= {p}
     # gradients alive at layer p's backward: in and out (the shapes of x_p and x_{p-1}) plus
     # the kept backward outputs (weight gradients) written before it, which pile up to the end
-    backward = graph.graph["backward_order"]
-    kept = graph.graph["kept"]
+    backward = graph.backward_order
+    kept = graph.kept
     first_reader: dict[str, int] = {}
     root: dict[str, tuple[int, str]] = {}      # backward tensor -> (position, buffer) it lives in
     for k, op in enumerate(backward):
         attrs = nodes[op]
-        for x in attrs["inputs"]:
+        for x in attrs.inputs:
             first_reader.setdefault(x, k)
-        for j, x in enumerate(attrs["outputs"]):
-            if j == 0 and attrs.get("alias") and attrs["inputs"] and attrs["inputs"][0] in root:
-                root[x] = root[attrs["inputs"][0]]
+        for j, x in enumerate(attrs.outputs):
+            if j == 0 and attrs.alias and attrs.inputs and attrs.inputs[0] in root:
+                root[x] = root[attrs.inputs[0]]
             else:
                 root[x] = (k, x)
     births = [0] * (len(backward) + 1)
@@ -510,7 +510,7 @@ def chain_costs(graph: nx.DiGraph):
 
 
 def _checkpoint_tensors(graph, costs, tensors, positions):
-    keep = set(candidate_checkpoints(graph))
+    keep = set(graph.candidate_checkpoints)
     chosen = set(positions)
     for p in range(1, costs.n):
         if not costs.forced[p] and p not in chosen:
@@ -524,7 +524,7 @@ def _plan_objective(plan: Plan, budget_bytes):
     return (max(0, plan.peak_bytes - budget_bytes), plan.recompute_seconds, plan.peak_bytes)
 
 
-def chain(graph: nx.DiGraph, budget_bytes: int | None = None, *, bounds: int = 8,
+def chain(graph: CostGraph, budget_bytes: int | None = None, *, bounds: int = 8,
           max_front: int | None = None) -> Plan:
     """Chain checkpointing on our cost graph.
 

@@ -16,19 +16,19 @@ from __future__ import annotations
 import bisect
 import time
 
-import networkx as nx
+from ..costgraph import CostGraph
 
 from .chen_sqrt import chen_sqrt
-from .plan import Plan, forward_tensors, make_plan
+from .plan import Plan, make_plan
 from .store_all import store_all
 
 
-def _op_bytes(graph: nx.DiGraph, op: str) -> int:
-    attrs = graph.nodes[op]
-    tensor_bytes = graph.graph["tensor_bytes"]
+def _op_bytes(graph: CostGraph, op: str) -> int:
+    attrs = graph.ops[op]
+    tensor_bytes = graph.tensor_bytes
     total = 0
-    for k, t in enumerate(attrs["outputs"]):
-        if k == 0 and attrs.get("alias") and attrs["inputs"]:
+    for k, t in enumerate(attrs.outputs):
+        if k == 0 and attrs.alias and attrs.inputs:
             continue
         total += int(tensor_bytes.get(t, 0))
     return total
@@ -48,14 +48,14 @@ def greedy_cuts(sizes: list[int], b: float) -> list[int]:
 class _Crossing:
     """Tensors crossing a cut after position i of the forward order."""
 
-    def __init__(self, graph: nx.DiGraph):
-        order = graph.graph["forward_order"]
-        nodes = graph.nodes
-        producer = forward_tensors(graph)
+    def __init__(self, graph: CostGraph):
+        order = graph.forward_order
+        nodes = graph.ops
+        producer = graph.forward_tensors
         position = {op: i for i, op in enumerate(order)}
         last_read: dict[str, int] = {}
         for i, op in enumerate(order):
-            for t in nodes[op]["inputs"]:
+            for t in nodes[op].inputs:
                 if t in producer:
                     last_read[t] = i
         self.spans = [(position[producer[t]], last, t) for t, last in last_read.items()]
@@ -76,10 +76,10 @@ def _objective(plan: Plan, budget_bytes):
     return (max(0, plan.peak_bytes - budget_bytes), plan.recompute_seconds, plan.peak_bytes)
 
 
-def chen_greedy(graph: nx.DiGraph, budget_bytes: int | None = None, *, grid: int = 40,
+def chen_greedy(graph: CostGraph, budget_bytes: int | None = None, *, grid: int = 40,
                 refine: int = 12) -> Plan:
     started = time.perf_counter()
-    order = graph.graph["forward_order"]
+    order = graph.forward_order
     sizes = [_op_bytes(graph, op) for op in order]
     crossing = _Crossing(graph)
     plans: dict[frozenset, Plan] = {}

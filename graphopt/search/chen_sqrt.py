@@ -9,28 +9,28 @@ from __future__ import annotations
 
 import math
 
-import networkx as nx
+from ..costgraph import CostGraph
 
-from .plan import Plan, forward_tensors, make_plan
+from .plan import Plan, make_plan
 
 
-def segment_checkpoints(graph: nx.DiGraph, segments: int) -> set[str]:
+def segment_checkpoints(graph: CostGraph, segments: int) -> set[str]:
     """Checkpoints of cutting the forward order into `segments` equal-bytes segments."""
-    order = graph.graph["forward_order"]
-    nodes = graph.nodes
-    tensor_bytes = graph.graph["tensor_bytes"]
-    producer = forward_tensors(graph)
+    order = graph.forward_order
+    nodes = graph.ops
+    tensor_bytes = graph.tensor_bytes
+    producer = graph.forward_tensors
     position = {op: i for i, op in enumerate(order)}
     last_forward_read: dict[str, int] = {}
     for i, op in enumerate(order):
-        for t in nodes[op]["inputs"]:
+        for t in nodes[op].inputs:
             if t in producer:
                 last_forward_read[t] = i
     total = sum(tensor_bytes.get(t, 0) for t in producer) or 1
     share = total / max(1, segments)
     cuts, acc = [], 0
     for i, op in enumerate(order[:-1]):
-        acc += sum(tensor_bytes.get(t, 0) for t in nodes[op]["outputs"])
+        acc += sum(tensor_bytes.get(t, 0) for t in nodes[op].outputs)
         if acc >= share:
             cuts.append(i)
             acc = 0
@@ -42,7 +42,7 @@ def segment_checkpoints(graph: nx.DiGraph, segments: int) -> set[str]:
     return checkpoints
 
 
-def chen_sqrt(graph: nx.DiGraph, budget_bytes: int | None = None) -> Plan:
-    n = len(graph.graph["forward_order"])
+def chen_sqrt(graph: CostGraph, budget_bytes: int | None = None) -> Plan:
+    n = len(graph.forward_order)
     segments = max(1, round(math.sqrt(n)))
     return make_plan(graph, "chen-sqrt", segment_checkpoints(graph, segments), segments=segments)

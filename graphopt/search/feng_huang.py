@@ -46,9 +46,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import networkx as nx
+from ..costgraph import CostGraph
 
-from .plan import Plan, candidate_checkpoints, forced_checkpoints, forward_tensors, make_plan
+from .plan import Plan, make_plan
 
 
 @dataclass
@@ -61,18 +61,18 @@ class SegmentModel:
     last_neighbour: list[int]   # index of its last later neighbour (itself if none)
 
 
-def segment_model(graph: nx.DiGraph) -> SegmentModel:
-    producer = forward_tensors(graph)
-    forced = forced_checkpoints(graph)
-    candidates = set(candidate_checkpoints(graph))
-    tensor_bytes = graph.graph["tensor_bytes"]
-    nodes = graph.nodes
+def segment_model(graph: CostGraph) -> SegmentModel:
+    producer = graph.forward_tensors
+    forced = graph.forced_checkpoints
+    candidates = set(graph.candidate_checkpoints)
+    tensor_bytes = graph.tensor_bytes
+    nodes = graph.ops
     tensors, weights, is_candidate = [], [], []
     index: dict[str, int] = {}
     for t, op in producer.items():
         if t in forced:
             continue
-        alias = bool(nodes[op].get("alias")) and nodes[op]["outputs"][0] == t and nodes[op]["inputs"]
+        alias = bool(nodes[op].alias) and nodes[op].outputs[0] == t and nodes[op].inputs
         index[t] = len(tensors)
         tensors.append(t)
         weights.append(0 if alias else int(tensor_bytes.get(t, 0)))
@@ -80,8 +80,8 @@ def segment_model(graph: nx.DiGraph) -> SegmentModel:
     earlier: list[list[int]] = [[] for _ in tensors]
     for i, t in enumerate(tensors):
         attrs = nodes[producer[t]]
-        linked = {index[u] for u in attrs["inputs"] if u in index}
-        linked |= {index[u] for u in attrs["outputs"] if u in index and index[u] < i}
+        linked = {index[u] for u in attrs.inputs if u in index}
+        linked |= {index[u] for u in attrs.outputs if u in index and index[u] < i}
         earlier[i] = sorted(j for j in linked if j < i)
     last = list(range(len(tensors)))
     for i, js in enumerate(earlier):
@@ -275,7 +275,7 @@ def solve(model: SegmentModel, max_states: int = 20_000, time_limit_seconds: flo
     return best_cost, best_kept, exact, probes
 
 
-def feng_huang(graph: nx.DiGraph, budget_bytes: int | None = None, *, max_states: int = 20_000,
+def feng_huang(graph: CostGraph, budget_bytes: int | None = None, *, max_states: int = 20_000,
                time_limit_seconds: float | None = 30.0) -> Plan:
     """The least-cost plan of the segment model (the paper has no budget or time objective:
     `budget_bytes` is not used; `auto` and `kusumoto` serve budgets)."""

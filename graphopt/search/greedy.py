@@ -14,10 +14,10 @@ from __future__ import annotations
 import math
 import time
 
-import networkx as nx
+from ..costgraph import CostGraph
 
 from .chen_sqrt import chen_sqrt, segment_checkpoints
-from .plan import Plan, candidate_checkpoints, forward_tensors, make_plan
+from .plan import Plan, make_plan
 from .store_all import store_all
 
 
@@ -27,17 +27,17 @@ def objective(plan: Plan, budget_bytes: int | None):
     return (max(0, plan.peak_bytes - budget_bytes), plan.recompute_seconds, plan.peak_bytes)
 
 
-def by_value(graph: nx.DiGraph) -> list[str]:
+def by_value(graph: CostGraph) -> list[str]:
     """Candidate checkpoints, those whose recomputation costs the most seconds per byte kept
     first (the order of a knapsack's greedy: what to keep when time matters)."""
-    tensor_bytes = graph.graph["tensor_bytes"]
-    producer_seconds = {t: float(graph.nodes[op].get("seconds", 0.0))
-                        for t, op in forward_tensors(graph).items()}
-    return sorted(candidate_checkpoints(graph),
+    tensor_bytes = graph.tensor_bytes
+    producer_seconds = {t: float(graph.ops[op].seconds)
+                        for t, op in graph.forward_tensors.items()}
+    return sorted(graph.candidate_checkpoints,
                   key=lambda t: -producer_seconds[t] / max(1, tensor_bytes.get(t, 0)))
 
 
-def value_prefix(graph: nx.DiGraph, budget_bytes: int, base=(), refresh_gap: int | None = None) -> Plan:
+def value_prefix(graph: CostGraph, budget_bytes: int, base=(), refresh_gap: int | None = None) -> Plan:
     """Keep `base` (a checkpoint set that fits, e.g. the least-peak plan's) plus the longest
     prefix of the other candidates in `by_value` order whose plan's peak fits `budget_bytes`:
     bisection on the prefix length, about log2(candidates) plan evaluations (the peak grows,
@@ -59,13 +59,13 @@ def value_prefix(graph: nx.DiGraph, budget_bytes: int, base=(), refresh_gap: int
     return best
 
 
-def greedy(graph: nx.DiGraph, budget_bytes: int | None = None, *,
+def greedy(graph: CostGraph, budget_bytes: int | None = None, *,
            time_limit_seconds: float = 20.0, max_seeds: int = 24, seeds: list[Plan] = (),
            refresh_gap: int | None = None, max_evaluations: int | None = None) -> Plan:
     """Local search from the best of the built-in seeds and `seeds` (plans of other solvers),
     every plan scheduled with `refresh_gap` (see `schedule_for`)."""
     started = time.perf_counter()
-    n = len(graph.graph["forward_order"])
+    n = len(graph.forward_order)
     seeds = [*seeds, store_all(graph), chen_sqrt(graph)]
     if refresh_gap is not None:
         seeds = [make_plan(graph, p.strategy, p.checkpoints, refresh_gap, **p.notes) for p in seeds]
@@ -76,9 +76,9 @@ def greedy(graph: nx.DiGraph, budget_bytes: int | None = None, *,
             seeds.append(make_plan(graph, "greedy", segment_checkpoints(graph, segments), refresh_gap))
     best = min(seeds, key=lambda p: objective(p, budget_bytes))
     current = set(best.checkpoints)
-    tensor_bytes = graph.graph["tensor_bytes"]
+    tensor_bytes = graph.tensor_bytes
     if budget_bytes is None:
-        candidates = sorted(candidate_checkpoints(graph), key=lambda t: -tensor_bytes.get(t, 0))
+        candidates = sorted(graph.candidate_checkpoints, key=lambda t: -tensor_bytes.get(t, 0))
     else:
         candidates = by_value(graph)
     evaluated = len(seeds)

@@ -73,9 +73,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-import networkx as nx
+from ..costgraph import CostGraph
 
-from .plan import Plan, forced_checkpoints, make_plan
+from .plan import Plan, make_plan
 
 DEFAULT_MAX_LOWER_SETS = 1_000   # the exact DP's time grows with its square (see the report)
 
@@ -147,29 +147,29 @@ class Model:
         return best
 
 
-def build_model(graph: nx.DiGraph) -> Model:
-    nodes = graph.nodes
-    tensor_bytes = graph.graph["tensor_bytes"]
-    resident = graph.graph["resident"]
-    kept_outputs = graph.graph["kept"]
-    droppable = graph.graph.get("droppable", frozenset())
-    fwd_order = list(graph.graph["forward_order"])
-    bwd_order = list(graph.graph["backward_order"])
-    forced = forced_checkpoints(graph)
+def build_model(graph: CostGraph) -> Model:
+    nodes = graph.ops
+    tensor_bytes = graph.tensor_bytes
+    resident = graph.resident
+    kept_outputs = graph.kept
+    droppable = graph.droppable
+    fwd_order = list(graph.forward_order)
+    bwd_order = list(graph.backward_order)
+    forced = graph.forced_checkpoints
 
-    ops = [op for op in fwd_order if nodes[op]["recomputable"] and not nodes[op].get("folded")]
+    ops = [op for op in fwd_order if nodes[op].recomputable and not nodes[op].folded]
     index = {op: i for i, op in enumerate(ops)}
     producer: dict[str, str] = {}
     for op in fwd_order:
-        for t in nodes[op]["outputs"]:
+        for t in nodes[op].outputs:
             producer[t] = op
     fwd_readers: dict[str, list[str]] = {}
     for op in fwd_order:
-        for t in nodes[op]["inputs"]:
+        for t in nodes[op].inputs:
             fwd_readers.setdefault(t, []).append(op)
     bwd_pos: dict[str, list[int]] = {}
     for j, op in enumerate(bwd_order):
-        for t in nodes[op]["inputs"]:
+        for t in nodes[op].inputs:
             if t in producer:
                 bwd_pos.setdefault(t, []).append(j)
 
@@ -177,11 +177,11 @@ def build_model(graph: nx.DiGraph) -> Model:
     root: dict[str, str | None] = {}
     for op in fwd_order:
         attrs = nodes[op]
-        for k, t in enumerate(attrs["outputs"]):
-            if attrs.get("folded"):
+        for k, t in enumerate(attrs.outputs):
+            if attrs.folded:
                 root[t] = None
-            elif k == 0 and attrs.get("alias") and attrs["inputs"]:
-                src = attrs["inputs"][0]
+            elif k == 0 and attrs.alias and attrs.inputs:
+                src = attrs.inputs[0]
                 root[t] = root.get(src) if src in producer else None
             else:
                 root[t] = t
@@ -213,7 +213,7 @@ def build_model(graph: nx.DiGraph) -> Model:
             class_of[t] = len(classes)
         classes.append(cls)
     for op in ops:                       # D outputs outside every class (rooted outside D)
-        for t in nodes[op]["outputs"]:
+        for t in nodes[op].outputs:
             if t not in class_of:
                 always_kept.add(t)
 
@@ -227,11 +227,11 @@ def build_model(graph: nx.DiGraph) -> Model:
         classes_of[cls.root].append(c)
     for i, op in enumerate(ops):
         attrs = nodes[op]
-        for t in attrs["inputs"]:
+        for t in attrs.inputs:
             if t in producer and producer[t] in index:
                 preds[i] |= 1 << index[producer[t]]
-        for k, t in enumerate(attrs["outputs"]):
-            aliased = k == 0 and attrs.get("alias") and attrs["inputs"]
+        for k, t in enumerate(attrs.outputs):
+            aliased = k == 0 and attrs.alias and attrs.inputs
             if not aliased and not (t in droppable and t not in fwd_readers and t not in bwd_pos):
                 if t not in fwd_readers and t not in bwd_pos:      # a recomputed copy is never freed
                     rec_bufs[i].append((int(tensor_bytes.get(t, 0)), end))
@@ -245,7 +245,7 @@ def build_model(graph: nx.DiGraph) -> Model:
                 outputs[i].append((class_of[t], t in bwd_pos, dreaders))
 
     g, g_star = _plan_independent_live(graph, producer, root, class_of)
-    model = Model(ops, preds, [float(nodes[op].get("seconds", 0.0)) for op in ops], outputs,
+    model = Model(ops, preds, [float(nodes[op].seconds) for op in ops], outputs,
                   rec_bufs, classes, classes_of, g, g_star, frozenset(always_kept))
     table = [list(g)]
     k = 1
@@ -262,27 +262,27 @@ def _plan_independent_live(graph, producer, root, class_of) -> tuple[list[int], 
     """G(b) per backward position and the max over all steps of the plan-independent live
     bytes (the cost model's rules on forward-then-backward order, counting only buffers whose
     lifetime no plan changes: backward buffers and forward buffers not in a storage class)."""
-    nodes = graph.nodes
-    tensor_bytes = graph.graph["tensor_bytes"]
-    resident = graph.graph["resident"]
-    kept = graph.graph["kept"]
-    droppable = graph.graph.get("droppable", frozenset())
-    order = list(graph.graph["forward_order"]) + list(graph.graph["backward_order"])
-    n_fwd = len(graph.graph["forward_order"])
+    nodes = graph.ops
+    tensor_bytes = graph.tensor_bytes
+    resident = graph.resident
+    kept = graph.kept
+    droppable = graph.droppable
+    order = list(graph.forward_order) + list(graph.backward_order)
+    n_fwd = len(graph.forward_order)
     storage: dict[str, int] = {}
     born, last, nbytes, counted, keep, read = [], [], [], [], [], []
     for i, op in enumerate(order):
         attrs = nodes[op]
-        for t in attrs["inputs"]:
+        for t in attrs.inputs:
             s = storage.get(t)
             if s is not None:
                 last[s] = max(last[s], i)
                 read[s] = True
-        if attrs.get("folded"):
+        if attrs.folded:
             continue
-        for k, t in enumerate(attrs["outputs"]):
-            if k == 0 and attrs.get("alias") and attrs["inputs"]:
-                src = attrs["inputs"][0]
+        for k, t in enumerate(attrs.outputs):
+            if k == 0 and attrs.alias and attrs.inputs:
+                src = attrs.inputs[0]
                 if src in storage:
                     s = storage[src]
                     storage[t] = s
@@ -314,7 +314,7 @@ def _plan_independent_live(graph, producer, root, class_of) -> tuple[list[int], 
     g, g_star = [], 0
     for i, op in enumerate(order):
         live += delta[i]
-        running = live + int(nodes[op].get("workspace", 0) or 0)
+        running = live + int(nodes[op].workspace_bytes or 0)
         g_star = max(g_star, running)
         if i >= n_fwd:
             g.append(running)
@@ -592,7 +592,7 @@ def _least_peak(model: Model, family: list[int]) -> int:
 # ----------------------------------------------------------------------------- strategies
 
 
-def _solve(graph: nx.DiGraph, budget_bytes: int | None, exact: bool, max_lower_sets: int,
+def _solve(graph: CostGraph, budget_bytes: int | None, exact: bool, max_lower_sets: int,
            max_rounds: int = 8) -> Plan:
     started = time.perf_counter()
     model = build_model(graph)
@@ -640,13 +640,13 @@ def _solve(graph: nx.DiGraph, budget_bytes: int | None, exact: bool, max_lower_s
     return best
 
 
-def kusumoto(graph: nx.DiGraph, budget_bytes: int | None = None, *,
+def kusumoto(graph: CostGraph, budget_bytes: int | None = None, *,
              max_lower_sets: int = DEFAULT_MAX_LOWER_SETS) -> Plan:
     """Exact lower-set DP when D has at most `max_lower_sets` lower sets, else the
     approximate DP (Plan.notes["exact"] says which). No budget: memory-centric."""
     return _solve(graph, budget_bytes, True, max_lower_sets)
 
 
-def kusumoto_approx(graph: nx.DiGraph, budget_bytes: int | None = None) -> Plan:
+def kusumoto_approx(graph: CostGraph, budget_bytes: int | None = None) -> Plan:
     """The approximate DP over the ancestor-closure lower sets."""
     return _solve(graph, budget_bytes, False, 0)

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import time
 
-import networkx as nx
+from ..costgraph import CostGraph
 import numpy as np
 
 from .kusumoto import Model, build_model, evaluate_chain
@@ -243,7 +243,7 @@ def _solve_once(B: _Builder, time_limit: float, objective: str, peak: int, preso
     return status, (info.objective_function_value if has_solution else None), values, info.mip_gap
 
 
-def milp(graph: nx.DiGraph, budget_bytes: int | None = None, time_limit_seconds: float = 60.0) -> Plan:
+def milp(graph: CostGraph, budget_bytes: int | None = None, time_limit_seconds: float = 60.0) -> Plan:
     """Least recompute time with model peak <= budget (least model peak, then time, without)."""
     started = time.perf_counter()
     model = build_model(graph)

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import networkx as nx
+import weakref
 
+from ..costgraph import CostGraph
 from ..costmodel import Simulation, Step, priority_order, simulate
 
 
@@ -38,41 +39,12 @@ class Plan:
         return sum(1 for _, copy in self.schedule if copy)
 
 
-def forward_tensors(graph: nx.DiGraph) -> dict[str, str]:
-    """Forward tensor -> its producing forward op."""
-    out = {}
-    for op in graph.graph["forward_order"]:
-        for t in graph.nodes[op]["outputs"]:
-            out[t] = op
-    return out
+# facts a solver derives from a graph once (the graph itself never changes)
+_SUNK_BACKWARD: "weakref.WeakKeyDictionary[CostGraph, tuple[str, ...]]" = weakref.WeakKeyDictionary()
+_PEAK_FLOOR: "weakref.WeakKeyDictionary[CostGraph, int]" = weakref.WeakKeyDictionary()
 
 
-def forced_checkpoints(graph: nx.DiGraph) -> set[str]:
-    """Forward tensors that must be kept: outputs of ops that cannot be recomputed, and
-    graph outputs."""
-    forced = set()
-    kept = graph.graph["kept"]
-    for t, op in forward_tensors(graph).items():
-        if not graph.nodes[op]["recomputable"] or t in kept:
-            forced.add(t)
-    return forced
-
-
-def candidate_checkpoints(graph: nx.DiGraph) -> list[str]:
-    """Forward tensors a solver may choose to keep (the others forced or free), in forward order."""
-    forced = forced_checkpoints(graph)
-    clobbered = graph.graph.get("clobbered", frozenset())
-    tensor_bytes = graph.graph["tensor_bytes"]
-    return [t for t in forward_tensors(graph)
-            if t not in forced and t not in clobbered and tensor_bytes.get(t, 0) > 0]
-
-
-def stashed_tensors(graph: nx.DiGraph) -> set[str]:
-    fwd = forward_tensors(graph)
-    return {t for op in graph.graph["backward_order"] for t in graph.nodes[op]["inputs"] if t in fwd}
-
-
-def sunk_backward_order(graph: nx.DiGraph) -> list[str]:
+def sunk_backward_order(graph: CostGraph) -> tuple[str, ...]:
     """The backward order with each op that only adds memory moved to right before its first
     reader (as late as possible): an op whose inputs are resident, computed from resident
     tensors only (e.g. the split and transpose of a weight for a gradient MatMul, which move
@@ -80,40 +52,40 @@ def sunk_backward_order(graph: nx.DiGraph) -> list[str]:
     training graph puts it (often the start of the backward pass) to its reader; moved, it holds
     it only there, and it extends no input's life. Ops whose outputs nobody in the backward
     reads (gradients: graph outputs) stay. Computed once per cost graph."""
-    cached = graph.graph.get("_sunk_backward")
+    cached = _SUNK_BACKWARD.get(graph)
     if cached is not None:
         return cached
-    nodes = graph.nodes
-    order = graph.graph["backward_order"]
-    resident = graph.graph["resident"]
+    ops = graph.ops
+    order = graph.backward_order
+    resident = graph.resident
     position = {op: i for i, op in enumerate(order)}
     readers: dict[str, list[int]] = {}
     for i, op in enumerate(order):
-        for t in nodes[op]["inputs"]:
+        for t in ops[op].inputs:
             readers.setdefault(t, []).append(i)
     # ops computed from resident tensors only (a weight's Split, Transpose, Reshape, ...)
     derived: set[str] = set()
     for op in order:
-        if all(t in resident or t in derived for t in nodes[op]["inputs"]):
-            derived.update(nodes[op]["outputs"])
+        if all(t in resident or t in derived for t in ops[op].inputs):
+            derived.update(ops[op].outputs)
     key: dict[str, tuple] = {}
     for i in range(len(order) - 1, -1, -1):
         op = order[i]
-        consumers = sorted({j for t in nodes[op]["outputs"] for j in readers.get(t, ()) if j > i})
+        consumers = sorted({j for t in ops[op].outputs for j in readers.get(t, ()) if j > i})
         key[op] = (i, 0)
-        if not consumers or nodes[op].get("runs_first"):
+        if not consumers or ops[op].runs_first:
             continue
         target = min(key[order[j]] for j in consumers)
         safe = all(t in resident or t in derived or any(j >= target[0] for j in readers.get(t, ()) if j != i)
-                   for t in nodes[op]["inputs"])
+                   for t in ops[op].inputs)
         if safe and target[0] > i:
             key[op] = (target[0], target[1] - 1)
-    sunk = sorted(order, key=lambda op: (key[op], position[op]))
-    graph.graph["_sunk_backward"] = sunk
+    sunk = tuple(sorted(order, key=lambda op: (key[op], position[op])))
+    _SUNK_BACKWARD[graph] = sunk
     return sunk
 
 
-def schedule_for(graph: nx.DiGraph, checkpoints: set[str] | frozenset[str],
+def schedule_for(graph: CostGraph, checkpoints: set[str] | frozenset[str],
                  refresh_gap: int | None = None) -> list[Step]:
     """The schedule implied by keeping `checkpoints` (see the module docstring).
 
@@ -122,15 +94,15 @@ def schedule_for(graph: nx.DiGraph, checkpoints: set[str] | frozenset[str],
     2, 3, ...), instead of being held across the gap. None: each op is recomputed at most
     once (the tensor is held until its last reader).
 
-    Tensors an op overwrites in place (`graph.graph["clobbered"]`: a training-mode
+    Tensors an op overwrites in place (`graph.clobbered`: a training-mode
     BatchNormalization's statistics inputs) are never kept: every run of that op, a
     recomputed clone included, reads a fresh copy (the checkpoints named are ignored)."""
-    nodes = graph.nodes
-    fwd_order = graph.graph["forward_order"]
-    position = {op: i for i, op in enumerate(fwd_order)}
-    producer = forward_tensors(graph)
-    clobbered = graph.graph.get("clobbered", frozenset())
-    forced = forced_checkpoints(graph)
+    ops = graph.ops
+    fwd_order = graph.forward_order
+    position = graph.op_id
+    producer = graph.forward_tensors
+    clobbered = graph.clobbered
+    forced = graph.forced_checkpoints
     available = (set(checkpoints) - clobbered) | forced
     schedule: list[Step] = [(op, 0) for op in fwd_order]
     copies: dict[str, int] = {}
@@ -145,29 +117,29 @@ def schedule_for(graph: nx.DiGraph, checkpoints: set[str] | frozenset[str],
             if op in into:
                 continue
             into.add(op)
-            stack.extend(nodes[op]["inputs"])
+            stack.extend(ops[op].inputs)
 
     backward = sunk_backward_order(graph)
     reads_at: dict[str, list[int]] = {}
     if refresh_gap is not None:
         for i, op in enumerate(backward):
-            for t in nodes[op]["inputs"]:
+            for t in ops[op].inputs:
                 if t in producer:
                     reads_at.setdefault(t, []).append(i)
     recomputed: set[str] = set()
     for i, op in enumerate(backward):
         todo: set[str] = set()
-        for t in nodes[op]["inputs"]:
+        for t in ops[op].inputs:
             if t in producer and t not in available:
                 missing_ops(t, todo)
         if todo:
             for r in sorted(todo, key=position.__getitem__):
                 copies[r] = copies.get(r, 0) + 1
                 schedule.append((r, copies[r]))
-                available.update(nodes[r]["outputs"])
-                recomputed.update(nodes[r]["outputs"])
+                available.update(ops[r].outputs)
+                recomputed.update(ops[r].outputs)
             for r in todo:
-                available.difference_update(t for t in nodes[r].get("clobbers", ()) if t not in forced)
+                available.difference_update(t for t in ops[r].clobbers if t not in forced)
         schedule.append((op, 0))
         if refresh_gap is not None and recomputed:
             for t in list(recomputed):
@@ -178,7 +150,7 @@ def schedule_for(graph: nx.DiGraph, checkpoints: set[str] | frozenset[str],
     return schedule
 
 
-def peak_floor_bytes(graph: nx.DiGraph) -> int:
+def peak_floor_bytes(graph: CostGraph) -> int:
     """A lower bound on every plan's cost-model peak: the peak of the buffers whose lifetime no
     plan shortens, on the store-all schedule (forward order, then the sunk backward order).
 
@@ -189,23 +161,19 @@ def peak_floor_bytes(graph: nx.DiGraph) -> int:
     (it is read later); so at each step of store-all's schedule a plan holds at least these
     buffers. A plan at the floor cannot lower its peak: only its recomputation time is left to
     improve. Computed once per cost graph."""
-    cached = graph.graph.get("_peak_floor_bytes")
+    cached = _PEAK_FLOOR.get(graph)
     if cached is not None:
         return cached
-    zeroed = graph.copy()
-    tensor_bytes = dict(graph.graph["tensor_bytes"])
-    for t in candidate_checkpoints(graph):
-        tensor_bytes[t] = 0
-    zeroed.graph["tensor_bytes"] = tensor_bytes
-    schedule = schedule_for(zeroed, candidate_checkpoints(graph))
+    zeroed = graph.with_tensor_bytes({t: 0 for t in graph.candidate_checkpoints})
+    schedule = schedule_for(zeroed, graph.candidate_checkpoints)
     floor = simulate(zeroed, priority_order(zeroed, schedule)).peak_bytes
-    graph.graph["_peak_floor_bytes"] = floor
+    _PEAK_FLOOR[graph] = floor
     return floor
 
 
-def make_plan(graph: nx.DiGraph, strategy: str, checkpoints, refresh_gap: int | None = None, **notes) -> Plan:
+def make_plan(graph: CostGraph, strategy: str, checkpoints, refresh_gap: int | None = None, **notes) -> Plan:
     """Plan for a checkpoint set, evaluated by the cost model on the runtime's order."""
-    checkpoints = frozenset(checkpoints) - graph.graph.get("clobbered", frozenset())
+    checkpoints = frozenset(checkpoints) - graph.clobbered
     schedule = schedule_for(graph, checkpoints, refresh_gap)
     executed = priority_order(graph, schedule)
     plan = Plan(strategy, checkpoints, schedule, simulate(graph, executed), dict(notes))

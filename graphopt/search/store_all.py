@@ -1,10 +1,10 @@
 """`store-all`: keep every forward tensor (no recomputation); only the order is ours."""
 from __future__ import annotations
 
-import networkx as nx
+from ..costgraph import CostGraph
 
-from .plan import Plan, candidate_checkpoints, make_plan
+from .plan import Plan, make_plan
 
 
-def store_all(graph: nx.DiGraph, budget_bytes: int | None = None) -> Plan:
-    return make_plan(graph, "store-all", candidate_checkpoints(graph))
+def store_all(graph: CostGraph, budget_bytes: int | None = None) -> Plan:
+    return make_plan(graph, "store-all", graph.candidate_checkpoints)

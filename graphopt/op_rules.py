@@ -1,0 +1,211 @@
+"""What graphopt knows about ONNX ops as ONNX Runtime runs them (aliasing, random, folded at
+load, in-place statistics, kernel work buffers), and `build_cost_graph`: the typed cost graph
+(`costgraph.CostGraph`, bytes and seconds) of an analyzed training graph and its measured
+annotations. This is where ONNX knowledge ends: the solvers and the cost model see only that
+graph."""
+from __future__ import annotations
+
+import math
+
+import onnx
+from onnx import defs, shape_inference
+
+from .analyze import TrainingGraph
+from .costgraph import CostGraph, Op
+
+# Ops whose output 0 shares the buffer of input 0 in ONNX Runtime's CPU and CUDA providers.
+ALIAS_OPS = frozenset({"Reshape", "Identity", "Squeeze", "Unsqueeze", "Flatten"})
+# Ops that draw random numbers: never recomputed (their outputs are always checkpoints).
+RANDOM_OPS = frozenset({"Dropout", "RandomNormal", "RandomNormalLike", "RandomUniform",
+                        "RandomUniformLike", "Multinomial", "Bernoulli"})
+# Ops ONNX Runtime's priority-based order runs as soon as they are ready.
+RUNS_FIRST_OPS = frozenset({"Shape", "Size"})
+# Ops ONNX Runtime replaces by initializers when it loads a graph (onnxruntime/core/graph/
+# graph.cc, at every optimization level): they never run, their outputs exist before the
+# run starts and are not part of its peak. Measured on 1.32: a `Constant` node is absent
+# from the profiled execution order.
+FOLDED_AT_LOAD_OPS = frozenset({"Constant"})
+
+
+def _numel(shape) -> int | None:
+    if shape is None or any(d is None or d < 0 for d in shape):
+        return None
+    return math.prod(shape)
+
+
+def static_shapes(model: onnx.ModelProto) -> dict[str, list[int | None]]:
+    """Tensor shapes as ONNX shape inference sees them (None for an unknown dimension)."""
+    try:
+        inferred = shape_inference.infer_shapes(model, data_prop=True)
+    except Exception:
+        inferred = model
+    g = inferred.graph
+    shapes: dict[str, list[int | None]] = {}
+    for vi in list(g.input) + list(g.value_info) + list(g.output):
+        tt = vi.type.tensor_type
+        if tt.HasField("shape"):
+            shapes[vi.name] = [d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim]
+    for t in g.initializer:
+        shapes[t.name] = list(t.dims)
+    return shapes
+
+
+def _ints(node: onnx.NodeProto, name: str, default):
+    for a in node.attribute:
+        if a.name == name:
+            return list(a.ints) if a.type == onnx.AttributeProto.INTS else a.i
+    return default
+
+
+def workspace_bytes(node: onnx.NodeProto, shapes: dict, tensor_bytes: dict[str, int]) -> int:
+    """Bytes a CPU kernel of ONNX Runtime allocates for itself while it runs (freed when it
+    returns), for the kernels where that is a tensor-sized buffer. Each rule is ORT's code
+    and was confirmed by measurement on 1.32 (peak of a one-node graph, arena off):
+
+    - ``Sum`` with three or more inputs accumulates through one temporary of the output's
+      size (2 inputs: none; Max/Min/Mean with 3 inputs: none). Measured: 3 inputs of
+      16 MiB -> 32 MiB (output + temporary), 4 -> 96 MiB with inputs produced in-graph.
+    - ``ConvTranspose`` builds its column buffer of (C_out/group) * prod(kernel) *
+      prod(input spatial) elements (conv_transpose.cc). Measured: x 8x64x64x64, w 64x64x3x3:
+      8 MiB output + 9 MiB column buffer.
+    - ``Conv`` (MLAS, convolve.cpp MlasConvPrepare): a pointwise convolution (or one whose
+      kernel spans the input's width) is a direct GEMM with no buffer; otherwise, when the
+      filter count per group exceeds the output's spatial size, the whole im2col matrix is
+      expanded: prod(output spatial) * (C/group) * prod(kernel) elements; else it works in
+      small per-thread segments (counted as 0). Measured: a weight-gradient convolution
+      x 64x8x66x66, w 64x8x64x64 -> 3x3 output: +1.1 MiB; a 3x3 convolution over 64x64
+      images: no extra.
+    """
+    if node.domain not in ("", "ai.onnx"):
+        return 0
+    outs = [t for t in node.output if t]
+    if not outs:
+        return 0
+    if node.op_type == "Sum":
+        return int(tensor_bytes.get(outs[0], 0)) if len([t for t in node.input if t]) >= 3 else 0
+    if node.op_type not in ("Conv", "ConvTranspose") or len(node.input) < 2:
+        return 0
+    x, w, y = shapes.get(node.input[0]), shapes.get(node.input[1]), shapes.get(outs[0])
+    if x is None or w is None or y is None or None in x or None in w or None in y or len(x) < 3:
+        return 0
+    n_out = _numel(y)
+    if not n_out:
+        return 0
+    elem = int(tensor_bytes.get(outs[0], 0)) // n_out or 4
+    group = int(_ints(node, "group", 1)) or 1
+    kernel = w[2:]
+    if node.op_type == "ConvTranspose":
+        c_out_per_group = w[1]  # weight: (C_in, C_out/group, k...)
+        return elem * c_out_per_group * math.prod(kernel) * math.prod(x[2:])
+    # Conv: weight (M, C/group, k...)
+    dims = len(kernel)
+    strides = _ints(node, "strides", [1] * dims)
+    pads = _ints(node, "pads", [0] * (2 * dims))
+    dilations = _ints(node, "dilations", [1] * dims)
+    auto_pad = next((a.s for a in node.attribute if a.name == "auto_pad"), b"NOTSET")
+    ones = all(s == 1 for s in strides) and all(d == 1 for d in dilations)
+    no_pad = all(p == 0 for p in pads) and auto_pad in (b"NOTSET", b"VALID")
+    if ones and no_pad:
+        if math.prod(kernel) == 1:
+            return 0
+        if dims == 2 and (kernel[1] == x[3] or (kernel[0] == x[2] and kernel[1] == 1)):
+            return 0
+    filters_per_group = w[0] // group
+    output_size = math.prod(y[2:])
+    if filters_per_group > output_size:
+        return elem * output_size * w[1] * math.prod(kernel)
+    return 0
+
+
+def is_alias(node: onnx.NodeProto) -> bool:
+    return node.domain in ("", "ai.onnx") and node.op_type in ALIAS_OPS
+
+
+def is_random(node: onnx.NodeProto) -> bool:
+    """Random ops, and ops with subgraphs (their bodies are not looked into)."""
+    has_subgraph = any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+                       for a in node.attribute)
+    return node.op_type in RANDOM_OPS or has_subgraph
+
+
+# Ops whose optional outputs go together: ONNX Runtime takes BatchNormalization with 1 or
+# 3 outputs (training mode writes both running statistics), never 2.
+ALL_OR_NOTHING_OUTPUTS = frozenset({"BatchNormalization"})
+
+
+def optional_output_positions(node: onnx.NodeProto, opset: int) -> set[int]:
+    """Positions of outputs that the op's schema declares optional (may be left unnamed)."""
+    if node.op_type in ALL_OR_NOTHING_OUTPUTS:
+        return set()
+    try:
+        schema = defs.get_schema(node.op_type, opset, node.domain)
+    except Exception:
+        return set()
+    positions = set()
+    for k, formal in enumerate(schema.outputs):
+        if formal.option == defs.OpSchema.FormalParameterOption.Optional:
+            positions.add(k)
+    return positions
+
+
+def clobbered_inputs(node: onnx.NodeProto) -> tuple[str, ...]:
+    """Inputs whose buffers ONNX Runtime overwrites with an output (its kernel declares them
+    aliased): a training-mode BatchNormalization writes the updated running statistics into
+    the buffers of its statistics inputs (3 and 4). Read after the op, such a tensor holds the
+    updated values, so no plan may keep it for a later reader (a recomputed clone)."""
+    if node.domain in ("", "ai.onnx") and node.op_type == "BatchNormalization":
+        training = next((a.i for a in node.attribute if a.name == "training_mode"), 0)
+        if training:
+            return tuple(t for t in node.input[3:5] if t)
+    return ()
+
+
+def opset_of(model: onnx.ModelProto, domain: str = "") -> int:
+    for imp in model.opset_import:
+        if imp.domain in (domain, "ai.onnx" if domain == "" else domain):
+            return imp.version
+    return onnx.defs.onnx_opset_version()
+
+
+def build_cost_graph(training: TrainingGraph, tensor_bytes: dict[str, int],
+                     node_seconds: dict[str, float],
+                     tensor_shapes: dict[str, list[int]] | None = None) -> CostGraph:
+    """The cost graph of `training`: one op per forward/backward node (see costmodel).
+
+    `tensor_shapes` (measured, e.g. ``Annotations.tensor_shapes``) sizes the kernels'
+    work buffers; without it, ONNX shape inference does (unknown shapes count 0)."""
+    model = training.model
+    nodes = training.nodes
+    opset = opset_of(model)
+    shapes = static_shapes(model)
+    if tensor_shapes:
+        shapes.update({k: list(v) for k, v in tensor_shapes.items()})
+    outputs = {o.name for o in model.graph.output}
+    droppable = set()
+    ops = {}
+    for name in training.forward + training.backward:
+        node = nodes[name]
+        clobbers = clobbered_inputs(node)
+        # overwriting a resident tensor (an initializer, a graph input), a clone would read
+        # the updated values: such an op is never recomputed
+        overwrites_resident = any(t in training.resident for t in clobbers)
+        optional = optional_output_positions(node, opset)
+        for k, t in enumerate(node.output):
+            if t and k in optional and t not in outputs and k > 0:
+                droppable.add(t)
+        folded = node.domain in ("", "ai.onnx") and node.op_type in FOLDED_AT_LOAD_OPS
+        ops[name] = Op(
+            name=name,
+            op_type=node.op_type,
+            inputs=tuple(t for t in node.input if t),
+            outputs=tuple(t for t in node.output if t),
+            seconds=float(node_seconds.get(name, 0.0)),
+            alias=is_alias(node),
+            recomputable=not is_random(node) and not folded and not overwrites_resident,
+            runs_first=node.op_type in RUNS_FIRST_OPS,
+            folded=folded,
+            clobbers=clobbers,
+            workspace_bytes=0 if folded else workspace_bytes(node, shapes, tensor_bytes),
+        )
+    return CostGraph([ops[n] for n in training.forward], [ops[n] for n in training.backward],
+                     tensor_bytes, resident=training.resident, kept=outputs, droppable=droppable)
