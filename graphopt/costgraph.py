@@ -143,6 +143,26 @@ class CostGraph:
         """Ops that read `tensor`, in order (forward, then backward)."""
         return self._readers.get(tensor, ())
 
+    # ---- plain data (JSON-ready), e.g. to keep real graphs for benchmarks
+
+    def to_dict(self) -> dict:
+        def op_dict(op: Op) -> dict:
+            d = dict(vars(op))
+            d["inputs"], d["outputs"], d["clobbers"] = list(op.inputs), list(op.outputs), list(op.clobbers)
+            return d
+        return {"forward": [op_dict(self.ops[n]) for n in self.forward_order],
+                "backward": [op_dict(self.ops[n]) for n in self.backward_order],
+                "tensor_bytes": dict(self.tensor_bytes), "resident": sorted(self.resident),
+                "kept": sorted(self.kept), "droppable": sorted(self.droppable)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CostGraph":
+        def op(o: dict) -> Op:
+            return Op(**{**o, "inputs": tuple(o["inputs"]), "outputs": tuple(o["outputs"]),
+                         "clobbers": tuple(o.get("clobbers", ()))})
+        return cls([op(o) for o in d["forward"]], [op(o) for o in d["backward"]], d["tensor_bytes"],
+                   d.get("resident", ()), d.get("kept", ()), d.get("droppable", ()))
+
     # ---- new graphs
 
     def with_tensor_bytes(self, overrides: Mapping[str, int]) -> "CostGraph":
