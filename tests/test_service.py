@@ -355,12 +355,21 @@ def test_cli_uses_the_server(server, models, tmp_path):
                              "--strategy", "feng-huang"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert f"server {server.target}" in result.stdout and (tmp_path / "opt.onnx").is_file()
+
+
+@pytest.mark.xfail(strict=True, reason="the client reads the model's external-data list inside the "
+                   "gRPC request stream: a bad model ends as 'UNKNOWN: Exception iterating requests!' "
+                   "with a traceback (service/client.py upload_messages)")
+def test_cli_names_a_bad_model_sent_to_a_server(server, tmp_path):
     bad = tmp_path / "bad.onnx"
     bad.write_bytes(b"nope")
     result = subprocess.run([sys.executable, "-m", "graphopt.cli", "optimize", str(bad), "-o",
                              str(tmp_path / "x.onnx"), "--server", server.target],
                             capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2 and "INVALID_ARGUMENT" in result.stderr or "not" in result.stderr
+    assert result.returncode == 2, result.stderr
+    # one clear line naming the problem (the client's check or the server's INVALID_ARGUMENT)
+    assert "is not a readable ONNX model" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and "UNKNOWN" not in result.stderr, result.stderr
 
 
 def test_message_size_limits_are_configurable_on_both_sides(tmp_path, models):
