@@ -12,6 +12,7 @@ from onnx import defs, shape_inference
 
 from .analyze import TrainingGraph
 from .costgraph import CostGraph, Op
+from .runtime.measure import MMAP_THRESHOLD_BYTES
 
 # Ops whose output 0 shares the buffer of input 0 in ONNX Runtime's CPU and CUDA providers.
 ALIAS_OPS = frozenset({"Reshape", "Identity", "Squeeze", "Unsqueeze", "Flatten"})
@@ -25,6 +26,41 @@ RUNS_FIRST_OPS = frozenset({"Shape", "Size"})
 # run starts and are not part of its peak. Measured on 1.32: a `Constant` node is absent
 # from the profiled execution order.
 FOLDED_AT_LOAD_OPS = frozenset({"Constant"})
+
+
+# Allocation granularity of the CPU process that measures a peak (graphopt/runtime/measure.py):
+# glibc with MALLOC_MMAP_THRESHOLD_ = MMAP_THRESHOLD_BYTES, peak = growth of resident pages.
+PAGE_BYTES = 4096
+# ORT's per-tensor heap objects: a traced step (malloc interposed, shufflenet_v2 and googlenet at
+# full size) held 168 + 40 bytes of Tensor object and shape per live tensor, plus two 8-byte chunk
+# headers; see `allocated_bytes`.
+TENSOR_OBJECT_BYTES = 224
+# posix_memalign(64, n): the chunk header plus the alignment's slack in front of the data
+ALIGNED_CHUNK_OVERHEAD_BYTES = 80
+# on the heap, memalign also splits off a leading remainder (up to 64 + 32 bytes) that only
+# small requests can reuse
+HEAP_SPLIT_BYTES = 96
+
+
+def allocated_bytes(nbytes: int, provider: str | None = None) -> int:
+    """Bytes of memory one tensor buffer of `nbytes` costs while it lives, on the CPU provider as
+    graphopt measures it. ONNX Runtime's CPU allocator takes every buffer through
+    ``posix_memalign(64, n)`` and keeps a Tensor object and its shape on the heap. Under the
+    measuring process's allocator settings (`graphopt.runtime.measure`: mmap threshold 4 KiB),
+    a buffer of 4 KiB or more is a mapping of its own, whose data plus header are whole 4 KiB
+    pages; a smaller one is a heap chunk (16-byte granularity). Measured on 1.32
+    (tests/test_cost_rules.py: one Split into n graph outputs, extra bytes per output beyond its
+    own): 2000 x 64 B: +481 to +543, 2000 x 1 KiB: +436, 1000 x 3968 B: +370, 100 x 1 MiB: +4260 (one
+    page and the Tensor object), 200 x 68 KiB: +4321. Between 4 and 64 KiB some buffers come
+    from the free top of the heap instead (+950 to +2404 measured where this rule says +4320).
+    Zero bytes (an absent tensor) cost nothing; on CUDA (a different allocator) the bytes are
+    taken as they are."""
+    if nbytes <= 0 or (provider is not None and provider != "CPUExecutionProvider"):
+        return max(0, int(nbytes))
+    if nbytes + ALIGNED_CHUNK_OVERHEAD_BYTES + 16 < MMAP_THRESHOLD_BYTES:
+        return -(-(nbytes + ALIGNED_CHUNK_OVERHEAD_BYTES) // 16) * 16 + HEAP_SPLIT_BYTES + TENSOR_OBJECT_BYTES
+    pages = -(-(nbytes + ALIGNED_CHUNK_OVERHEAD_BYTES) // PAGE_BYTES)
+    return pages * PAGE_BYTES + TENSOR_OBJECT_BYTES
 
 
 def _numel(shape) -> int | None:
@@ -75,6 +111,10 @@ def workspace_bytes(node: onnx.NodeProto, shapes: dict, tensor_bytes: dict[str, 
       small per-thread segments (counted as 0). Measured: a weight-gradient convolution
       x 64x8x66x66, w 64x8x64x64 -> 3x3 output: +1.1 MiB; a 3x3 convolution over 64x64
       images: no extra.
+    - ``Where`` (where_op.cc) broadcasts in two passes: it allocates X_selection (the shape of
+      condition broadcast with X) and Y_selection (condition with Y), both of X's dtype, and
+      merges them into the output. Measured (tests/test_cost_rules.py, and traced in
+      mobilenet_v2's ReLU6 gradient ``Where(cond, g, 0)``, 3 MiB output): output + 2 x 3 MiB.
     """
     if node.domain not in ("", "ai.onnx"):
         return 0
@@ -83,6 +123,8 @@ def workspace_bytes(node: onnx.NodeProto, shapes: dict, tensor_bytes: dict[str, 
         return 0
     if node.op_type == "Sum":
         return int(tensor_bytes.get(outs[0], 0)) if len([t for t in node.input if t]) >= 3 else 0
+    if node.op_type == "Where" and len(node.input) == 3:
+        return _where_selection_bytes(node, shapes, tensor_bytes)
     if node.op_type not in ("Conv", "ConvTranspose") or len(node.input) < 2:
         return 0
     x, w, y = shapes.get(node.input[0]), shapes.get(node.input[1]), shapes.get(outs[0])
@@ -117,8 +159,43 @@ def workspace_bytes(node: onnx.NodeProto, shapes: dict, tensor_bytes: dict[str, 
     return 0
 
 
-def is_alias(node: onnx.NodeProto) -> bool:
-    return node.domain in ("", "ai.onnx") and node.op_type in ALIAS_OPS
+def _broadcast(a: list, b: list) -> list | None:
+    rank = max(len(a), len(b))
+    a, b = [1] * (rank - len(a)) + list(a), [1] * (rank - len(b)) + list(b)
+    if any(d is None for d in a + b):
+        return None
+    return [max(x, y) if 1 in (x, y) or x == y else None for x, y in zip(a, b)]
+
+
+def _where_selection_bytes(node: onnx.NodeProto, shapes: dict, tensor_bytes: dict[str, int]) -> int:
+    """Bytes of Where's X_selection and Y_selection buffers (see `workspace_bytes`)."""
+    cond, x, y, out = shapes.get(node.input[0]), shapes.get(node.input[1]), shapes.get(node.input[2]), \
+        shapes.get(node.output[0])
+    if cond is None or x is None or y is None or out is None:
+        return 0
+    n_out = _numel(out)
+    if not n_out:
+        return 0
+    elem = int(tensor_bytes.get(node.output[0], 0)) // n_out
+    total = 0
+    for value in (x, y):
+        selection = _broadcast(cond, value)
+        if selection is None or None in selection:
+            return 0
+        total += elem * math.prod(selection)
+    return total
+
+
+def is_alias(node: onnx.NodeProto, graph_outputs: frozenset | set = frozenset()) -> bool:
+    """Output 0 shares input 0's buffer (Reshape, Identity, Squeeze, Unsqueeze, Flatten),
+    unless output 0 is a graph output: ONNX Runtime's allocation planner gives a graph output a
+    buffer of its own, and the kernel copies into it (the input is freed after its last reader).
+    Measured on 1.32 (tests/test_cost_rules.py; traced in mobilenet_v2's backward, where each
+    weight gradient ``Reshape`` to a graph output held input + output while it ran, then the
+    output alone)."""
+    if not (node.domain in ("", "ai.onnx") and node.op_type in ALIAS_OPS):
+        return False
+    return not (node.output and node.output[0] in graph_outputs)
 
 
 def is_random(node: onnx.NodeProto) -> bool:
@@ -169,11 +246,14 @@ def opset_of(model: onnx.ModelProto, domain: str = "") -> int:
 
 def build_cost_graph(training: TrainingGraph, tensor_bytes: dict[str, int],
                      node_seconds: dict[str, float],
-                     tensor_shapes: dict[str, list[int]] | None = None) -> CostGraph:
+                     tensor_shapes: dict[str, list[int]] | None = None,
+                     provider: str | None = None) -> CostGraph:
     """The cost graph of `training`: one op per forward/backward node (see costmodel).
 
     `tensor_shapes` (measured, e.g. ``Annotations.tensor_shapes``) sizes the kernels'
-    work buffers; without it, ONNX shape inference does (unknown shapes count 0)."""
+    work buffers; without it, ONNX shape inference does (unknown shapes count 0). The graph's
+    tensor bytes are what each buffer costs once allocated (`allocated_bytes`, CPU unless
+    `provider` names another)."""
     model = training.model
     nodes = training.nodes
     opset = opset_of(model)
@@ -200,12 +280,13 @@ def build_cost_graph(training: TrainingGraph, tensor_bytes: dict[str, int],
             inputs=tuple(t for t in node.input if t),
             outputs=tuple(t for t in node.output if t),
             seconds=float(node_seconds.get(name, 0.0)),
-            alias=is_alias(node),
+            alias=is_alias(node, outputs),
             recomputable=not is_random(node) and not folded and not overwrites_resident,
             runs_first=node.op_type in RUNS_FIRST_OPS,
             folded=folded,
             clobbers=clobbers,
             workspace_bytes=0 if folded else workspace_bytes(node, shapes, tensor_bytes),
         )
+    allocated = {t: allocated_bytes(int(b), provider) for t, b in tensor_bytes.items()}
     return CostGraph([ops[n] for n in training.forward], [ops[n] for n in training.backward],
-                     tensor_bytes, resident=training.resident, kept=outputs, droppable=droppable)
+                     allocated, resident=training.resident, kept=outputs, droppable=droppable)
