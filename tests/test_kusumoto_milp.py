@@ -1,5 +1,6 @@
 """Kusumoto's lower-set DP against a brute force over all strategies and the HiGHS MILP of the
-same model; the approximate DP against the exact one; plans valid under the cost model."""
+same model (two oracles that share nothing with the DP but the model's definition, on branching
+DAGs); the approximate DP against the exact one; plans valid under the cost model."""
 import math
 
 import pytest
@@ -9,14 +10,24 @@ from graphopt.search.kusumoto import (build_model, closure_lower_sets, evaluate_
 from graphopt.search.milp import milp
 from graphopt.search.plan import make_plan
 
-from synthetic import training_cost_graph
+from synthetic import branching_cost_graph, branching_stats, training_cost_graph
 from test_search import assert_valid
 
-# (n_forward, seed, max_fanin, random_ops)
-CASES = [(3, 0, 1, 0.0), (3, 1, 3, 0.0), (4, 2, 2, 0.0), (4, 3, 3, 0.3), (5, 4, 1, 0.0),
-         (5, 5, 2, 0.0), (5, 6, 3, 0.2), (6, 7, 2, 0.0), (6, 8, 3, 0.0), (7, 9, 1, 0.0),
-         (7, 10, 2, 0.2), (7, 11, 3, 0.0), (8, 12, 2, 0.0), (9, 13, 2, 0.0), (9, 14, 3, 0.0)]
+# (n_forward, seed, random_ops): branching DAGs of 3-7 forward ops (see test_cases_branch)
+CASES = [(n, 100 * n + k, (0.0, 0.0, 0.2)[k]) for n in (3, 4, 5, 6, 7) for k in range(3)]
 
+
+def case_graph(n, seed, random_ops):
+    return branching_cost_graph(n, seed=seed, random_ops=random_ops)
+
+
+def test_cases_branch():
+    """Most cases are real DAGs (parallel branches, fan-out, joins), several are too wide for
+    the brute force over chains (the MILP is their oracle)."""
+    graphs = [case_graph(*case) for case in CASES]
+    assert sum(branching_stats(g).branching for g in graphs) >= 0.6 * len(CASES)
+    widths = [len(lower_sets(build_model(g))) for g in graphs]
+    assert max(widths) >= 20, widths
 
 def all_chains(model, family, limit=5000):
     """Every strictly increasing chain of non-empty lower sets (None beyond `limit`)."""
@@ -47,9 +58,9 @@ def budgets(model, family):
     return least, store, sorted({least, least + (store - least) // 3, (least + store) // 2, store})
 
 
-@pytest.mark.parametrize("n,seed,fanin,random_ops", CASES)
-def test_exact_dp_equals_brute_force_and_milp(n, seed, fanin, random_ops):
-    graph = training_cost_graph(n, seed=seed, max_fanin=fanin, random_ops=random_ops)
+@pytest.mark.parametrize("n,seed,random_ops", CASES)
+def test_exact_dp_equals_brute_force_and_milp(n, seed, random_ops):
+    graph = case_graph(n, seed, random_ops)
     model = build_model(graph)
     family = lower_sets(model)
     least, store, bs = budgets(model, family)
@@ -88,9 +99,9 @@ def test_exact_dp_equals_brute_force_and_milp(n, seed, fanin, random_ops):
     assert solve_dp(model, family, least - 1) is None
 
 
-@pytest.mark.parametrize("n,seed,fanin,random_ops", CASES[::2])
-def test_model_time_is_the_plans_recompute_time(n, seed, fanin, random_ops):
-    graph = training_cost_graph(n, seed=seed, max_fanin=fanin, random_ops=random_ops)
+@pytest.mark.parametrize("n,seed,random_ops", CASES[::2])
+def test_model_time_is_the_plans_recompute_time(n, seed, random_ops):
+    graph = case_graph(n, seed, random_ops)
     model = build_model(graph)
     chains = all_chains(model, lower_sets(model), limit=400) or []
     for chain in chains:
@@ -108,9 +119,9 @@ def test_store_all_chain_is_exact_on_a_chain_graph():
     assert plan.peak_bytes == peak
 
 
-@pytest.mark.parametrize("n,seed,fanin", [(20, 1, 1), (25, 2, 2), (30, 3, 3), (40, 4, 2)])
-def test_strategies_valid_and_budgets(n, seed, fanin):
-    graph = training_cost_graph(n, seed=seed, max_fanin=fanin, random_ops=0.1)
+@pytest.mark.parametrize("n,seed", [(12, 1), (16, 2), (20, 3), (30, 4)])
+def test_strategies_valid_and_budgets(n, seed):
+    graph = branching_cost_graph(n, seed=seed, random_ops=0.1)
     least = kusumoto(graph)
     approx = kusumoto_approx(graph)
     for plan in (least, approx):
@@ -134,7 +145,7 @@ def test_strategies_valid_and_budgets(n, seed, fanin):
 
 
 def test_width_guard_falls_back_to_the_approximate_dp():
-    graph = training_cost_graph(12, seed=5, max_fanin=3)
+    graph = branching_cost_graph(10, seed=5)
     assert kusumoto(graph).notes["exact"] is True
     plan = kusumoto(graph, max_lower_sets=3)
     assert plan.notes["exact"] is False

@@ -1,4 +1,8 @@
-"""Solvers on synthetic cost graphs: plans are valid, and never worse than Chen's sqrt(n)."""
+"""Solvers on synthetic cost graphs: every plan is valid (no read before a write or after a
+free, on the runtime's order), random ops are never recomputed, budgets are met; the peak
+floor and auto at the floor against a brute force over every checkpoint subset. How good the
+plans are is tested against independent oracles in tests/test_oracles.py (brute force) and
+tests/test_kusumoto_milp.py (MILP)."""
 import dataclasses
 import random
 
@@ -10,7 +14,7 @@ from graphopt.costmodel import check_schedule, priority_order, resolve_versions,
 from graphopt.search import STRATEGIES, auto, chen_sqrt, feng_huang, greedy, store_all
 from graphopt.search.plan import Plan, make_plan
 
-from synthetic import training_cost_graph
+from synthetic import branching_cost_graph, branching_stats, training_cost_graph
 
 # solvers whose time grows fast with the graph: the property tests give them a time limit
 TIME_LIMITED = {"auto": 2.0, "feng-huang": 2.0}
@@ -149,19 +153,29 @@ def test_chen_recomputes_and_saves_on_a_chain():
     assert chen.peak_bytes < full.peak_bytes
 
 
+def random_graph(n, seed, shape, random_ops):
+    """Mostly branching DAGs (tests/synthetic.py), sometimes a chain with skips of fan-in 1-3."""
+    if shape == "branching":
+        return branching_cost_graph(n, seed=seed, random_ops=random_ops)
+    return training_cost_graph(n, seed=seed, max_fanin=int(shape[-1]), random_ops=random_ops)
+
+
+SHAPES = st.sampled_from(["branching"] * 4 + ["skips1", "skips3"])
+
+
 def assert_recomputes_no_random_op(graph, plan):
     for op, copy in plan.schedule:
         if copy:
             assert graph.ops[op].recomputable, op
 
 
-@settings(max_examples=50, deadline=None)
-@given(n=st.integers(2, 26), seed=st.integers(0, 10_000), fanin=st.integers(1, 3),
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(2, 26), seed=st.integers(0, 10_000), shape=SHAPES,
        random_ops=st.sampled_from([0.0, 0.2]))
-def test_every_strategy_gives_a_valid_plan(n, seed, fanin, random_ops):
-    graph = training_cost_graph(n, seed=seed, max_fanin=fanin, random_ops=random_ops)
+def test_every_strategy_gives_a_valid_plan(n, seed, shape, random_ops):
+    graph = random_graph(n, seed, shape, random_ops)
     for name in STRATEGIES:
-        if name == "milp" and n > 8:   # exact MILP: small graphs only (tests/test_kusumoto_milp.py)
+        if name == "milp" and n > 5:   # exact MILP: small graphs only (tests/test_kusumoto_milp.py)
             continue
         plan = run_strategy(name, graph)
         assert_valid(graph, plan)
@@ -171,52 +185,25 @@ def test_every_strategy_gives_a_valid_plan(n, seed, fanin, random_ops):
 FAST = ["chain", "greedy", "chen-greedy", "chen-sqrt", "store-all", "kusumoto-approx"]
 
 
-@settings(max_examples=25, deadline=None)
-@given(n=st.integers(25, 70), seed=st.integers(0, 10_000), fanin=st.integers(1, 3),
+@settings(max_examples=15, deadline=None)
+@given(n=st.integers(25, 70), seed=st.integers(0, 10_000), shape=SHAPES,
        random_ops=st.sampled_from([0.0, 0.2]))
-def test_fast_strategies_give_valid_plans_on_larger_graphs(n, seed, fanin, random_ops):
-    graph = training_cost_graph(n, seed=seed, max_fanin=fanin, random_ops=random_ops)
+def test_fast_strategies_give_valid_plans_on_larger_graphs(n, seed, shape, random_ops):
+    graph = random_graph(n, seed, shape, random_ops)
     for name in FAST:
         plan = run_strategy(name, graph)
         assert_valid(graph, plan)
         assert_recomputes_no_random_op(graph, plan)
 
 
-@settings(max_examples=40, deadline=None)
-@given(n=st.integers(2, 20), seed=st.integers(0, 10_000), fanin=st.integers(1, 3),
-       random_ops=st.sampled_from([0.0, 0.2]))
-def test_auto_never_worse_than_chen_store_all_or_feng_huang(n, seed, fanin, random_ops):
-    """`auto` scores these solvers' plans with the cost model: its peak is never above theirs.
-    On these sizes Feng & Huang is exact (about 1 s at most) well within its share of this
-    time limit (auto stops early once its local search converges), so auto's run of it is the
-    same plan as this one's."""
-    graph = training_cost_graph(n, seed=seed, max_fanin=fanin, random_ops=random_ops)
-    best = auto(graph, time_limit_seconds=30)
-    assert_valid(graph, best)
-    fh = feng_huang(graph, time_limit_seconds=None)
-    assert fh.notes["exact"]
-    assert best.peak_bytes <= chen_sqrt(graph).peak_bytes
-    assert best.peak_bytes <= store_all(graph).peak_bytes
-    assert best.peak_bytes <= fh.peak_bytes, (best.notes, fh.peak_bytes)
-
-
 @settings(max_examples=60, deadline=None)
-@given(n=st.integers(2, 60), seed=st.integers(0, 10_000), fanin=st.integers(1, 3))
-def test_greedy_never_worse_than_chen_or_store_all(n, seed, fanin):
-    graph = training_cost_graph(n, seed=seed, max_fanin=fanin)
-    best = greedy(graph)
-    assert best.peak_bytes <= chen_sqrt(graph).peak_bytes
-    assert best.peak_bytes <= store_all(graph).peak_bytes
-
-
-@settings(max_examples=60, deadline=None)
-@given(n=st.integers(2, 40), seed=st.integers(0, 10_000), fanin=st.integers(1, 3),
+@given(n=st.integers(2, 40), seed=st.integers(0, 10_000), shape=SHAPES,
        random_ops=st.sampled_from([0.0, 0.2]), gap=st.sampled_from([0, 1, 2, 5]),
        keep=st.floats(0.0, 0.6))
-def test_refresh_gap_schedules_are_valid(n, seed, fanin, random_ops, gap, keep):
+def test_refresh_gap_schedules_are_valid(n, seed, shape, random_ops, gap, keep):
     """Dropping a recomputed tensor across a backward gap and recomputing it again (copies
     2, 3, ...): every read still finds its version produced and not freed."""
-    graph = training_cost_graph(n, seed=seed, max_fanin=fanin, random_ops=random_ops)
+    graph = random_graph(n, seed, shape, random_ops)
     rng = random.Random(seed)
     checkpoints = {t for t in graph.candidate_checkpoints if rng.random() < keep}
     plan = make_plan(graph, "test", checkpoints, refresh_gap=gap)
@@ -225,7 +212,7 @@ def test_refresh_gap_schedules_are_valid(n, seed, fanin, random_ops, gap, keep):
 
 
 def test_recompute_runs_each_op_at_most_once_more():
-    graph = training_cost_graph(50, seed=5, max_fanin=2)
+    graph = branching_cost_graph(50, seed=5)
     plan = make_plan(graph, "test", set())  # keep nothing optional: recompute all
     assert_valid(graph, plan)
     copies = [c for _, c in plan.schedule]
@@ -233,7 +220,7 @@ def test_recompute_runs_each_op_at_most_once_more():
 
 
 def test_budget_objective_prefers_less_recomputation_when_budget_is_loose():
-    graph = training_cost_graph(40, seed=7, max_fanin=2)
+    graph = branching_cost_graph(40, seed=7)
     full = store_all(graph)
     loose = greedy(graph, budget_bytes=full.peak_bytes)
     assert loose.peak_bytes <= full.peak_bytes
@@ -287,13 +274,12 @@ def _with_backward_workspace(graph, op_index, workspace_bytes):
                      graph.resident, graph.kept, graph.droppable)
 
 
-@pytest.mark.parametrize("n,seed,fanin", [(6, 1, 1), (7, 2, 2), (8, 3, 3), (9, 4, 2), (10, 5, 1),
-                                          (8, 6, 2), (9, 7, 3), (10, 8, 2)])
-def test_peak_floor_is_below_every_plan_brute_force(n, seed, fanin):
+@pytest.mark.parametrize("n,seed", [(6, 1), (7, 3), (8, 1), (8, 15), (9, 1), (9, 3), (9, 15), (9, 18)])
+def test_peak_floor_is_below_every_plan_brute_force(n, seed):
     """No checkpoint subset (each op recomputed once, or recomputed at every reader) has a
     cost-model peak below `peak_floor_bytes`, with or without a large backward work buffer."""
     from graphopt.search.plan import peak_floor_bytes
-    graph = training_cost_graph(n, seed=seed, max_fanin=fanin)
+    graph = branching_cost_graph(n, seed=seed)
     floor = peak_floor_bytes(graph)
     peaks = [p.peak_bytes for p in _subset_plans(graph)]
     assert floor <= min(peaks)
@@ -302,9 +288,8 @@ def test_peak_floor_is_below_every_plan_brute_force(n, seed, fanin):
     assert floor <= min(p.peak_bytes for p in _subset_plans(heavy))
 
 
-@pytest.mark.parametrize("n,seed,fanin", [(8, 11, 2), (9, 12, 2), (10, 13, 2), (10, 14, 3),
-                                          (11, 15, 2), (12, 16, 3), (12, 17, 2), (12, 18, 3)])
-def test_auto_at_the_floor_matches_brute_force(n, seed, fanin):
+@pytest.mark.parametrize("n,seed", [(6, 12), (7, 2), (7, 12), (8, 8), (8, 13), (9, 1), (9, 15), (9, 18)])
+def test_auto_at_the_floor_matches_brute_force(n, seed):
     """A work buffer three times the largest plan's peak on a gradient accumulation in the
     middle of the backward (it reads no forward tensor, so a plan that holds no activation
     across it sits on the floor): auto reaches the floor and the least peak of every
@@ -312,7 +297,8 @@ def test_auto_at_the_floor_matches_brute_force(n, seed, fanin):
     that low under the same schedule (brute force)."""
     from graphopt.search.auto import PEAK_TOLERANCE
     from graphopt.search.plan import peak_floor_bytes
-    graph = training_cost_graph(n, seed=seed, max_fanin=fanin)
+    graph = branching_cost_graph(n, seed=seed)
+    assert branching_stats(graph).branching
     backward = graph.backward_order
     sums = [i for i, op in enumerate(backward) if op.startswith("sum_")]
     plain = [p.peak_bytes for p in _subset_plans(graph, (None,))]
@@ -329,13 +315,12 @@ def test_auto_at_the_floor_matches_brute_force(n, seed, fanin):
 
 
 @settings(max_examples=30, deadline=None)
-@given(n=st.integers(2, 40), seed=st.integers(0, 10_000), fanin=st.integers(1, 3),
-       share=st.floats(0.0, 1.0))
-def test_value_prefix_fits_its_budget(n, seed, fanin, share):
+@given(n=st.integers(2, 40), seed=st.integers(0, 10_000), shape=SHAPES, share=st.floats(0.0, 1.0))
+def test_value_prefix_fits_its_budget(n, seed, shape, share):
     """`value_prefix` keeps the base checkpoints plus a prefix of the other candidates in the
     seconds-per-byte ranking, and its peak fits the budget whenever the base's does."""
     from graphopt.search.greedy import by_value, value_prefix
-    graph = training_cost_graph(n, seed=seed, max_fanin=fanin)
+    graph = random_graph(n, seed, shape, 0.0)
     base = chen_sqrt(graph)
     high = store_all(graph).peak_bytes
     budget = int(base.peak_bytes + share * max(0, high - base.peak_bytes))
