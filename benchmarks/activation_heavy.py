@@ -102,7 +102,7 @@ def graphopt_row(row: dict) -> dict:
     train = onnx.load(row["train_path"])
     feeds = load_inputs(row["inputs_path"])
     result = optimize(train, OptimizeOptions(inputs=feeds, threads=1))
-    report = result.report
+    report = result.report.to_dict()
     notes = result.plan.notes
     row["report"] = {k: report.get(k) for k in (
         "strategy", "nodes", "recompute_nodes", "search_seconds", "outputs_match",

@@ -161,7 +161,7 @@ def worker(mode: str, model_path: str, inputs_path: str) -> dict:
         row["order"] = len(ann.execution_order)
     elif mode == "optimize":
         from graphopt.optimize import OptimizeOptions, optimize
-        report = optimize(model, OptimizeOptions(inputs=inputs, threads=1)).report
+        report = optimize(model, OptimizeOptions(inputs=inputs, threads=1)).report.to_dict()
         row.update(outcome=report["outcome"], recompute_nodes=report["recompute_nodes"],
                    measured_peak_bytes={k: v["peak_bytes"] for k, v in report["measured"].items()})
     elif mode == "all-outputs":

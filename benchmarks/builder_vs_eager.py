@@ -332,18 +332,18 @@ def table(results: dict) -> str:
 def explain(name: str, folder: str, top: int = 15) -> dict:
     """What is live at the peak of the cost model's simulation of the built graph in the
     order ONNX Runtime ran it (optimizations off): tensor, producing op, bytes. The cost
-    graph is optimize's own (graphopt.optimize._prepare/_annotate, as analyze_model)."""
+    graph is optimize's own (graphopt.pipeline.prepare, as analyze_model)."""
     import onnx
 
     from graphopt.costmodel import simulate
     from graphopt.inputs import load_inputs
-    from graphopt.optimize import OptimizeOptions, _annotate, _prepare
+    from graphopt.optimize import OptimizeOptions, prepare
 
     model = onnx.load(os.path.join(folder, name + ".onnx"))
     inputs = load_inputs(os.path.join(folder, name + ".npz"))
-    options = OptimizeOptions(inputs=inputs)
-    training, inputs = _prepare(model, options)
-    annotations, graph = _annotate(training, inputs, options)
+    options = OptimizeOptions(inputs=inputs, verify=False)
+    with prepare(model, options, expand=False) as prepared:
+        training, annotations, graph = prepared.training, prepared.annotations, prepared.graph
     order = [(op, 0) for op in annotations.execution_order if op in graph]
     sim = simulate(graph, order)
     live = live_at(graph, order, sim.peak_step)

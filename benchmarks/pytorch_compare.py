@@ -166,7 +166,7 @@ def measure_graphopt(name: str, strategy: str) -> dict:
     started = time.perf_counter()
     try:
         model, inputs = training_example(name)
-        report = optimize(model, OptimizeOptions(inputs=inputs, strategy=strategy)).report
+        report = optimize(model, OptimizeOptions(inputs=inputs, strategy=strategy)).report.to_dict()
     except Exception as e:  # noqa: BLE001
         return {"error": "%s: %s" % (type(e).__name__, str(e)[:300]),
                 "wall_seconds": time.perf_counter() - started}

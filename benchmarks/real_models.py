@@ -78,7 +78,7 @@ def run_one(name: str, size: str, exporter: str, eager: bool, grad_check: bool) 
             row["eager"] = real_vs_eager.eager_measurement(name, size, feeds, tmp)
     del forward
     result = optimize(train, OptimizeOptions(inputs=feeds, threads=1))
-    report = result.report
+    report = result.report.to_dict()
     row["report"] = {k: report.get(k) for k in (
         "strategy", "nodes", "recompute_nodes", "search_seconds", "outputs_match",
         "max_relative_difference", "order_followed", "measured", "ratios", "prediction_error",

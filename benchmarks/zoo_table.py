@@ -12,8 +12,8 @@ import json
 import sys
 
 from graphopt.examples import EXAMPLES, training_example
-from graphopt.optimize import OptimizeOptions, _annotate, _measure_one, _prepare, optimize
-from graphopt.rewrite import PLANNED_SETTINGS, rewrite
+from graphopt.optimize import OptimizeOptions, optimize
+from graphopt.pipeline import measure_model, prepare, rewrite_plan
 from graphopt.search import chen_sqrt
 from graphopt.search import DEFAULT_STRATEGY
 
@@ -35,11 +35,10 @@ def main() -> int:
     for name in args.examples.split(","):
         print(f"optimizing {name} ...", file=sys.stderr, flush=True)
         model, inputs = training_example(name)
-        report = optimize(model, OptimizeOptions(inputs=inputs, strategy=args.strategy)).report
-        options = OptimizeOptions(inputs=inputs)
-        training, _ = _prepare(model, options)
-        _, graph = _annotate(training, inputs, options)
-        chen = _measure_one(rewrite(training, graph, chen_sqrt(graph), PLANNED_SETTINGS), inputs, options)
+        report = optimize(model, OptimizeOptions(inputs=inputs, strategy=args.strategy)).report.to_dict()
+        options = OptimizeOptions(inputs=inputs, verify=False)
+        with prepare(model, options) as prepared:
+            chen = measure_model(prepared, rewrite_plan(prepared, chen_sqrt(prepared.graph)), options)
         report["measured"]["chen_sqrt"] = {"peak_bytes": chen.peak_bytes, "step_seconds": chen.step_seconds}
         reports[name] = report
         m, r, e = report["measured"], report["ratios"], report["prediction_error"]

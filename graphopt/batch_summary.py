@@ -12,6 +12,8 @@ matplotlib.use("Agg")  # no display; must precede pyplot
 
 import matplotlib.pyplot as plt  # noqa: E402
 
+from .report import Report  # noqa: E402
+
 COLUMNS = ["model", "kind", "status", "nodes", "peak_before_bytes", "peak_before_optimizations_off_bytes",
            "peak_after_bytes", "peak_ratio", "step_time_ratio", "strategy", "outputs_match", "outcome", "seconds",
            "error"]
@@ -32,14 +34,15 @@ def figures(report: dict) -> dict:
                    peak_after_bytes=after.get("measured_peak_bytes"))
         if before.get("step_seconds") and after.get("step_seconds"):
             row["step_time_ratio"] = after["step_seconds"] / before["step_seconds"]
-    else:
-        measured = report.get("measured", {})
-        row.update(nodes=report.get("nodes", {}).get("original"), strategy=report.get("strategy"),
-                   outputs_match=report.get("outputs_match"), outcome=report.get("outcome"),
-                   peak_before_bytes=measured.get("original_default_session", {}).get("peak_bytes"),
-                   peak_before_optimizations_off_bytes=measured.get("original_optimizations_off", {}).get("peak_bytes"),
-                   peak_after_bytes=measured.get("optimized", {}).get("peak_bytes"),
-                   step_time_ratio=report.get("ratios", {}).get("step_time_vs_default_session"))
+    elif "strategy" in report:   # an optimize report (a failed model's has only graphopt_batch)
+        typed = Report.from_dict({k: v for k, v in report.items() if k != "graphopt_batch"})
+        row.update(nodes=typed.nodes.original, strategy=typed.strategy, outputs_match=typed.outputs_match,
+                   outcome=typed.outcome)
+        if typed.measured is not None:
+            row.update(peak_before_bytes=typed.measured.original_default_session.peak_bytes,
+                       peak_before_optimizations_off_bytes=typed.measured.original_optimizations_off.peak_bytes,
+                       peak_after_bytes=typed.measured.optimized.peak_bytes,
+                       step_time_ratio=typed.ratios.step_time_vs_default_session)
     if row.get("peak_before_bytes") and row.get("peak_after_bytes"):
         row["peak_ratio"] = row["peak_after_bytes"] / row["peak_before_bytes"]
     return {column: row.get(column) for column in COLUMNS}

@@ -65,24 +65,44 @@ def _server_options(parser: argparse.ArgumentParser, required: bool = False) -> 
     parser.add_argument("--deadline-seconds", type=float, help="give up (and stop the server's work) after this")
 
 
+def options_from_args(args, **extra):
+    """The `OptimizeOptions` of parsed flags: each flag names its field (--budget: budget_bytes;
+    --no-verify, --no-measure: verify, measure); `extra` sets inputs and progress."""
+    from .inputs import parse_input_dims
+    from .optimize import OptimizeOptions
+    values = {"loss": args.loss, "strategy": args.strategy, "threads": args.threads,
+              "input_dims": parse_input_dims(args.input_dims)}
+    for flag, name in (("budget", "budget_bytes"), ("tolerance", "tolerance")):
+        if getattr(args, flag, None) is not None:
+            values[name] = getattr(args, flag)
+    if getattr(args, "provider", None):
+        values["providers"] = [args.provider]
+    if hasattr(args, "no_verify"):
+        values["verify"] = not args.no_verify
+    if hasattr(args, "no_measure"):
+        values["measure"] = not args.no_measure
+    return OptimizeOptions.from_dict(values, **extra)
+
+
 def cmd_optimize(args) -> int:
     from .ingest import load_model
-    from .optimize import OptimizeOptions, optimize, save_model
+    from .optimize import optimize, save_model
+    from .report import summary_text
     if args.sweep is not None:
         return cmd_sweep(args)
     if args.server:
         from graphopt_service import commands
-        return commands.optimize(args, StageProgress())
+        if args.inputs:
+            raise GraphoptError("--inputs is not sent to a server; give --input-dims (the server "
+                                "synthesizes inputs) or run in-process")
+        return commands.optimize(args, options_from_args(args), StageProgress())
     model = load_model(args.model)
-    options = OptimizeOptions(loss=args.loss, budget_bytes=args.budget, strategy=args.strategy,
-                              inputs=_load_inputs(args, model), verify=not args.no_verify,
-                              measure=not args.no_measure, threads=args.threads,
-                              progress=StageProgress())
+    options = options_from_args(args, inputs=_load_inputs(args, model), progress=StageProgress())
     result = optimize(model, options)
     save_model(result.model, args.output)
     report = result.report
     if args.report:
-        args.report.write_text(json.dumps(report, indent=2))
+        args.report.write_text(json.dumps(report.to_dict(), indent=2))
     print(summary_text(report))
     print(f"wrote {args.output}" + (f" and {args.report}" if args.report else ""))
     return 0
@@ -91,7 +111,6 @@ def cmd_optimize(args) -> int:
 def cmd_sweep(args) -> int:
     """`optimize --sweep N`: the least-peak model to OUT, and the front's table and plot beside it."""
     from .ingest import load_model
-    from .optimize import OptimizeOptions
     from .sweep import markdown_table, sweep, write_outputs
     if args.sweep < 1:
         raise GraphoptError("--sweep needs at least 1 point")
@@ -100,8 +119,7 @@ def cmd_sweep(args) -> int:
     if args.no_measure:
         raise GraphoptError("--sweep measures every point; drop --no-measure")
     model = load_model(args.model)
-    options = OptimizeOptions(loss=args.loss, strategy=args.strategy, inputs=_load_inputs(args, model),
-                              verify=not args.no_verify, threads=args.threads, progress=StageProgress())
+    options = options_from_args(args, inputs=_load_inputs(args, model), progress=StageProgress())
     result = sweep(model, options, args.sweep)
     paths = write_outputs(result, args.output, title=f"Memory-time front: {Path(args.model).name}")
     if args.report:
@@ -114,46 +132,6 @@ def cmd_sweep(args) -> int:
     print(f"wrote {args.output} (the least-peak plan), {paths['csv']}, {paths['md']}, {paths['png']}"
           + (f" and {args.report}" if args.report else ""))
     return 0
-
-
-def summary_text(report: dict) -> str:
-    lines = [f"strategy {report['strategy']}: {len(report['checkpoints'])} checkpoints, "
-             f"{report['recompute_nodes']} recompute nodes, search {report['search_seconds']:.2f} s"]
-    predicted = report["predicted"]
-    lines.append(f"predicted peak: original (optimizations off) {mib(predicted['original_optimizations_off']['peak_bytes'])}, "
-                 f"optimized {mib(predicted['optimized']['peak_bytes'])}")
-    rejected = report.get("rejected")
-    if "measured" in report:
-        m = report["measured"]
-        lines.append("measured peak of one training step in ONNX Runtime:")
-        rows = [("original_default_session", m["original_default_session"]),
-                ("original_optimizations_off", m["original_optimizations_off"])]
-        if rejected and "measured" in rejected:
-            rows.append(("optimized (not returned)", rejected["measured"]))
-            rows.append(("returned (the original)", m["optimized"]))
-        else:
-            rows.append(("optimized", m["optimized"]))
-        for label, row in rows:
-            lines.append(f"  {label:28s} {mib(row['peak_bytes']):>12s}   step {row['step_seconds']:.3f} s")
-        r = report["ratios"]
-        lines.append(f"returned / original: peak {r['peak_vs_default_session']:.2f}x (default session), "
-                     f"{r['peak_vs_optimizations_off']:.2f}x (optimizations off); step time "
-                     f"{r['step_time_vs_default_session']:.2f}x / {r['step_time_vs_optimizations_off']:.2f}x")
-    if "outputs_match" in report:
-        lines.append(f"outputs identical: {report['outputs_match']} "
-                     f"(max relative difference {report['max_relative_difference']:.2e})")
-    if "order_followed" in report:
-        tried = report.get("order", {}).get("plans_tried", [])
-        lines.append(f"planned order followed by ONNX Runtime: {report['order_followed']}"
-                     + (f" ({len(tried)} plans tried)" if len(tried) > 1 else ""))
-    outcome = report.get("outcome")
-    if outcome == "original":
-        lines.append("OUTCOME: NOT IMPROVED, the original model is returned: " + report["outcome_reason"])
-    elif outcome == "unmeasured":
-        lines.append("OUTCOME: not measured: " + report["outcome_reason"])
-    elif outcome:
-        lines.append("outcome: optimized: " + report["outcome_reason"])
-    return "\n".join(lines)
 
 
 def cmd_measure(args) -> int:
@@ -197,13 +175,11 @@ def cmd_train_graph(args) -> int:
 def cmd_analyze(args) -> int:
     if args.server:
         from graphopt_service import commands
-        return commands.analyze(args)
+        return commands.analyze(args, options_from_args(args))
     from .ingest import load_model
-    from .inputs import parse_input_dims
-    from .optimize import OptimizeOptions, analyze_model
+    from .optimize import analyze_model
     model = load_model(args.model)
-    options = OptimizeOptions(loss=args.loss, budget_bytes=args.budget, strategy=args.strategy,
-                              input_dims=parse_input_dims(args.input_dims), threads=args.threads)
+    options = options_from_args(args)
     print(json.dumps(analyze_model(model, options, plan=args.plan), indent=2))
     return 0
 
@@ -228,9 +204,8 @@ def cmd_batch(args) -> int:
     if args.server:
         if args.sweep:
             raise GraphoptError("--sweep runs in-process only; drop --server or --sweep")
-        from graphopt_service.batch import RemoteRunner
-        from graphopt_service.commands import token_from
-        runner = RemoteRunner(args.server, token=token_from(args), tls_ca_path=args.tls_ca)
+        from graphopt_service import commands
+        runner = commands.remote_runner(args)
     else:
         runner = LocalRunner()
     args.output.mkdir(parents=True, exist_ok=True)
@@ -260,15 +235,16 @@ def cmd_strategies(args) -> int:
     if args.server:
         from graphopt_service import commands
         return commands.strategies(args)
-    from .search import DEFAULT_STRATEGY, DESCRIPTIONS, STRATEGIES
-    for name in STRATEGIES:
-        print(f"{name:16s}{' (default)' if name == DEFAULT_STRATEGY else '':10s} {DESCRIPTIONS[name]}")
+    from .search import DEFAULT_STRATEGY, STRATEGIES
+    for name, strategy in STRATEGIES.items():
+        print(f"{name:16s}{' (default)' if name == DEFAULT_STRATEGY else '':10s} {strategy.description}")
     return 0
 
 
 def cmd_demo(args) -> int:
     from .examples import EXAMPLES, training_example
     from .optimize import OptimizeOptions, optimize, save_model
+    from .report import summary_text
     if args.example not in EXAMPLES:
         raise GraphoptError(f"unknown example {args.example!r} (known: {EXAMPLES})")
     print(f"building the {args.example!r} example training graph ...", file=sys.stderr)
@@ -279,7 +255,7 @@ def cmd_demo(args) -> int:
         args.output.mkdir(parents=True, exist_ok=True)
         save_model(model, args.output / f"{args.example}_train.onnx")
         save_model(result.model, args.output / f"{args.example}_optimized.onnx")
-        (args.output / f"{args.example}_report.json").write_text(json.dumps(result.report, indent=2))
+        (args.output / f"{args.example}_report.json").write_text(json.dumps(result.report.to_dict(), indent=2))
         print(f"wrote {args.output}/")
     return 0
 
@@ -299,6 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--report", type=Path, help="write the JSON report here")
     p.add_argument("--no-verify", action="store_true", help="skip the output comparison (not recommended)")
     p.add_argument("--no-measure", action="store_true", help="skip the fresh-process peak measurements")
+    p.add_argument("--provider", help="ONNX Runtime execution provider (default: CPU)")
+    p.add_argument("--tolerance", type=float, help="relative output difference accepted (default 1e-5)")
     p.add_argument("--sweep", type=int, nargs="?", const=8, default=None, metavar="N",
                    help="measure the memory-time front: N budgets (default 8) from the least peak to "
                         "store-all's; writes OUT (least peak) and <OUT stem>.sweep.csv/.md/.png")

@@ -1,6 +1,7 @@
 """The memory-time front: plan, rewrite, verify and measure a series of budgets.
 
-`sweep(model, options, points)` annotates the training graph once, plans the least-peak plan
+`sweep(model, options, points)` composes the pipeline's stages (graphopt/pipeline.py): it
+prepares the training graph once (annotated, reference outputs on disk), plans the least-peak plan
 (the strategy with no budget), store-all and Chen's sqrt(n), then `points` budgets evenly
 spaced from the least-peak plan's predicted peak to store-all's (both ends included); under
 each budget the strategy returns its least-recompute-time plan. Every distinct plan (its
@@ -17,23 +18,18 @@ from __future__ import annotations
 
 import csv
 import os
-import tempfile
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 
 import onnx
 
-from .annotate import write_annotations
-from .costmodel import simulate
 from .errors import BudgetInfeasibleError, VerificationError
-from .inputs import save_inputs
-from .optimize import (ORIGINAL_UNOPTIMIZED, OptimizeOptions, _prepare, _runtime_graph, _profiled_schedule,
-                       plan_model, save_model)
-from .rewrite import PLANNED_SETTINGS, rewrite
-from .runtime.measure import measure
+from .options import OptimizeOptions
+from .pipeline import (ORIGINAL_UNOPTIMIZED, Prepared, compare_in_child, measure_model, measure_original, plan,
+                       prepare, rewrite_plan)
+from .runtime.isolated import save_model
 from .runtime.session import DEFAULT_SETTINGS
-from .search import STRATEGIES, Plan
-from .verify import compare_outputs, run_outputs
+from .search import Plan
 
 DEFAULT_POINTS = 8
 
@@ -121,22 +117,21 @@ def sweep(model: onnx.ModelProto, options: OptimizeOptions | None = None,
     options = options or OptimizeOptions()
     progress = options.progress or (lambda message, fraction: None)
     started = time.perf_counter()
-    provider = options.providers[0] if options.providers else None
-
-    progress("sweep: analyze", 0.0)
-    training, inputs = _prepare(model, options)
-    progress("sweep: annotate", 0.02)
+    stages = replace(options, budget_bytes=None, progress=lambda stage, fraction: progress(f"sweep: {stage}", 0.0))
     # function ops ORT inlines at load are written out first, as optimize does
-    training, annotations, graph, _, _ = _runtime_graph(training, inputs, options)
-    predicted_original = simulate(graph, _profiled_schedule(graph, annotations.execution_order))
+    with prepare(model, stages) as prepared:
+        return _sweep(prepared, options, points, repeats, progress, started)
 
-    def plan_for(budget, strategy=options.strategy):
-        return plan_model(graph, OptimizeOptions(budget_bytes=budget, strategy=strategy))
+
+def _sweep(prepared: Prepared, options: OptimizeOptions, points: int, repeats: int, progress,
+           started: float) -> SweepResult:
+    def plan_for(budget):
+        return plan(prepared, options, budget)
 
     progress("sweep: plan least peak, store-all, chen-sqrt", 0.05)
     least = plan_for(None)
-    store = STRATEGIES["store-all"](graph)
-    chen = STRATEGIES["chen-sqrt"](graph)
+    store = plan(prepared, options, None, strategy="store-all")
+    chen = plan(prepared, options, None, strategy="chen-sqrt")
     budgets = budget_series(least.peak_bytes, store.peak_bytes, points)
 
     # Distinct plans in measuring order, by checkpoint set.
@@ -164,85 +159,70 @@ def sweep(model: onnx.ModelProto, options: OptimizeOptions | None = None,
     for i, budget in enumerate(budgets):
         fraction = 0.05 + 0.15 * (i + 1) / len(budgets)
         try:
-            plan = plan_for(budget)
+            plan_i = plan_for(budget)
         except BudgetInfeasibleError as exc:
             notes.append(f"budget {budget} bytes ({_mib(budget)}) skipped: {exc}")
             progress(f"sweep: budget {i + 1}/{len(budgets)} {_mib(budget)}: infeasible, skipped", fraction)
             continue
         label = f"budget {i + 1}/{len(budgets)}"
-        row = add(plan, label, FRONT, True)
+        row = add(plan_i, label, FRONT, True)
         row.budgets.append(budget)
         row.budget_bytes = min(row.budgets)
         same = "" if row.label == label else f" (the {row.label} plan)"
-        progress(f"sweep: {label} {_mib(budget)}: planned peak {_mib(plan.peak_bytes)}, "
-                 f"recompute {plan.recompute_seconds:.4f} s{same}", fraction)
-
-    reference = None
-    if options.verify:
-        reference = run_outputs(training.model, inputs, ORIGINAL_UNOPTIMIZED, threads=1)
+        progress(f"sweep: {label} {_mib(budget)}: planned peak {_mib(plan_i.peak_bytes)}, "
+                 f"recompute {plan_i.recompute_seconds:.4f} s{same}", fraction)
 
     rows: list[SweepRow] = []
     least_model = None
-    with tempfile.TemporaryDirectory(prefix="graphopt-sweep-") as tmp:
-        inputs_path = os.path.join(tmp, "inputs.npz")
-        save_inputs(inputs_path, inputs)
-        original_path = os.path.join(tmp, "original.onnx")
-        save_model(training.model, original_path)
-        todo = len(entries) + 2
-        done = 0
+    todo = len(entries) + 2
+    done = 0
 
-        def report(row: SweepRow):
-            nonlocal done
-            done += 1
-            parts = [f"sweep: measured {done}/{todo} {row.label}:"]
-            if row.budget_bytes is not None:
-                parts.append(f"budget {_mib(row.budget_bytes)},")
-            if row.predicted_peak_bytes is not None:
-                parts.append(f"predicted {_mib(row.predicted_peak_bytes)},")
-            parts.append(f"measured {_mib(row.measured_peak_bytes)}, step {row.step_seconds:.3f} s"
-                         + ("," if row.outputs_identical is not None else ""))
-            if row.outputs_identical is not None:
-                parts.append("outputs identical" if row.outputs_identical else "OUTPUTS DIFFER")
-            progress(" ".join(parts), 0.2 + 0.8 * done / todo)
+    def report(row: SweepRow):
+        nonlocal done
+        done += 1
+        parts = [f"sweep: measured {done}/{todo} {row.label}:"]
+        if row.budget_bytes is not None:
+            parts.append(f"budget {_mib(row.budget_bytes)},")
+        if row.predicted_peak_bytes is not None:
+            parts.append(f"predicted {_mib(row.predicted_peak_bytes)},")
+        parts.append(f"measured {_mib(row.measured_peak_bytes)}, step {row.step_seconds:.3f} s"
+                     + ("," if row.outputs_identical is not None else ""))
+        if row.outputs_identical is not None:
+            parts.append("outputs identical" if row.outputs_identical else "OUTPUTS DIFFER")
+        progress(" ".join(parts), 0.2 + 0.8 * done / todo)
 
-        for label, kind, settings, predicted in (
-                ("original (default session)", ORIGINAL_DEFAULT, DEFAULT_SETTINGS, None),
-                ("original (optimizations off)", ORIGINAL_OFF, ORIGINAL_UNOPTIMIZED, predicted_original.peak_bytes)):
-            m = measure(original_path, inputs_path, settings, provider=provider, threads=options.threads,
-                        repeats=repeats)
-            row = SweepRow(label=label, kind=kind, predicted_peak_bytes=predicted,
-                           measured_peak_bytes=m.peak_bytes, step_seconds=m.step_seconds,
-                           recompute_seconds=0.0, recompute_nodes=0,
-                           note="the reference for outputs" if kind == ORIGINAL_OFF and options.verify else "")
-            rows.append(row)
-            report(row)
+    for label, kind, settings, predicted in (
+            ("original (default session)", ORIGINAL_DEFAULT, DEFAULT_SETTINGS, None),
+            ("original (optimizations off)", ORIGINAL_OFF, ORIGINAL_UNOPTIMIZED,
+             prepared.predicted_original.peak_bytes)):
+        m = measure_original(prepared, options, settings, repeats=repeats)
+        row = SweepRow(label=label, kind=kind, predicted_peak_bytes=predicted,
+                       measured_peak_bytes=m.peak_bytes, step_seconds=m.step_seconds,
+                       recompute_seconds=0.0, recompute_nodes=0,
+                       note="the reference for outputs" if kind == ORIGINAL_OFF and options.verify else "")
+        rows.append(row)
+        report(row)
 
-        for n, (key, row) in enumerate(entries.items()):
-            plan = plans[key]
-            rewritten = rewrite(training, graph, plan, PLANNED_SETTINGS)
-            write_annotations(rewritten, annotations)
-            if reference is not None:
-                comparison = compare_outputs(reference, run_outputs(rewritten, inputs, None, threads=1),
-                                             options.tolerance)
-                row.outputs_identical = comparison.match
-                if not comparison.match:
-                    message = (f"output {comparison.worst_output()!r} differs from the original (relative "
-                               f"difference {comparison.max_relative_difference:.3g} > {options.tolerance})")
-                    if plan is least:
-                        raise VerificationError(f"the least-peak plan's {message}; nothing was returned")
-                    row.note = _join(row.note, message)
-            path = os.path.join(tmp, f"plan{n}.onnx")
-            save_model(rewritten, path)
-            m = measure(path, inputs_path, None, provider=provider, threads=options.threads,
-                        repeats=repeats)
-            os.remove(path)
-            row.measured_peak_bytes, row.step_seconds = m.peak_bytes, m.step_seconds
-            if row.budget_bytes is not None:
-                row.budget_met = m.peak_bytes <= row.budget_bytes
-            if plan is least:
-                least_model = rewritten
-            rows.append(row)
-            report(row)
+    for key, row in entries.items():
+        plan_k = plans[key]
+        rewritten = rewrite_plan(prepared, plan_k)
+        if options.verify:
+            comparison, _ = compare_in_child(prepared, rewritten, options, order=False)
+            row.outputs_identical = comparison.match
+            if not comparison.match:
+                message = (f"output {comparison.worst_output()!r} differs from the original (relative "
+                           f"difference {comparison.max_relative_difference:.3g} > {options.tolerance})")
+                if plan_k is least:
+                    raise VerificationError(f"the least-peak plan's {message}; nothing was returned")
+                row.note = _join(row.note, message)
+        m = measure_model(prepared, rewritten, options, repeats=repeats)
+        row.measured_peak_bytes, row.step_seconds = m.peak_bytes, m.step_seconds
+        if row.budget_bytes is not None:
+            row.budget_met = m.peak_bytes <= row.budget_bytes
+        if plan_k is least:
+            least_model = rewritten
+        rows.append(row)
+        report(row)
 
     # Table order: originals, store-all, chen-sqrt, then the front from the loosest budget to
     # the least peak.

@@ -60,9 +60,10 @@ class RemoteRunner:
         if options.budget_fraction is not None:
             analysis = self._call(lambda: self.client.analyze(job.training_path, timeout_seconds=self.deadline_seconds))
             budget = int(options.budget_fraction * analysis["predicted_peak_bytes"]["original_optimizations_off"])
-        return self._call(lambda: self.client.optimize(
+        report = self._call(lambda: self.client.optimize(
             job.training_path, job.optimized_path, timeout_seconds=self.deadline_seconds, budget_bytes=budget,
-            strategy=options.strategy or "", measure=options.measure))
+            strategy=options.strategy, measure=options.measure))
+        return report.to_dict()
 
     def _call(self, call):
         for attempt in range(self.retries + 1):

@@ -2,7 +2,7 @@
 
     from graphopt_service.client import Client
     with Client("localhost:50051") as client:
-        report = client.optimize("train.onnx", "opt.onnx", budget_bytes=512 << 20)
+        report = client.optimize("train.onnx", "opt.onnx", budget_bytes=512 << 20)   # a graphopt Report
 
 Errors come back as grpc.RpcError with the server's status code and message.
 """
@@ -19,6 +19,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from graphopt.ingest import external_data_files
+from graphopt.options import OptimizeOptions
+from graphopt.report import Report
 
 from ._proto import graphopt_pb2 as pb
 from ._proto import graphopt_pb2_grpc as pb_grpc
@@ -27,17 +29,30 @@ from .transfer import DEFAULT_CHUNK_BYTES, FileReceiver, ProtocolError, folder_m
 Progress = Callable[[str, float], None]
 
 
-def make_options(budget_bytes: int | None = None, strategy: str = "", input_dims: dict | None = None,
-                 execution_provider: str = "", verify: bool = True, measure: bool = True, loss: str = "",
-                 threads: int = 0, plan: bool = False, response_chunk_bytes: int = 0) -> pb.OptimizeOptions:
-    options = pb.OptimizeOptions(strategy=strategy or "", execution_provider=execution_provider,
-                                 skip_verify=not verify, skip_measure=not measure, loss=loss or "",
-                                 threads=threads, plan=plan, response_chunk_bytes=response_chunk_bytes)
-    if budget_bytes is not None:
-        options.budget_bytes = budget_bytes
-    for name, dims in (input_dims or {}).items():
-        options.input_dims.add(name=name, dims=list(dims))
-    return options
+def make_options(options: OptimizeOptions | None = None, *, plan: bool = False, response_chunk_bytes: int = 0,
+                 **fields) -> pb.OptimizeOptions:
+    """The proto's options of the library's `OptimizeOptions` (or of its fields by name:
+    budget_bytes, strategy, input_dims, providers, verify, measure, loss, threads, tolerance),
+    with the service's own plan and response_chunk_bytes. The inputs' arrays and the progress
+    callback do not travel (the server synthesizes inputs from input_dims)."""
+    if options is None:
+        options = OptimizeOptions.from_dict({k: v for k, v in fields.items() if v is not None})
+    elif fields:
+        raise TypeError("give an OptimizeOptions or its fields, not both")
+    if options.inputs is not None:
+        raise ValueError("inputs are not sent to a server: give input_dims (the server synthesizes inputs)")
+    default = OptimizeOptions()
+    message = pb.OptimizeOptions(strategy=options.strategy, loss=options.loss or "", threads=options.threads,
+                                 providers=list(options.providers or []), plan=plan,
+                                 response_chunk_bytes=response_chunk_bytes)
+    if options.budget_bytes is not None:
+        message.budget_bytes = options.budget_bytes
+    for name in ("verify", "measure", "tolerance"):   # sent when not the default
+        if getattr(options, name) != getattr(default, name):
+            setattr(message, name, getattr(options, name))
+    for name, dims in options.input_dims.items():
+        message.input_dims.add(name=name, dims=list(dims))
+    return message
 
 
 def upload_messages(model_path: str | os.PathLike, options: pb.OptimizeOptions,
@@ -99,9 +114,10 @@ class Client:
                                   metadata=self.metadata, timeout=timeout_seconds)
 
     def optimize(self, model_path: str | os.PathLike, output_path: str | os.PathLike,
-                 progress: Progress | None = None, timeout_seconds: float | None = None, **options) -> dict:
+                 progress: Progress | None = None, timeout_seconds: float | None = None, **options) -> Report:
         """Optimize a model file on the server; write the rewritten model (and its external data
-        beside it) to `output_path`; return the library's report. Nothing is written on failure."""
+        beside it) to `output_path`; return the library's report. Nothing is written on failure.
+        `options`: see `make_options`."""
         output_path = Path(output_path)
         output_path.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=".graphopt-download-", dir=output_path.parent))
@@ -117,7 +133,7 @@ class Client:
                 elif item == "chunk":
                     receiver.chunk(response.chunk)
                 elif item == "report":
-                    report = json.loads(response.report.json)
+                    report = Report.from_dict(json.loads(response.report.json))
             if report is None:
                 raise ProtocolError("the server ended the stream without a report")
             received = receiver.finish()

@@ -50,37 +50,33 @@ def health(args) -> int:
     return 0 if status == "SERVING" else 1
 
 
-def optimize(args, progress) -> int:
-    from graphopt.cli import summary_text
-    if args.inputs:
-        print("graphopt: error: --inputs is not sent to a server; give --input-dims (the server "
-              "synthesizes inputs) or run in-process", file=sys.stderr)
-        return 2
-    from graphopt.inputs import parse_input_dims
+def remote_runner(args):
+    """`graphopt batch --server`: the batch's runner on the servers named."""
+    from .batch import RemoteRunner
+    return RemoteRunner(args.server, token=token_from(args), tls_ca_path=args.tls_ca)
+
+
+def optimize(args, options, progress) -> int:
+    """`graphopt optimize --server`: `options` (the library's OptimizeOptions) on the server."""
+    from graphopt.report import summary_text
     try:
         with _client(args) as client:
-            report = client.optimize(
-                args.model, args.output, progress=progress, timeout_seconds=args.deadline_seconds,
-                budget_bytes=args.budget, strategy=args.strategy, input_dims=parse_input_dims(args.input_dims),
-                verify=not args.no_verify, measure=not args.no_measure, loss=args.loss or "",
-                threads=args.threads)
+            report = client.optimize(args.model, args.output, progress=progress,
+                                     timeout_seconds=args.deadline_seconds, options=options)
     except grpc.RpcError as exc:
         return rpc_error_exit(exc)
     if args.report:
-        args.report.write_text(json.dumps(report, indent=2))
+        args.report.write_text(json.dumps(report.to_dict(), indent=2))
     print(summary_text(report))
     print(f"wrote {args.output}" + (f" and {args.report}" if args.report else "") + f" (server {args.server})")
     return 0
 
 
-def analyze(args) -> int:
-    from graphopt.inputs import parse_input_dims
+def analyze(args, options) -> int:
     try:
         with _client(args) as client:
             analysis = client.analyze(args.model, timeout_seconds=args.deadline_seconds, plan=args.plan,
-                                      strategy=args.strategy, budget_bytes=args.budget,
-                                      input_dims=parse_input_dims(args.input_dims), loss=args.loss or "",
-                                      threads=args.threads)
+                                      options=options)
     except grpc.RpcError as exc:
         return rpc_error_exit(exc)
     print(json.dumps(analysis, indent=2))

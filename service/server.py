@@ -28,6 +28,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from graphopt.report import Report, summary_text
+
 from ._proto import graphopt_pb2 as pb
 from ._proto import graphopt_pb2_grpc as pb_grpc
 from .auth import BearerTokenInterceptor
@@ -57,8 +59,10 @@ class ServerConfig:
     drain_seconds: float = 25.0
 
 
-def options_to_dict(options: pb.OptimizeOptions, max_threads: int) -> dict:
-    """The request's options as the worker takes them (checked where a message cannot be)."""
+def job_options(options: pb.OptimizeOptions, max_threads: int) -> tuple[dict, dict]:
+    """The request's options: the library's `OptimizeOptions.to_dict()` form (the proto's fields
+    carry its names; unset optional fields keep the library's defaults) and the service's own
+    (plan, response_chunk_bytes). Checked where a message cannot be."""
     input_dims = {}
     for entry in options.input_dims:
         if not entry.name:
@@ -71,28 +75,42 @@ def options_to_dict(options: pb.OptimizeOptions, max_threads: int) -> dict:
     if options.response_chunk_bytes < 0 or options.response_chunk_bytes > MAX_RESPONSE_CHUNK_BYTES:
         raise ProtocolError(f"response_chunk_bytes must be at most {MAX_RESPONSE_CHUNK_BYTES}, "
                             f"got {options.response_chunk_bytes}")
-    return {
-        "budget_bytes": options.budget_bytes if options.HasField("budget_bytes") else None,
-        "strategy": options.strategy, "input_dims": input_dims,
-        "execution_provider": options.execution_provider, "skip_verify": options.skip_verify,
-        "skip_measure": options.skip_measure, "loss": options.loss, "threads": options.threads or 1,
-        "plan": options.plan, "response_chunk_bytes": options.response_chunk_bytes,
-    }
+    library = {"input_dims": input_dims, "threads": options.threads or 1}
+    if options.HasField("budget_bytes"):
+        library["budget_bytes"] = options.budget_bytes
+    if options.strategy:
+        library["strategy"] = options.strategy
+    if options.loss:
+        library["loss"] = options.loss
+    if options.providers:
+        library["providers"] = list(options.providers)
+    for name in ("verify", "measure", "tolerance"):
+        if options.HasField(name):
+            library[name] = getattr(options, name)
+    return library, {"plan": options.plan, "response_chunk_bytes": options.response_chunk_bytes}
 
 
-def _report_message(report: dict) -> pb.Report:
-    predicted, measured = report.get("predicted", {}), report.get("measured", {})
-    return pb.Report(
-        strategy=report.get("strategy", ""), checkpoints=len(report.get("checkpoints", [])),
-        recompute_nodes=report.get("recompute_nodes", 0),
+def report_message(report: Report) -> pb.Report:
+    """The proto's Report of the library's."""
+    measured = report.measured
+    message = pb.Report(
+        strategy=report.strategy, checkpoints=len(report.checkpoints), recompute_nodes=report.recompute_nodes,
         predicted_peak_bytes=pb.PeakBytes(
-            original_optimizations_off=predicted.get("original_optimizations_off", {}).get("peak_bytes", 0),
-            optimized=predicted.get("optimized", {}).get("peak_bytes", 0)),
-        measured_peak_bytes=pb.PeakBytes(**{k: measured[k]["peak_bytes"] for k in
-                                            ("original_default_session", "original_optimizations_off",
-                                             "optimized") if k in measured}),
-        outputs_match=bool(report.get("outputs_match", False)),
-        total_seconds=report.get("total_seconds", 0.0), json=json.dumps(report))
+            original_optimizations_off=report.predicted.original_optimizations_off.peak_bytes,
+            optimized=report.predicted.optimized.peak_bytes),
+        measured_peak_bytes=pb.PeakBytes() if measured is None else pb.PeakBytes(
+            original_default_session=measured.original_default_session.peak_bytes,
+            original_optimizations_off=measured.original_optimizations_off.peak_bytes,
+            optimized=measured.optimized.peak_bytes),
+        outputs_match=bool(report.outputs_match), total_seconds=report.total_seconds,
+        json=json.dumps(report.to_dict()), summary=summary_text(report),
+        measurement_method=report.measurement_method or "", provider=report.provider,
+        outcome=report.outcome, outcome_reason=report.outcome_reason)
+    if report.order_followed is not None:
+        message.order_followed = report.order_followed
+    if report.solver_exact is not None:
+        message.solver_exact = report.solver_exact
+    return message
 
 
 def _analyze_message(analysis: dict) -> pb.AnalyzeResponse:
@@ -161,7 +179,7 @@ class GraphoptServicer(pb_grpc.GraphoptServicer):
                 if options is None:
                     if item != "options":
                         raise ProtocolError(f"the first message must carry the options, not {item or 'nothing'}")
-                    options = options_to_dict(request.options, max_threads=os.cpu_count() or 1)
+                    options, service = job_options(request.options, max_threads=os.cpu_count() or 1)
                 elif item == "options":
                     raise ProtocolError("the options were sent twice")
                 elif item == "file":
@@ -176,7 +194,7 @@ class GraphoptServicer(pb_grpc.GraphoptServicer):
         finally:
             receiver.abort()
         fields.update(model_bytes=received.total_bytes, files=len(received.paths))
-        return {"options": options, "model_path": str(received.model_path),
+        return {"options": options, "service": service, "model_path": str(received.model_path),
                 "output_dir": str(folder / "output"), "tmp_dir": str(folder / "tmp")}
 
     def _work(self, job: dict, context):
@@ -202,14 +220,15 @@ class GraphoptServicer(pb_grpc.GraphoptServicer):
                         stage=event["progress"], fraction=min(0.95, event["fraction"] * 0.95)))
                 else:
                     result = event["result"]
-            chunk_bytes = min(job["options"]["response_chunk_bytes"] or DEFAULT_CHUNK_BYTES,
+            chunk_bytes = min(job["service"]["response_chunk_bytes"] or DEFAULT_CHUNK_BYTES,
                               self.config.max_message_bytes - MESSAGE_OVERHEAD_BYTES)
             yield from folder_messages(folder / "output", result["files"], chunk_bytes,
                                        lambda **item: pb.OptimizeResponse(**item))
-            report = result["report"]
-            fields.update(strategy=report.get("strategy"),
-                          peak_bytes_optimized=report.get("measured", {}).get("optimized", {}).get("peak_bytes"))
-            yield pb.OptimizeResponse(report=_report_message(report))
+            report = Report.from_dict(result["report"])
+            fields.update(strategy=report.strategy, outcome=report.outcome,
+                          peak_bytes_optimized=None if report.measured is None else report.measured.optimized.peak_bytes)
+            log.info("report", extra={"fields": {**fields, "summary": summary_text(report)}})
+            yield pb.OptimizeResponse(report=report_message(report))
 
     def Analyze(self, request_iterator, context):
         with self._call(context, "Analyze") as (folder, fields):
@@ -220,10 +239,10 @@ class GraphoptServicer(pb_grpc.GraphoptServicer):
                     return _analyze_message(event["result"]["analysis"])
 
     def ListStrategies(self, request, context):
-        from graphopt.search import DEFAULT_STRATEGY, DESCRIPTIONS, STRATEGIES
+        from graphopt.search import DEFAULT_STRATEGY, STRATEGIES
         return pb.ListStrategiesResponse(strategies=[
-            pb.Strategy(name=name, description=DESCRIPTIONS[name], is_default=name == DEFAULT_STRATEGY)
-            for name in STRATEGIES])
+            pb.Strategy(name=name, description=strategy.description, is_default=name == DEFAULT_STRATEGY)
+            for name, strategy in STRATEGIES.items()])
 
 
 class RunningServer:

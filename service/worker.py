@@ -1,8 +1,9 @@
 """A worker process: runs the graphopt library on jobs sent by the server, one at a time.
 
-Protocol: one JSON object per line. The server writes jobs to stdin; the worker answers on
-its original stdout with {"progress": stage, "fraction": f} events, then one
-{"result": {...}} or {"error": class name, "message": ...}. Anything else the libraries
+Protocol: one JSON object per line. The server writes jobs to stdin (the options as
+`OptimizeOptions.to_dict()`); the worker answers on its original stdout with
+{"progress": stage, "fraction": f} events, then one {"result": {...}} (an optimize's report as
+`Report.to_dict()`) or {"error": class name, "message": ...}. Anything else the libraries
 print goes to stderr. The server kills the whole process group to stop a job.
 """
 from __future__ import annotations
@@ -17,35 +18,20 @@ from pathlib import Path
 OPTIMIZED_MODEL_NAME = "optimized.onnx"
 
 
-def library_options(options: dict, progress):
-    from graphopt.optimize import OptimizeOptions
-    from graphopt.search import DEFAULT_STRATEGY
-    return OptimizeOptions(
-        loss=options.get("loss") or None,
-        budget_bytes=options.get("budget_bytes"),
-        strategy=options.get("strategy") or DEFAULT_STRATEGY,
-        input_dims={k: list(v) for k, v in options.get("input_dims", {}).items()},
-        providers=[options["execution_provider"]] if options.get("execution_provider") else None,
-        verify=not options.get("skip_verify", False),
-        measure=not options.get("skip_measure", False),
-        threads=options.get("threads") or 1,
-        progress=progress,
-    )
-
-
 def run_job(job: dict, progress) -> dict:
+    """`job["options"]` is `OptimizeOptions.to_dict()`'s form; `job["service"]` the service's own."""
     from graphopt.ingest import external_data_files, load_model
-    from graphopt.optimize import analyze_model, optimize, save_model
+    from graphopt.optimize import OptimizeOptions, analyze_model, optimize, save_model
     tempfile.tempdir = job["tmp_dir"]  # whatever the library writes is inside the call's folder
     try:
-        options = library_options(job["options"], progress)
+        options = OptimizeOptions.from_dict(job["options"], progress=progress)
         model = load_model(job["model_path"])
         if job["kind"] == "analyze":
-            return {"analysis": analyze_model(model, options, plan=job["options"].get("plan", False))}
+            return {"analysis": analyze_model(model, options, plan=job["service"].get("plan", False))}
         result = optimize(model, options)
         output = Path(job["output_dir"]) / OPTIMIZED_MODEL_NAME
         save_model(result.model, output)
-        return {"report": result.report, "files": [OPTIMIZED_MODEL_NAME, *external_data_files(output)]}
+        return {"report": result.report.to_dict(), "files": [OPTIMIZED_MODEL_NAME, *external_data_files(output)]}
     finally:
         tempfile.tempdir = None
 

@@ -352,7 +352,7 @@ def test_pipeline_keeps_outputs(name):
     entry = ZOO[name]()
     started = time.perf_counter()
     result = optimize(train, OptimizeOptions(inputs=_feeds(entry), measure=False, strategy="chen-sqrt"))
-    assert result.report["outputs_match"] is True
+    assert result.report.outputs_match is True
     assert [o.name for o in result.model.graph.output] == [o.name for o in train.graph.output]
     RESULTS.setdefault(name, {})["pipeline_seconds"] = time.perf_counter() - started
 
@@ -361,7 +361,7 @@ def test_pipeline_keeps_outputs(name):
 def test_pipeline_default_strategy(name):
     forward, train, _ = _built(name)
     result = optimize(train, OptimizeOptions(inputs=_feeds(ZOO[name]()), measure=False))
-    assert result.report["outputs_match"] is True
+    assert result.report.outputs_match is True
 
 
 def _with_custom_op(forward: onnx.ModelProto) -> onnx.ModelProto:

@@ -7,6 +7,7 @@ import onnx
 import pytest
 
 from graphopt.examples import forward_example, training_example
+from graphopt.report import Report, summary_text
 
 
 def graphopt(*args, check=True):
@@ -31,8 +32,15 @@ def test_optimize_writes_model_and_report(small_training, tmp_path):
     proc = graphopt("optimize", small_training, "-o", out, "--report", report_path)
     assert "outputs identical: True" in proc.stdout
     report = json.loads(report_path.read_text())
-    for key in ("checkpoints", "recompute_nodes", "search_seconds", "outputs_match", "predicted", "measured"):
+    for key in ("checkpoints", "recompute_nodes", "search_seconds", "outputs_match", "predicted", "measured",
+                "order_followed", "solver_exact", "measurement_method", "provider", "outcome", "outcome_reason"):
         assert key in report
+    assert report["order_followed"] is True and report["provider"] == "CPUExecutionProvider"
+    assert report["measurement_method"] == report["measured"]["optimized"]["method"] != ""
+    # the JSON reads back as the typed report, and the summary printed is the one renderer's
+    typed = Report.from_dict(report)
+    assert typed.to_dict() == report
+    assert summary_text(typed) in proc.stdout
     for label in ("original_default_session", "original_optimizations_off", "optimized"):
         assert report["measured"][label]["peak_bytes"] >= 0
         assert report["measured"][label]["step_seconds"] > 0

@@ -22,10 +22,10 @@ import torch
 from torch import nn
 
 from graphopt.build.train_graph import build_training_graph
-from graphopt.cli import summary_text
 from graphopt.inputs import save_inputs
-from graphopt.optimize import (ORIGINAL_UNOPTIMIZED, OptimizeOptions, _annotate, _prepare, first_in_order,
-                               optimize, save_model)
+from graphopt.optimize import ORIGINAL_UNOPTIMIZED, OptimizeOptions, optimize, save_model
+from graphopt.pipeline import first_in_order, prepare, rewrite_plan
+from graphopt.report import summary_text
 from graphopt.rewrite import PLANNED_SETTINGS, rewrite
 from graphopt.runtime.measure import measure
 from graphopt.runtime.session import DEFAULT_SETTINGS
@@ -65,28 +65,26 @@ def test_ort_order_deviation_is_caught_and_what_is_returned_runs_as_planned(mobi
     train, feeds = mobilenet_v3
     options = OptimizeOptions(strategy="chen-sqrt", inputs=feeds, measure=False)
     # the graph as it came (HardSwish kept): ORT leaves the order of every plan, store-all too
-    training, inputs = _prepare(train, options)
-    annotations, graph = _annotate(training, inputs, options)
-    plans = [chen_sqrt(graph), store_all(graph)]
-    assert plans[0].recompute_ops > 0
-    assert not ran_as_written(rewrite(training, graph, plans[0], PLANNED_SETTINGS), inputs)
-    tried = []
-    report = {}
-    assert first_in_order(training.model, training, graph, annotations, plans, inputs, options, report,
-                          tried) is None
-    assert [t["order"]["followed"] for t in tried] == [False, False]   # the profile check caught both
-    deviation = tried[0]["order"]
-    assert any("HardSigmoid" in name for name in deviation["not_in_file"]), deviation
+    with prepare(train, options, expand=False) as prepared:
+        graph, inputs = prepared.graph, prepared.inputs
+        plans = [chen_sqrt(graph), store_all(graph)]
+        assert plans[0].recompute_ops > 0
+        assert not ran_as_written(rewrite_plan(prepared, plans[0]), inputs)
+        tried = []
+        assert first_in_order(prepared, plans, options, tried) is None
+    assert [t.entry.order.followed for t in tried] == [False, False]   # the profile check caught both
+    deviation = tried[0].entry.order
+    assert any("HardSigmoid" in name for name in deviation.not_in_file), deviation
 
     # what optimize returns: HardSwish written as its function body, a plan with recomputation,
     # and ORT runs the file as written
     result = optimize(train, options)
-    assert result.report["functions_expanded"] == {"HardSwish": sum(
+    assert result.report.functions_expanded == {"HardSwish": sum(
         n.op_type == "HardSwish" for n in train.graph.node)}
-    assert result.report["recompute_nodes"] > 0
-    assert result.report["outputs_match"]
+    assert result.report.recompute_nodes > 0
+    assert result.report.outputs_match
     assert ran_as_written(result.model, inputs)
-    assert result.report["order_followed"]
+    assert result.report.order_followed
     assert not any(n.op_type == "HardSwish" for n in result.model.graph.node)
 
 
@@ -130,16 +128,15 @@ def test_never_worse_returns_the_best_measured_original():
         }
     best_original = min(peak["default"], peak["off"])
     # a case where the plan is worse: its measured peak (optimize's own run of the rewritten file)
-    assert report["rejected"]["measured"]["peak_bytes"] > 1.5 * best_original, (peak, report["rejected"])
+    assert report.rejected.measured.peak_bytes > 1.5 * best_original, (peak, report.rejected)
     # what came back is the original graph, no worse than the original in either session
     assert peak["returned"] <= 1.05 * best_original + (64 << 10), peak
     assert len(result.model.graph.node) == len(train.graph.node)
     assert not any("__rc" in n.name for n in result.model.graph.node)
-    assert report["outcome"] == "original"
-    assert report["rejected"]["measured"]["peak_bytes"] > report["measured"]["optimized"]["peak_bytes"]
-    assert report["measured"]["optimized"]["peak_bytes"] == min(
-        report["measured"]["original_default_session"]["peak_bytes"],
-        report["measured"]["original_optimizations_off"]["peak_bytes"])
+    assert report.outcome == "original"
+    assert report.rejected.measured.peak_bytes > report.measured.optimized.peak_bytes
+    assert report.measured.optimized.peak_bytes == min(report.measured.original_default_session.peak_bytes,
+                                                       report.measured.original_optimizations_off.peak_bytes)
     text = summary_text(report)
     assert "NOT IMPROVED, the original model is returned" in text and "not below the original" in text
 
@@ -165,26 +162,26 @@ def _corrupting(real_rewrite, when):
 def test_a_plan_whose_outputs_differ_is_rejected_for_the_next_one(monkeypatch, caplog):
     """OUTPUTS: the chosen plan's outputs differ -> a warning, store-all (no recomputation)
     is delivered, and the report names the rejected plan's output and difference."""
-    import graphopt.optimize as pipeline
+    import graphopt.pipeline as pipeline
     from test_rewrite import batchnorm_training_graph
     model, feeds = batchnorm_training_graph()
     monkeypatch.setattr(pipeline, "rewrite", _corrupting(rewrite, lambda plan: plan.recompute_ops > 0))
-    with caplog.at_level("WARNING", logger="graphopt.optimize"):
+    with caplog.at_level("WARNING", logger="graphopt.pipeline"):
         result = optimize(model, OptimizeOptions(strategy="chen-sqrt", inputs=feeds, measure=False))
     report = result.report
     gradient = model.graph.output[1].name
-    assert [t["outputs_match"] for t in report["order"]["plans_tried"]] == [False, True]
-    assert report["strategy"] == "store-all" and report["recompute_nodes"] == 0 and report["outputs_match"]
-    rejected = report["rejected_for_outputs"]
-    assert len(rejected) == 1 and rejected[0]["strategy"] == "chen-sqrt" and rejected[0]["output"] == gradient
-    assert rejected[0]["relative_difference"] > 0.3
-    assert repr(gradient) in report["outcome_reason"] and "rejected" in report["outcome_reason"]
+    assert [t.outputs_match for t in report.order.plans_tried] == [False, True]
+    assert report.strategy == "store-all" and report.recompute_nodes == 0 and report.outputs_match
+    rejected = report.rejected_for_outputs
+    assert len(rejected) == 1 and rejected[0].strategy == "chen-sqrt" and rejected[0].output == gradient
+    assert rejected[0].relative_difference > 0.3
+    assert repr(gradient) in report.outcome_reason and "rejected" in report.outcome_reason
     assert any("rejected" in r.getMessage() and gradient in r.getMessage() for r in caplog.records)
     assert not any(n.name == "corrupt" for n in result.model.graph.node)
 
 
 def test_verification_error_when_even_the_plan_without_recomputation_differs(monkeypatch):
-    import graphopt.optimize as pipeline
+    import graphopt.pipeline as pipeline
     from graphopt.errors import VerificationError
     from test_rewrite import batchnorm_training_graph
     model, feeds = batchnorm_training_graph()
@@ -211,9 +208,9 @@ def test_optimize_runs_onnx_runtime_only_in_child_processes(monkeypatch):
     result = optimize(model, OptimizeOptions(strategy="chen-sqrt", inputs=feeds))
     assert opened == []
     report = result.report
-    assert report["outputs_match"] and report["order"]["plans_tried"]
-    assert report["measured"]["original_optimizations_off"]["peak_bytes"] >= 0
-    assert report["outcome"] in ("optimized", "original")
+    assert report.outputs_match and report.order.plans_tried
+    assert report.measured.original_optimizations_off.peak_bytes >= 0
+    assert report.outcome in ("optimized", "original")
 
 
 def test_outputs_compared_from_disk_equal_the_in_memory_comparison():

@@ -30,6 +30,7 @@ from onnx.external_data_helper import (_get_all_tensors, convert_model_to_extern
 
 from graphopt.examples import training_example
 from graphopt.optimize import OptimizeOptions, optimize
+from graphopt.report import Report, summary_text
 from graphopt.search import DEFAULT_STRATEGY, STRATEGIES
 
 REPO = Path(__file__).resolve().parents[1]
@@ -246,6 +247,8 @@ def test_optimize_gives_the_library_graph(node, server, resnet, tmp_path):
     assert f"wrote {out}" in done.stdout
     assert "strategy feng-huang" in done.stdout
     report = json.loads(report_path.read_text())
+    # the Node client prints graphopt's one summary (the server's Report.summary), not its own
+    assert summary_text(Report.from_dict(report)) in done.stdout
     assert out.stat().st_size > 64 * 1024   # more than one response chunk below
     assert report["strategy"] == "feng-huang" and report["outputs_match"] is True
     assert "measured" not in report or not report["measured"]

@@ -7,8 +7,8 @@ import pytest
 
 from graphopt.errors import BudgetInfeasibleError
 from graphopt.examples import EXAMPLES, training_example
-from graphopt.optimize import OptimizeOptions, _annotate, _measure_one, _prepare, optimize
-from graphopt.rewrite import PLANNED_SETTINGS, rewrite
+from graphopt.optimize import OptimizeOptions, optimize
+from graphopt.pipeline import measure_model, prepare, rewrite_plan
 from graphopt.search import chen_sqrt
 
 _reports = {}
@@ -24,26 +24,26 @@ def report_for(name):
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_outputs_identical_and_order_followed(name):
     report = report_for(name)
-    assert report["outputs_match"]
-    assert report["max_relative_difference"] <= 1e-5
-    assert report["order_followed"], "ONNX Runtime did not execute the planned order"
+    assert report.outputs_match
+    assert report.max_relative_difference <= 1e-5
+    assert report.order_followed, "ONNX Runtime did not execute the planned order"
 
 
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_prediction_within_five_percent(name):
-    error = report_for(name)["prediction_error"]
-    assert abs(error["optimized"]) <= 0.05, error
-    assert abs(error["original_optimizations_off"]) <= 0.05, error
+    error = report_for(name).prediction_error
+    assert abs(error.optimized) <= 0.05, error
+    assert abs(error.original_optimizations_off) <= 0.05, error
 
 
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_measured_peak_saving(name):
-    ratios = report_for(name)["ratios"]
+    ratios = report_for(name).ratios
     # The built graphs are lean (tests/test_builder_vs_torch.py, benchmarks/builder_vs_eager.py):
     # measured with benchmarks/zoo_table.py, optimized / optimizations off ranged 0.21-0.79
     # (randwire highest: its random wiring leaves little to recompute), / default 0.18-0.58.
-    assert ratios["peak_vs_default_session"] <= 0.65, ratios
-    assert ratios["peak_vs_optimizations_off"] <= 0.85, ratios
+    assert ratios.peak_vs_default_session <= 0.65, ratios
+    assert ratios.peak_vs_optimizations_off <= 0.85, ratios
 
 
 _chen = {}
@@ -53,23 +53,22 @@ def chen_peak_bytes(name):
     """Measured peak of Chen's sqrt(n) plan, rewritten and run like graphopt's own plan."""
     if name not in _chen:
         model, inputs = training_example(name)
-        options = OptimizeOptions(inputs=inputs)
-        training, inputs = _prepare(model, options)
-        _, graph = _annotate(training, inputs, options)
-        rewritten = rewrite(training, graph, chen_sqrt(graph), PLANNED_SETTINGS)
-        _chen[name] = _measure_one(rewritten, inputs, options).peak_bytes
+        options = OptimizeOptions(inputs=inputs, verify=False)
+        with prepare(model, options) as prepared:
+            rewritten = rewrite_plan(prepared, chen_sqrt(prepared.graph))
+            _chen[name] = measure_model(prepared, rewritten, options).peak_bytes
     return _chen[name]
 
 
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_least_peak_never_above_chen(name):
-    ours = report_for(name)["measured"]["optimized"]["peak_bytes"]
+    ours = report_for(name).measured.optimized.peak_bytes
     assert ours <= chen_peak_bytes(name), (ours, chen_peak_bytes(name))
 
 
 def test_median_against_chen_and_default_session():
-    vs_chen = [report_for(n)["measured"]["optimized"]["peak_bytes"] / chen_peak_bytes(n) for n in EXAMPLES]
-    vs_default = [report_for(n)["ratios"]["peak_vs_default_session"] for n in EXAMPLES]
+    vs_chen = [report_for(n).measured.optimized.peak_bytes / chen_peak_bytes(n) for n in EXAMPLES]
+    vs_default = [report_for(n).ratios.peak_vs_default_session for n in EXAMPLES]
     assert statistics.median(vs_chen) <= 0.75, vs_chen
     assert statistics.median(vs_default) <= 0.40, vs_default
 
@@ -78,16 +77,16 @@ def test_median_against_chen_and_default_session():
 def test_budget_met_by_measurement(fraction):
     """A budget between the least peak and store-all is met by the measured peak."""
     least = report_for("resnet")
-    low = least["measured"]["optimized"]["peak_bytes"]
-    high = least["measured"]["original_optimizations_off"]["peak_bytes"]
+    low = least.measured.optimized.peak_bytes
+    high = least.measured.original_optimizations_off.peak_bytes
     budget = int(low + fraction * (high - low))
     model, inputs = training_example("resnet")
     report = optimize(model, OptimizeOptions(inputs=inputs, budget_bytes=budget)).report
-    assert report["outputs_match"] and report["order_followed"]
-    assert report["measured"]["optimized"]["peak_bytes"] <= budget, report["budget_attempts"]
-    assert report["budget_met"]
+    assert report.outputs_match and report.order_followed
+    assert report.measured.optimized.peak_bytes <= budget, report.budget_attempts
+    assert report.budget_met
     # least time under the budget: less recomputation than the least-peak plan
-    assert report["predicted"]["optimized"]["recompute_seconds"] <= least["predicted"]["optimized"]["recompute_seconds"]
+    assert report.predicted.optimized.recompute_seconds <= least.predicted.optimized.recompute_seconds
 
 
 def test_impossible_budget_names_the_least_peak():
@@ -105,7 +104,7 @@ def test_budget_just_above_a_prediction_is_met_by_measurement():
     planned = optimize(model, OptimizeOptions(inputs=inputs, budget_bytes=40_000_000, verify=False, measure=False))
     budget = planned.plan.peak_bytes + 8192
     report = optimize(model, OptimizeOptions(inputs=inputs, budget_bytes=budget)).report
-    attempts = report["budget_attempts"]
-    assert report["measured"]["optimized"]["peak_bytes"] <= budget and report["budget_met"], attempts
-    assert all(a["measured_peak_bytes"] > budget for a in attempts[:-1]), attempts
-    assert report["outputs_match"] and report["order_followed"]
+    attempts = report.budget_attempts
+    assert report.measured.optimized.peak_bytes <= budget and report.budget_met, attempts
+    assert all(a.measured_peak_bytes > budget for a in attempts[:-1]), attempts
+    assert report.outputs_match and report.order_followed

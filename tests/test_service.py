@@ -3,6 +3,7 @@ Python client, real training graphs in real ONNX Runtime (in the server's worker
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -23,6 +24,7 @@ from onnx import TensorProto, helper, numpy_helper
 from graphopt.examples import training_example
 from graphopt.ingest import load_model
 from graphopt.optimize import OptimizeOptions, analyze_model, optimize, save_model
+from graphopt.report import Report, summary_text
 from graphopt.search import DEFAULT_STRATEGY, STRATEGIES
 from graphopt_service._proto import graphopt_pb2 as pb
 from graphopt_service._proto import graphopt_pb2_grpc as pb_grpc
@@ -97,14 +99,29 @@ def test_python_client_gets_the_in_process_graph(client, models, tmp_path):
                              progress=lambda stage, fraction: progress.append((stage, fraction)))
     local = optimize(load_model(models["resnet"]), OptimizeOptions(strategy="feng-huang"))
     _same_graph(onnx.load(tmp_path / "opt.onnx"), local.model)
-    assert report["outputs_match"] and report["order_followed"]
-    assert report["checkpoints"] == local.report["checkpoints"]
-    assert report["measured"]["optimized"]["peak_bytes"] > 0
+    # the typed report, as the library's (the options arrived under the library's names)
+    assert report.outputs_match and report.order_followed
+    assert report.checkpoints == local.report.checkpoints
+    assert report.measured.optimized.peak_bytes > 0 and report.measurement_method == local.report.measurement_method
+    assert report.provider == "CPUExecutionProvider" and report.solver_exact == local.report.solver_exact
     stages = [s for s, _ in progress]
     assert stages[0] == "queued" and {"annotate", "plan", "rewrite", "verify", "measure"} <= set(stages)
     fractions = [f for _, f in progress]
     assert fractions == sorted(fractions) and fractions[-1] < 1.0
     assert [p.name for p in tmp_path.iterdir()] == ["opt.onnx"]   # no staging folder left
+
+
+def test_report_message_carries_the_summary_and_headline_fields(client, models):
+    """The proto's Report: the library's report as JSON, its headline fields, and the one summary
+    text (graphopt.report.summary_text) that every client prints."""
+    message = list(client.optimize_call(models["mlp"], strategy="chen-sqrt", measure=False))[-1].report
+    report = Report.from_dict(json.loads(message.json))
+    assert message.summary == summary_text(report) and "strategy chen-sqrt" in message.summary
+    assert message.HasField("order_followed") and message.order_followed == report.order_followed
+    assert report.order_followed is True and report.outputs_match is True
+    assert message.outcome == report.outcome == "unmeasured" and message.provider == report.provider != ""
+    assert message.measurement_method == "" and report.measured is None
+    assert message.HasField("solver_exact") == (report.solver_exact is not None)
 
 
 def test_external_data_travels_with_the_model(client, models, tmp_path):
@@ -154,7 +171,7 @@ def test_a_200_mb_model_streams_through(client, tmp_path):
               all_tensors_to_one_file=True, location="model.bin")
     report = client.optimize(tmp_path / "big" / "model.onnx", tmp_path / "out" / "opt.onnx",
                              strategy="chen-sqrt", measure=False)
-    assert report["outputs_match"]
+    assert report.outputs_match
     assert digest(load_model(tmp_path / "out" / "opt.onnx")) == expected
 
 
@@ -292,7 +309,7 @@ def test_an_expired_deadline_stops_the_work(server, client, models, tmp_path):
     assert not (tmp_path / "never.onnx").exists() and list(tmp_path.iterdir()) == []
     assert client.health() == "SERVING"
     # the replacement worker takes new work
-    assert client.optimize(models["mlp"], tmp_path / "after.onnx", measure=False)["outputs_match"]
+    assert client.optimize(models["mlp"], tmp_path / "after.onnx", measure=False).outputs_match
 
 
 # -- a server of one worker and no queue; SIGTERM drains ----------------------------------------
@@ -315,7 +332,7 @@ def test_a_full_queue_is_refused_and_sigterm_drains(tmp_path, models):
             error = _code(client.optimize, models["mlp"], tmp_path / "late.onnx", measure=False)
             assert error.code() == grpc.StatusCode.UNAVAILABLE
             busy.join(120)
-            assert results["report"]["outputs_match"]        # the call in flight finished
+            assert results["report"].outputs_match        # the call in flight finished
         assert server.proc.wait(60) == 0
         assert not (tmp_path / "work").exists() or server.leftover_files() == []
     finally:
@@ -342,7 +359,7 @@ def test_tls_and_bearer_token(tmp_path, models):
             assert _code(wrong.list_strategies).code() == grpc.StatusCode.UNAUTHENTICATED
         with Client(server.target, token="s3cret", tls_ca_path=str(tmp_path / "ca.pem")) as client:
             assert client.list_strategies()
-            assert client.optimize(models["mlp"], tmp_path / "opt.onnx", measure=False)["outputs_match"]
+            assert client.optimize(models["mlp"], tmp_path / "opt.onnx", measure=False).outputs_match
         with Client(server.target, token="s3cret") as plaintext:  # no TLS against a TLS port
             assert _code(plaintext.list_strategies, timeout_seconds=5).code() == grpc.StatusCode.UNAVAILABLE
     finally:
@@ -381,7 +398,7 @@ def test_message_size_limits_are_configurable_on_both_sides(tmp_path, models):
         with Client(server.target, max_message_bytes=256 << 10, chunk_bytes=128 << 10) as client:
             report = client.optimize(models["slow"], tmp_path / "opt.onnx", measure=False,
                                      strategy="chen-sqrt", response_chunk_bytes=128 << 10)
-            assert report["outputs_match"] and (tmp_path / "opt.onnx").stat().st_size > 4 << 20
+            assert report.outputs_match and (tmp_path / "opt.onnx").stat().st_size > 4 << 20
         with Client(server.target, chunk_bytes=1 << 20) as big_chunks:
             error = _code(big_chunks.optimize, models["slow"], tmp_path / "no.onnx", measure=False)
             assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -420,7 +437,7 @@ def test_a_worker_that_dies_fails_only_its_call(tmp_path, models):
             error = _code(list, call)
             assert error.code() == grpc.StatusCode.INTERNAL and "worker process died" in error.details()
             assert client.health() == "SERVING"
-            assert client.optimize(models["mlp"], tmp_path / "after.onnx", measure=False)["outputs_match"]
+            assert client.optimize(models["mlp"], tmp_path / "after.onnx", measure=False).outputs_match
         assert server.wait_no_leftovers() == []
     finally:
         server.kill()

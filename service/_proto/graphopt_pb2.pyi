@@ -16,28 +16,30 @@ class InputDims(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dims: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class OptimizeOptions(_message.Message):
-    __slots__ = ("budget_bytes", "strategy", "input_dims", "execution_provider", "skip_verify", "skip_measure", "loss", "threads", "response_chunk_bytes", "plan")
+    __slots__ = ("budget_bytes", "strategy", "input_dims", "providers", "verify", "measure", "loss", "threads", "tolerance", "response_chunk_bytes", "plan")
     BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     STRATEGY_FIELD_NUMBER: _ClassVar[int]
     INPUT_DIMS_FIELD_NUMBER: _ClassVar[int]
-    EXECUTION_PROVIDER_FIELD_NUMBER: _ClassVar[int]
-    SKIP_VERIFY_FIELD_NUMBER: _ClassVar[int]
-    SKIP_MEASURE_FIELD_NUMBER: _ClassVar[int]
+    PROVIDERS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_FIELD_NUMBER: _ClassVar[int]
+    MEASURE_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     THREADS_FIELD_NUMBER: _ClassVar[int]
+    TOLERANCE_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
     budget_bytes: int
     strategy: str
     input_dims: _containers.RepeatedCompositeFieldContainer[InputDims]
-    execution_provider: str
-    skip_verify: bool
-    skip_measure: bool
+    providers: _containers.RepeatedScalarFieldContainer[str]
+    verify: bool
+    measure: bool
     loss: str
     threads: int
+    tolerance: float
     response_chunk_bytes: int
     plan: bool
-    def __init__(self, budget_bytes: _Optional[int] = ..., strategy: _Optional[str] = ..., input_dims: _Optional[_Iterable[_Union[InputDims, _Mapping]]] = ..., execution_provider: _Optional[str] = ..., skip_verify: _Optional[bool] = ..., skip_measure: _Optional[bool] = ..., loss: _Optional[str] = ..., threads: _Optional[int] = ..., response_chunk_bytes: _Optional[int] = ..., plan: _Optional[bool] = ...) -> None: ...
+    def __init__(self, budget_bytes: _Optional[int] = ..., strategy: _Optional[str] = ..., input_dims: _Optional[_Iterable[_Union[InputDims, _Mapping]]] = ..., providers: _Optional[_Iterable[str]] = ..., verify: _Optional[bool] = ..., measure: _Optional[bool] = ..., loss: _Optional[str] = ..., threads: _Optional[int] = ..., tolerance: _Optional[float] = ..., response_chunk_bytes: _Optional[int] = ..., plan: _Optional[bool] = ...) -> None: ...
 
 class FileHeader(_message.Message):
     __slots__ = ("path", "size_bytes", "sha256")
@@ -88,7 +90,7 @@ class PeakBytes(_message.Message):
     def __init__(self, original_default_session: _Optional[int] = ..., original_optimizations_off: _Optional[int] = ..., optimized: _Optional[int] = ...) -> None: ...
 
 class Report(_message.Message):
-    __slots__ = ("strategy", "checkpoints", "recompute_nodes", "predicted_peak_bytes", "measured_peak_bytes", "outputs_match", "total_seconds", "json")
+    __slots__ = ("strategy", "checkpoints", "recompute_nodes", "predicted_peak_bytes", "measured_peak_bytes", "outputs_match", "total_seconds", "json", "summary", "order_followed", "solver_exact", "measurement_method", "provider", "outcome", "outcome_reason")
     STRATEGY_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
     RECOMPUTE_NODES_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +99,13 @@ class Report(_message.Message):
     OUTPUTS_MATCH_FIELD_NUMBER: _ClassVar[int]
     TOTAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     JSON_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    ORDER_FOLLOWED_FIELD_NUMBER: _ClassVar[int]
+    SOLVER_EXACT_FIELD_NUMBER: _ClassVar[int]
+    MEASUREMENT_METHOD_FIELD_NUMBER: _ClassVar[int]
+    PROVIDER_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_REASON_FIELD_NUMBER: _ClassVar[int]
     strategy: str
     checkpoints: int
     recompute_nodes: int
@@ -105,7 +114,14 @@ class Report(_message.Message):
     outputs_match: bool
     total_seconds: float
     json: str
-    def __init__(self, strategy: _Optional[str] = ..., checkpoints: _Optional[int] = ..., recompute_nodes: _Optional[int] = ..., predicted_peak_bytes: _Optional[_Union[PeakBytes, _Mapping]] = ..., measured_peak_bytes: _Optional[_Union[PeakBytes, _Mapping]] = ..., outputs_match: _Optional[bool] = ..., total_seconds: _Optional[float] = ..., json: _Optional[str] = ...) -> None: ...
+    summary: str
+    order_followed: bool
+    solver_exact: bool
+    measurement_method: str
+    provider: str
+    outcome: str
+    outcome_reason: str
+    def __init__(self, strategy: _Optional[str] = ..., checkpoints: _Optional[int] = ..., recompute_nodes: _Optional[int] = ..., predicted_peak_bytes: _Optional[_Union[PeakBytes, _Mapping]] = ..., measured_peak_bytes: _Optional[_Union[PeakBytes, _Mapping]] = ..., outputs_match: _Optional[bool] = ..., total_seconds: _Optional[float] = ..., json: _Optional[str] = ..., summary: _Optional[str] = ..., order_followed: _Optional[bool] = ..., solver_exact: _Optional[bool] = ..., measurement_method: _Optional[str] = ..., provider: _Optional[str] = ..., outcome: _Optional[str] = ..., outcome_reason: _Optional[str] = ...) -> None: ...
 
 class OptimizeResponse(_message.Message):
     __slots__ = ("progress", "file", "chunk", "report")

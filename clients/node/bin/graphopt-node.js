@@ -172,7 +172,7 @@ function parseCommandLine(argv) {
     if (values.strategy) options.strategy = values.strategy;
     if (values['input-dims']) options.inputDims = parseInputDims(values['input-dims']);
     if (values.loss) options.loss = values.loss;
-    if (values.provider) options.executionProvider = values.provider;
+    if (values.provider) options.providers = [values.provider];
     if (values.threads !== undefined) options.threads = parsePositiveInt(values.threads, '--threads');
   }
   if (command === 'optimize') {
@@ -201,20 +201,9 @@ function progressLine(stage, fraction, message) {
   return `[${pct}%] ${stage}${message ? ': ' + message : ''}`;
 }
 
+/** The files written, then the server's summary: graphopt's one renderer (graphopt.report.summary_text). */
 function summary(report) {
-  const lines = [`wrote ${report.files.join(', ')}`];
-  lines.push(`strategy ${report.strategy}: ${report.checkpoints} checkpoints, ${report.recompute_nodes} recompute nodes`);
-  const predicted = report.predicted_peak_bytes || {};
-  const measured = report.measured_peak_bytes || {};
-  lines.push(`predicted peak: ${human(predicted.original_optimizations_off)} -> ${human(predicted.optimized)}`);
-  if (Number(measured.optimized) > 0) {
-    lines.push(`measured peak: ${human(measured.original_default_session)} (default session), ` +
-      `${human(measured.original_optimizations_off)} (optimizations off) -> ${human(measured.optimized)}`);
-  } else {
-    lines.push('measured peak: not measured');
-  }
-  lines.push(`outputs match: ${report.outputs_match ? 'yes' : 'not verified'}; ${Number(report.total_seconds).toFixed(1)} s`);
-  return lines.join('\n');
+  return [`wrote ${report.files.join(', ')}`, report.summary].join('\n');
 }
 
 async function run(argv, io = { stdout: process.stdout, stderr: process.stderr }) {

@@ -72,8 +72,10 @@ async function sha256File(file) {
 
 // --- options -------------------------------------------------------------------------
 
-const OPTION_KEYS = new Set(['budgetBytes', 'strategy', 'inputDims', 'executionProvider', 'verify',
-  'measure', 'loss', 'threads', 'responseChunkBytes', 'plan']);
+// graphopt's OptimizeOptions (graphopt/options.py), each field under its camelCase name, and the
+// service's own responseChunkBytes and plan.
+const OPTION_KEYS = new Set(['budgetBytes', 'strategy', 'inputDims', 'providers', 'verify',
+  'measure', 'loss', 'threads', 'tolerance', 'responseChunkBytes', 'plan']);
 
 function integerString(value, what) {
   if (typeof value === 'bigint') return value.toString();
@@ -84,8 +86,8 @@ function integerString(value, what) {
 
 /**
  * JS options -> graphopt.v1.OptimizeOptions:
- *   {budgetBytes, strategy, inputDims: {name: [d, ...]} | [{name, dims}], executionProvider,
- *    verify (default true), measure (default true), loss, threads, responseChunkBytes, plan}
+ *   {budgetBytes, strategy, inputDims: {name: [d, ...]} | [{name, dims}], providers: [name, ...],
+ *    verify (default true), measure (default true), loss, threads, tolerance, responseChunkBytes, plan}
  */
 function toProtoOptions(options = {}) {
   for (const key of Object.keys(options)) {
@@ -107,9 +109,17 @@ function toProtoOptions(options = {}) {
       dims: (dims || []).map((d) => integerString(d, `dimension of input ${name}`)),
     }));
   }
-  if (options.executionProvider) out.execution_provider = String(options.executionProvider);
-  if (options.verify === false) out.skip_verify = true;
-  if (options.measure === false) out.skip_measure = true;
+  if (options.providers) {
+    if (!Array.isArray(options.providers)) throw new ClientError('providers must be a list of names');
+    out.providers = options.providers.map(String);
+  }
+  if (options.verify === false) out.verify = false;
+  if (options.measure === false) out.measure = false;
+  if (options.tolerance !== undefined && options.tolerance !== null) {
+    const tolerance = Number(options.tolerance);
+    if (!(tolerance >= 0)) throw new ClientError(`tolerance must be a number >= 0, not ${JSON.stringify(options.tolerance)}`);
+    out.tolerance = tolerance;
+  }
   if (options.loss) out.loss = String(options.loss);
   if (options.threads) out.threads = Number(options.threads);
   if (options.responseChunkBytes) {

@@ -29,13 +29,15 @@ test('options map onto graphopt.v1.OptimizeOptions', () => {
   assert.deepStrictEqual(toProtoOptions({}), {});
   assert.deepStrictEqual(toProtoOptions({
     budgetBytes: 512 * 2 ** 20, strategy: 'feng-huang', inputDims: { x: [8, 3, 32, 32], s: [] },
-    verify: false, measure: false, loss: 'loss', threads: 2, executionProvider: 'CPUExecutionProvider',
+    verify: false, measure: false, loss: 'loss', threads: 2, providers: ['CPUExecutionProvider'], tolerance: 1e-4,
   }), {
     budget_bytes: '536870912', strategy: 'feng-huang',
     input_dims: [{ name: 'x', dims: ['8', '3', '32', '32'] }, { name: 's', dims: [] }],
-    skip_verify: true, skip_measure: true, loss: 'loss', threads: 2,
-    execution_provider: 'CPUExecutionProvider',
+    verify: false, measure: false, loss: 'loss', threads: 2,
+    providers: ['CPUExecutionProvider'], tolerance: 1e-4,
   });
+  assert.throws(() => toProtoOptions({ executionProvider: 'CPUExecutionProvider' }), /unknown option/);
+  assert.throws(() => toProtoOptions({ tolerance: -1 }), /tolerance must be/);
   assert.deepStrictEqual(toProtoOptions({ budgetBytes: 0 }), { budget_bytes: '0' });
   assert.throws(() => toProtoOptions({ budget: 5 }), /unknown option "budget"/);
   assert.throws(() => toProtoOptions({ budgetBytes: -1 }), /non-negative integer/);
@@ -264,7 +266,7 @@ test('optimize against a scripted server: upload as the contract says, downloads
   const upload = srv.seen.uploads[0];
   assert.strictEqual(upload[0].item, 'options');
   assert.strictEqual(upload[0].options.strategy, 'auto');
-  assert.strictEqual(upload[0].options.skip_measure, true);
+  assert.strictEqual(upload[0].options.measure, false);
   assert.strictEqual(upload[0].options.budget_bytes, undefined);
   assert.deepStrictEqual(upload[1].file, { path: 'm.onnx', size_bytes: String(model.length), sha256: sha(model) });
   const chunks = upload.slice(2).map((m) => m.chunk);

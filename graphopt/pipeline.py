@@ -1,0 +1,603 @@
+"""The pipeline's stages, with typed results:
+
+    prepare(model, options) -> Prepared      ingest, analyze, annotate (in a child), the cost
+                                             graph, the original's predicted peak and its
+                                             reference outputs (once, on disk)
+    plan(prepared, options) -> Plan          the search (no ONNX Runtime run)
+    deliver(prepared, plan, options)         rewrite, verify (outputs and order, one child per
+        -> OptimizeResult                    plan), measure, budget retries, never worse
+
+`optimize`, `analyze_model` (graphopt/optimize.py), the sweep, the batch and the service
+compose them. Every ONNX Runtime run happens in a fresh child process, one at a time, on
+files of the `Prepared`'s workspace (close it, or use it as a context manager).
+
+Contracts at delivery (checked, never assumed):
+- OUTPUTS: a plan whose rewritten model's outputs differ from the original's is rejected
+  (a warning is logged and `report.rejected_for_outputs` and `outcome_reason` name the
+  output and the difference); the next plan is tried as below. VerificationError only when
+  even the plan without recomputation differs (the rewrite itself is broken).
+- ORDER: a rewritten model is returned only if ONNX Runtime's profile shows it ran the planned
+  order. Otherwise the next plan is tried (store-all: no recomputation, only the order is
+  ours), then none: the original is returned.
+- NEVER WORSE: with measurement on, a rewritten model is returned only if its measured peak
+  is below the original's under both sessions (default session, optimizations off); otherwise
+  the original graph is returned with the session settings that measured lowest (in its
+  metadata, so `open_session` applies them). `report.outcome` says which, and why.
+- BUDGET: met by measurement; a plan over it by measurement is planned again for a budget
+  lowered by the overshoot (BUDGET_RETRIES times), else BudgetInfeasibleError.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+
+from .analyze import TrainingGraph, analyze
+from .annotate import Annotations, write_annotations
+from .costmodel import Simulation, priority_order, simulate
+from .errors import BudgetInfeasibleError, VerificationError
+from .ingest import name_nodes
+from .inputs import synthesize_inputs
+from .op_rules import FOLDED_AT_LOAD_OPS, build_cost_graph, opset_of
+from .options import OptimizeOptions
+from .report import (OUTCOME_OPTIMIZED, OUTCOME_ORIGINAL, OUTCOME_UNMEASURED, AnnotationSummary, BudgetAttempt,
+                     Deviation, Measured, MeasuredRun, NodeCounts, OrderReport, OrderResult, OutputsDiffer,
+                     PlanMeasured, PlanTried, Predicted, PredictedRun, PredictionError, Ratios, RejectedForOutputs,
+                     RejectedPlan, Report)
+from .rewrite import PLANNED_SETTINGS, expand_functions, has_function, rewrite
+from .runtime.isolated import Workspace, run_task
+from .runtime.measure import Measurement, measure
+from .runtime.session import (DEFAULT_SETTINGS, UNOPTIMIZED_SETTINGS, SessionSettings, read_settings,
+                              write_settings)
+from .search import DEFAULT_STRATEGY, STRATEGIES, Plan, store_all
+from .verify import OutputComparison, compare_order
+
+log = logging.getLogger(__name__)
+
+# The original model as graphopt runs it: the strongest fair baseline, and the cost model's rules.
+ORIGINAL_UNOPTIMIZED = UNOPTIMIZED_SETTINGS
+# the two sessions the original is measured under (NEVER WORSE)
+ORIGINAL_SESSIONS = {"original_default_session": DEFAULT_SETTINGS,
+                     "original_optimizations_off": ORIGINAL_UNOPTIMIZED}
+
+# With a budget, how many times a plan whose MEASURED peak is over the budget is planned
+# again for a budget lowered by the overshoot (the runtime holds a little more than the
+# cost model predicts: allocator rounding, small buffers).
+BUDGET_RETRIES = 3
+
+
+@dataclass
+class OptimizeResult:
+    model: onnx.ModelProto
+    plan: Plan
+    report: Report
+
+
+# -- prepare ---------------------------------------------------------------------------------------
+@dataclass
+class Prepared:
+    """A model ready to plan: the cost graph as ONNX Runtime runs it, and what delivery
+    compares against. Holds a workspace on disk (inputs, models, the reference outputs)."""
+    original: onnx.ModelProto            # the user's graph, nodes named: reference and baseline
+    training: TrainingGraph              # as ORT runs it (function ops it inlines at load written out)
+    annotations: Annotations             # of `training`
+    original_annotations: Annotations    # of `original`
+    graph: object                        # the cost graph of `training`
+    functions_expanded: dict[str, int]   # op type -> nodes written as their function body
+    predicted_original: Simulation       # the cost model on ORT's own order of `training`
+    inputs: dict[str, np.ndarray]
+    workspace: Workspace
+
+    @property
+    def reference_path(self) -> str | None:
+        """The original's outputs on disk (computed once), or None when not computed."""
+        return self.workspace.reference_path
+
+    def close(self) -> None:
+        self.workspace.close()
+
+    def __enter__(self) -> "Prepared":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def prepare(model: onnx.ModelProto, options: OptimizeOptions, *, reference: bool | None = None,
+            expand: bool = True) -> Prepared:
+    """Check `options`; name, analyze and annotate `model` (left untouched) in a child; build
+    the cost graph; the original's outputs once when `reference` (default: `options.verify`).
+    `expand=False` keeps function ops ORT inlines at load as they are (the plan's order then
+    cannot cover their bodies: for tests of the order check)."""
+    options.check()
+    progress = options.progress or (lambda stage, fraction: None)
+    progress("analyze", 0.0)
+    working = onnx.ModelProto()
+    working.CopyFrom(model)
+    name_nodes(working)
+    training = analyze(working, options.loss)
+    inputs = options.inputs if options.inputs is not None else synthesize_inputs(working, options.input_dims)
+    workspace = Workspace(inputs)
+    try:
+        progress("annotate", 0.1)
+        annotations = first = _annotate(training, options, workspace, "original")
+        expanded: dict[str, int] = {}
+        if expand:
+            training, annotations, expanded = _expand_inlined(training, annotations, options, workspace)
+        graph = build_cost_graph(training, annotations.tensor_bytes, annotations.node_seconds,
+                                 tensor_shapes=annotations.tensor_shapes)
+        predicted = simulate(graph, [(name, 0) for name in annotations.execution_order if name in graph])
+        prepared = Prepared(working, training, annotations, first, graph, expanded, predicted, inputs, workspace)
+        if options.verify if reference is None else reference:
+            progress("reference outputs", 0.25)
+            _reference_outputs(prepared)
+        return prepared
+    except BaseException:
+        workspace.close()
+        raise
+
+
+def _annotate(training: TrainingGraph, options: OptimizeOptions, workspace: Workspace, label: str) -> Annotations:
+    """`annotate` `training.model` (saved in `workspace` as `label`) in a fresh process."""
+    path = workspace.save(training.model, label)
+    out = os.path.join(workspace.folder, label + ".annotations.json")
+    run_task("annotate", {"model": path, "inputs": workspace.inputs_path, "out": out,
+                          "settings": ORIGINAL_UNOPTIMIZED.to_dict(), "providers": options.providers,
+                          "threads": options.threads})
+    with open(out) as f:
+        annotations = Annotations.from_json(f.read())
+    os.remove(out)
+    return annotations
+
+
+def inlined_at_load(model: onnx.ModelProto, order: list[str]) -> list[str]:
+    """Nodes of `model` that ONNX Runtime did not run as themselves: function ops it has no
+    kernel for (HardSwish on the CPU provider, ...), inlined at load under new names."""
+    ran = set(order)
+    opset = opset_of(model)
+    return [n.name for n in model.graph.node
+            if n.name not in ran and n.op_type not in FOLDED_AT_LOAD_OPS and has_function(n, opset)]
+
+
+def _type_protos(annotations: Annotations) -> dict[str, onnx.TypeProto]:
+    types = {}
+    for name, shape in annotations.tensor_shapes.items():
+        dtype = annotations.tensor_dtypes.get(name)
+        try:
+            elem = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+        except Exception:
+            continue
+        types[name] = onnx.helper.make_tensor_type_proto(elem, list(shape))
+    return types
+
+
+def _expand_inlined(training: TrainingGraph, annotations: Annotations, options: OptimizeOptions,
+                    workspace: Workspace) -> tuple[TrainingGraph, Annotations, dict[str, int]]:
+    """Where ONNX Runtime inlined function ops at load, write their bodies into the graph
+    (`rewrite.expand_functions`) and annotate that instead, so the plan's order covers every
+    node ORT runs (inlined at load, the body nodes would come after every node of the file
+    in ORT's priority order)."""
+    inlined = inlined_at_load(training.model, annotations.execution_order)
+    if not inlined:
+        return training, annotations, {}
+    model, expanded = expand_functions(training.model, inlined, _type_protos(annotations))
+    if not expanded:
+        return training, annotations, {}
+    op_types: dict[str, int] = {}
+    expanded_names = set(expanded)
+    for node in training.model.graph.node:
+        if node.name in expanded_names:
+            op_types[node.op_type] = op_types.get(node.op_type, 0) + 1
+    training = analyze(model, options.loss)
+    del model
+    return training, _annotate(training, options, workspace, "expanded"), op_types
+
+
+def _reference_outputs(prepared: Prepared) -> str:
+    """The original's outputs (optimizations off, one thread), computed once per workspace in
+    a fresh process and kept on disk: their path."""
+    workspace = prepared.workspace
+    if workspace.reference_path is None:
+        out = os.path.join(workspace.folder, "reference.npz")
+        run_task("reference", {"model": workspace.path("original"), "inputs": workspace.inputs_path,
+                               "settings": ORIGINAL_UNOPTIMIZED.to_dict(), "threads": 1, "out": out})
+        workspace.reference_path = out
+    return workspace.reference_path
+
+
+# -- plan ------------------------------------------------------------------------------------------
+_OPTIONS_BUDGET = object()
+
+
+def plan(prepared: Prepared, options: OptimizeOptions, budget_bytes=_OPTIONS_BUDGET, *,
+         strategy: str | None = None) -> Plan:
+    """The plan of `strategy` (default: `options.strategy`) for `budget_bytes` (default:
+    `options.budget_bytes`), timed in `plan.notes["search_seconds"]`; no ONNX Runtime run.
+    A budget the plan's predicted peak does not fit is a BudgetInfeasibleError naming the
+    least peak the strategy found (with a budget, each strategy returns its least-peak plan
+    when none fits: no second search)."""
+    budget = options.budget_bytes if budget_bytes is _OPTIONS_BUDGET else budget_bytes
+    strategy = strategy or options.strategy
+    started = time.perf_counter()
+    chosen = STRATEGIES[strategy](prepared.graph, budget_bytes=budget)
+    chosen.notes.setdefault("search_seconds", time.perf_counter() - started)
+    if budget is not None and chosen.peak_bytes > budget:
+        hint = "" if strategy == DEFAULT_STRATEGY else f" by {strategy} ({DEFAULT_STRATEGY} may find less)"
+        raise BudgetInfeasibleError(
+            f"budget of {budget} bytes cannot be met: the least peak found{hint} is {chosen.peak_bytes} bytes",
+            least_feasible_peak_bytes=chosen.peak_bytes)
+    return chosen
+
+
+def solver_exact(chosen: Plan) -> bool | None:
+    """Whether `chosen` is optimal under its solver's model (None: not known)."""
+    return getattr(chosen, "exact", chosen.notes.get("exact"))
+
+
+# -- deliver: the pieces ---------------------------------------------------------------------------
+def rewrite_plan(prepared: Prepared, chosen: Plan) -> onnx.ModelProto:
+    """`prepared`'s graph rewritten for `chosen` (recompute nodes, the planned order and
+    session settings, the annotations in its metadata)."""
+    rewritten = rewrite(prepared.training, prepared.graph, chosen, PLANNED_SETTINGS)
+    write_annotations(rewritten, prepared.annotations)
+    return rewritten
+
+
+def planned_order(prepared: Prepared, chosen: Plan) -> list[str]:
+    """The node order ONNX Runtime should run the rewritten model in."""
+    return [op if copy == 0 else f"{op}__rc{copy}" for op, copy in priority_order(prepared.graph, chosen.schedule)]
+
+
+def compare_in_child(prepared: Prepared, rewritten: onnx.ModelProto, options: OptimizeOptions,
+                     order: bool) -> tuple[OutputComparison, list[str] | None]:
+    """In a fresh process: `rewritten`'s outputs (its metadata session, one thread) against the
+    original's, one array at a time; if they match and `order` is asked, the node order of one
+    profiled run under PLANNED_SETTINGS (`verify.executed_order`: a profile, no annotate)."""
+    reference = _reference_outputs(prepared)
+    workspace = prepared.workspace
+    settings = read_settings(rewritten) or DEFAULT_SETTINGS
+    result = run_task("verify", {
+        "model": workspace.save(rewritten, "candidate"), "inputs": workspace.inputs_path,
+        "settings": settings.to_dict(), "threads": 1, "reference": reference, "tolerance": options.tolerance,
+        "order": order, "order_settings": PLANNED_SETTINGS.to_dict(), "order_threads": options.threads,
+        "providers": options.providers})
+    return OutputComparison.from_dict(result["comparison"]), result["executed"]
+
+
+def _difference(comparison: OutputComparison, options: OptimizeOptions) -> OutputsDiffer:
+    return OutputsDiffer(
+        output=comparison.worst_output(), relative_difference=comparison.max_relative_difference,
+        reason=(f"output {comparison.worst_output()!r} differs from the original's (relative difference "
+                f"{comparison.max_relative_difference:.3g} > {options.tolerance})"))
+
+
+def _summary(chosen: Plan) -> dict:
+    return {"strategy": chosen.strategy, "checkpoints": len(chosen.checkpoints),
+            "recompute_nodes": chosen.recompute_ops, "predicted_peak_bytes": chosen.peak_bytes}
+
+
+@dataclass
+class Checked:
+    """A plan rewritten and checked: the rewritten model, its outputs' comparison and entry."""
+    plan: Plan
+    model: onnx.ModelProto
+    comparison: OutputComparison
+    entry: PlanTried
+
+    @property
+    def accepted(self) -> bool:
+        return self.entry.outputs_match and self.entry.order.followed
+
+
+def check_plan(prepared: Prepared, chosen: Plan, options: OptimizeOptions,
+               rewritten: onnx.ModelProto | None = None) -> Checked:
+    """Rewrite `chosen` (unless given) and check it in one child: outputs, then (if they match)
+    the order from one profiled run. A plan whose outputs differ is logged as rejected."""
+    rewritten = rewrite_plan(prepared, chosen) if rewritten is None else rewritten
+    comparison, executed = compare_in_child(prepared, rewritten, options, order=True)
+    if not comparison.match:
+        differ = _difference(comparison, options)
+        log.warning("the %s plan was rejected: its %s", chosen.strategy, differ.reason)
+        entry = PlanTried(**_summary(chosen), outputs_match=False, outputs_differ=differ,
+                          order=OrderResult(followed=False, checked=False))
+    else:
+        check = compare_order(planned_order(prepared, chosen), executed)
+        entry = PlanTried(**_summary(chosen), outputs_match=True, order=OrderResult(
+            followed=check.followed,
+            first_deviation=None if check.followed else Deviation(check.position, check.planned, check.executed),
+            not_in_file=None if check.followed else check.not_in_file[:10],
+            not_in_file_count=None if check.followed else len(check.not_in_file)))
+    return Checked(chosen, rewritten, comparison, entry)
+
+
+def first_in_order(prepared: Prepared, plans, options: OptimizeOptions,
+                   tried: list[Checked] | None = None) -> Checked | None:
+    """The first of `plans` whose rewritten model has the original's outputs and that ONNX
+    Runtime runs in the planned order, or None; each plan checked is appended to `tried`."""
+    tried = [] if tried is None else tried
+    for candidate in plans:
+        checked = check_plan(prepared, candidate, options)
+        tried.append(checked)
+        if checked.accepted:
+            return checked
+    return None
+
+
+def fallback_plans(prepared: Prepared, chosen: Plan):
+    """The plans tried after `chosen`, best first: store-all (no recomputation; the order is
+    still ours), unless `chosen` already recomputes nothing."""
+    if chosen.recompute_ops:
+        yield store_all(prepared.graph)
+
+
+def measure_model(prepared: Prepared, model: onnx.ModelProto, options: OptimizeOptions,
+                  settings: SessionSettings | None = None, repeats: int = 3) -> Measurement:
+    """One training step of `model` (under `settings`; None: its metadata) in a fresh process."""
+    return measure(prepared.workspace.save(model, "measured"), prepared.workspace.inputs_path, settings,
+                   provider=options.provider, threads=options.threads, repeats=repeats)
+
+
+def measure_original(prepared: Prepared, options: OptimizeOptions, settings: SessionSettings,
+                     repeats: int = 3) -> Measurement:
+    """One training step of the original under `settings` in a fresh process."""
+    return measure(prepared.workspace.path("original"), prepared.workspace.inputs_path, settings,
+                   provider=options.provider, threads=options.threads, repeats=repeats)
+
+
+def _run(m: Measurement) -> MeasuredRun:
+    return MeasuredRun(peak_bytes=m.peak_bytes, step_seconds=m.step_seconds, provider=m.provider, method=m.method)
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.0f} KiB"
+
+
+def _returned_original(prepared: Prepared, settings: SessionSettings | None) -> onnx.ModelProto:
+    model = onnx.ModelProto()
+    model.CopyFrom(prepared.original)
+    if settings is not None:
+        write_settings(model, settings)
+        write_annotations(model, prepared.original_annotations)
+    return model
+
+
+# -- deliver ---------------------------------------------------------------------------------------
+def deliver(prepared: Prepared, chosen: Plan, options: OptimizeOptions) -> OptimizeResult:
+    """Rewrite `chosen`, verify and measure it; deliver under the contracts of the module
+    docstring (what is returned may be another plan, or the original)."""
+    progress = options.progress or (lambda stage, fraction: None)
+    started = time.perf_counter()
+    progress("rewrite", 0.5)
+    rewritten = rewrite_plan(prepared, chosen)
+    report = _new_report(prepared, chosen, rewritten, options)
+
+    # OUTPUTS and ORDER: the first plan whose outputs match and whose order ORT follows
+    tried: list[Checked] = []
+    deliverable = True
+    if options.verify:
+        progress("verify", 0.6)
+        first = check_plan(prepared, chosen, options, rewritten)
+        tried.append(first)
+        if not first.accepted:
+            why = ("its outputs differ from the original's" if not first.entry.outputs_match else
+                   f"ONNX Runtime left the planned order at step {first.entry.order.first_deviation.position}")
+            progress(f"{why}: trying the next plan", 0.62)
+            found = first_in_order(prepared, fallback_plans(prepared, chosen), options, tried)
+            if found is not None:
+                chosen, rewritten = found.plan, found.model
+        if not any(t.entry.outputs_match for t in tried):
+            # even the plan without recomputation computes something else: the rewrite is broken
+            raise VerificationError(
+                f"the rewritten model's {tried[-1].entry.outputs_differ.reason} (plans tried: "
+                f"{[t.plan.strategy for t in tried]}); nothing was returned")
+        deliverable = tried[-1].accepted
+        _record_checks(report, tried)
+
+    if options.measure:
+        chosen, rewritten = _measured_delivery(prepared, chosen, rewritten, options, report, tried,
+                                               deliverable, progress)
+    elif not deliverable:
+        # no measurement to choose a session by: the original, as it came (its own settings)
+        report.rejected = RejectedPlan(**_summary(chosen), order_followed=False)
+        report.outcome = OUTCOME_ORIGINAL
+        report.outcome_reason = (f"{_not_delivered(report)}; the original model is returned "
+                                 f"unchanged{_rejections(report)}")
+        rewritten = _returned_original(prepared, None)
+        _describe(report, None, rewritten)
+        report.session = None
+    else:
+        _describe(report, chosen, rewritten)
+        report.outcome = OUTCOME_UNMEASURED
+        report.outcome_reason = ("measurement was off: the optimized model is returned without checking "
+                                 "that it needs less memory than the original" + _rejections(report))
+    report.total_seconds += time.perf_counter() - started
+    progress("done", 1.0)
+    return OptimizeResult(rewritten, chosen, report)
+
+
+def _new_report(prepared: Prepared, chosen: Plan, rewritten: onnx.ModelProto, options: OptimizeOptions) -> Report:
+    training, annotations, predicted = prepared.training, prepared.annotations, prepared.predicted_original
+    report = Report(
+        loss=training.loss, strategy=chosen.strategy, budget_bytes=options.budget_bytes,
+        nodes=NodeCounts(original=len(prepared.original.graph.node), optimized=len(rewritten.graph.node),
+                         forward=len(training.forward), backward=len(training.backward)),
+        stashed_tensors=len(training.stashed), checkpoints=[], recompute_nodes=0,
+        search_seconds=float(chosen.notes.get("search_seconds", 0.0)),
+        functions_expanded=dict(prepared.functions_expanded),
+        predicted=Predicted(PredictedRun(predicted.peak_bytes, predicted.compute_seconds),
+                            PredictedRun(0, 0.0)),
+        annotations=AnnotationSummary(annotations.provider, len(annotations.tensor_bytes),
+                                      len(annotations.node_seconds)),
+        provider=annotations.provider, session=PLANNED_SETTINGS.to_dict())
+    _describe(report, chosen, rewritten)
+    return report
+
+
+def _describe(report: Report, chosen: Plan | None, model: onnx.ModelProto) -> None:
+    """The returned plan in `report` (None: the original is returned)."""
+    report.nodes.optimized = len(model.graph.node)
+    if chosen is None:
+        report.checkpoints, report.recompute_nodes = [], 0
+        return
+    report.strategy = chosen.strategy
+    report.checkpoints = sorted(chosen.checkpoints)
+    report.recompute_nodes = chosen.recompute_ops
+    report.solver_exact = solver_exact(chosen)
+    report.predicted.optimized = PredictedRun(chosen.peak_bytes, chosen.simulation.compute_seconds,
+                                              chosen.recompute_seconds)
+
+
+def _record_checks(report: Report, tried: list[Checked]) -> None:
+    last = tried[-1]
+    matched = [t for t in tried if t.entry.outputs_match]
+    report.outputs_match = last.entry.outputs_match
+    report.max_relative_difference = (matched[-1] if matched else last).comparison.max_relative_difference
+    report.rejected_for_outputs = [
+        RejectedForOutputs(**_summary(t.plan), output=t.entry.outputs_differ.output,
+                           relative_difference=t.entry.outputs_differ.relative_difference,
+                           reason=t.entry.outputs_differ.reason)
+        for t in tried if not t.entry.outputs_match]
+    report.order_followed = last.entry.order.followed
+    report.order = OrderReport(followed=report.order_followed, plans_tried=[t.entry for t in tried])
+
+
+def _measured_delivery(prepared: Prepared, chosen: Plan, rewritten: onnx.ModelProto, options: OptimizeOptions,
+                       report: Report, tried: list[Checked], deliverable: bool, progress):
+    """Measure, meet the budget by measurement, keep NEVER WORSE; the (plan, model) returned."""
+    progress("measure", 0.7)
+    originals = {label: measure_original(prepared, options, settings)
+                 for label, settings in ORIGINAL_SESSIONS.items()}
+    optimized = measure_model(prepared, rewritten, options)
+
+    def checked_ok(candidate: Plan) -> Checked | None:
+        """`candidate` rewritten; checked when verifying (None when it is not accepted)."""
+        if not options.verify:
+            return Checked(candidate, rewrite_plan(prepared, candidate), OutputComparison(True, 0.0), None)
+        checked = check_plan(prepared, candidate, options)
+        tried.append(checked)
+        report.order.plans_tried.append(checked.entry)
+        if not checked.entry.outputs_match:
+            _record_checks_rejection(report, checked)
+        return checked if checked.accepted else None
+
+    budget = options.budget_bytes
+    if budget is not None:
+        attempts = [BudgetAttempt(budget, chosen.peak_bytes, optimized.peak_bytes)]
+        while deliverable and optimized.peak_bytes > budget and len(attempts) <= BUDGET_RETRIES:
+            # the runtime held more than predicted: plan again for a budget lower by the overshoot
+            overshoot = optimized.peak_bytes - chosen.peak_bytes
+            target = budget - max(overshoot, 0) - (len(attempts) - 1) * max(overshoot, 1 << 16)
+            progress(f"budget missed by measurement ({optimized.peak_bytes} > {budget} bytes): "
+                     f"planning for {target}", 0.75)
+            try:
+                retry = plan(prepared, options, target)
+            except BudgetInfeasibleError:
+                break
+            if retry.checkpoints == chosen.checkpoints:
+                break
+            found = checked_ok(retry)
+            if found is None:
+                break
+            chosen, rewritten = retry, found.model
+            optimized = measure_model(prepared, rewritten, options)
+            attempts.append(BudgetAttempt(target, chosen.peak_bytes, optimized.peak_bytes))
+        report.budget_attempts = attempts
+        _describe(report, chosen, rewritten)
+        if deliverable and optimized.peak_bytes > budget:
+            least = min(a.measured_peak_bytes for a in attempts)
+            raise BudgetInfeasibleError(
+                f"budget of {budget} bytes is not met by measurement: the plans for it measured "
+                f"{[a.measured_peak_bytes for a in attempts]} bytes (predicted "
+                f"{[a.predicted_peak_bytes for a in attempts]}); the least measured was {least} bytes",
+                least_feasible_peak_bytes=least)
+
+    # NEVER WORSE: the rewritten model only if it measured below the original in both sessions
+    best_original = min(originals, key=lambda k: originals[k].peak_bytes)
+    bar = originals[best_original].peak_bytes
+    if deliverable and optimized.peak_bytes >= bar and budget is None:
+        # the next plan (less recomputation) may still beat the original
+        report.plans_measured = [PlanMeasured(**_summary(chosen), measured_peak_bytes=optimized.peak_bytes)]
+        for fallback in fallback_plans(prepared, chosen):
+            progress(f"the plan measured {optimized.peak_bytes} bytes, not below the original's {bar}: "
+                     f"trying {fallback.strategy}", 0.85)
+            found = checked_ok(fallback)
+            if found is None:
+                continue
+            m = measure_model(prepared, found.model, options)
+            report.plans_measured.append(PlanMeasured(**_summary(fallback), measured_peak_bytes=m.peak_bytes))
+            if m.peak_bytes < optimized.peak_bytes:
+                chosen, rewritten, optimized = fallback, found.model, m
+                _describe(report, chosen, rewritten)
+            if m.peak_bytes < bar:
+                break
+    _describe(report, chosen, rewritten)
+    report.prediction_error = PredictionError(
+        optimized=chosen.peak_bytes / max(1, optimized.peak_bytes) - 1,
+        original_optimizations_off=prepared.predicted_original.peak_bytes
+        / max(1, originals["original_optimizations_off"].peak_bytes) - 1)
+    returned = optimized
+    if deliverable and optimized.peak_bytes < bar:
+        report.outcome = OUTCOME_OPTIMIZED
+        reason = (f"the optimized model measured {_mib(optimized.peak_bytes)}, below the original's "
+                  f"{_mib(originals['original_default_session'].peak_bytes)} (default session) and "
+                  f"{_mib(originals['original_optimizations_off'].peak_bytes)} (optimizations off)")
+    else:
+        report.outcome = OUTCOME_ORIGINAL
+        session = best_original.replace("original_", "").replace("_", " ")
+        why = (_not_delivered(report) if not deliverable else
+               f"the optimized model measured {_mib(optimized.peak_bytes)}, not below the original's "
+               f"{_mib(bar)} ({session})")
+        reason = (f"{why}; the original model is returned with the session that measured lowest "
+                  f"({session}: {_mib(bar)}), written in its metadata")
+        report.rejected = RejectedPlan(**_summary(chosen), order_followed=deliverable, measured=_run(optimized))
+        returned = originals[best_original]
+        rewritten = _returned_original(prepared, ORIGINAL_SESSIONS[best_original])
+        _describe(report, None, rewritten)
+        report.session = ORIGINAL_SESSIONS[best_original].to_dict()
+        if budget is not None and bar > budget:
+            raise BudgetInfeasibleError(
+                f"budget of {budget} bytes is not met: {why}, and the original measured {bar} bytes",
+                least_feasible_peak_bytes=bar)
+    report.outcome_reason = reason + _rejections(report)
+    report.measured = Measured(_run(originals["original_default_session"]),
+                               _run(originals["original_optimizations_off"]), _run(returned))
+    report.measurement_method = returned.method
+    report.provider = returned.provider or report.provider
+    default, off = originals["original_default_session"], originals["original_optimizations_off"]
+    report.ratios = Ratios(
+        peak_vs_default_session=returned.peak_bytes / max(1, default.peak_bytes),
+        peak_vs_optimizations_off=returned.peak_bytes / max(1, off.peak_bytes),
+        step_time_vs_default_session=returned.step_seconds / default.step_seconds,
+        step_time_vs_optimizations_off=returned.step_seconds / off.step_seconds)
+    if budget is not None:
+        report.budget_met = returned.peak_bytes <= budget
+    return chosen, rewritten
+
+
+def _record_checks_rejection(report: Report, checked: Checked) -> None:
+    differ = checked.entry.outputs_differ
+    report.rejected_for_outputs.append(RejectedForOutputs(
+        **_summary(checked.plan), output=differ.output, relative_difference=differ.relative_difference,
+        reason=differ.reason))
+
+
+def _not_delivered(report: Report) -> str:
+    if report.rejected_for_outputs:
+        return ("no plan tried both computed the original's outputs and ran in the planned order in "
+                "ONNX Runtime")
+    return "ONNX Runtime did not run the planned order of any plan tried"
+
+
+def _rejections(report: Report) -> str:
+    """The plans rejected because their outputs differed, for `outcome_reason`."""
+    return "".join(f"; the {r.strategy} plan ({r.recompute_nodes} recomputed nodes) was rejected: its "
+                   f"{r.reason}" for r in report.rejected_for_outputs)
+
+
+__all__ = ["Prepared", "prepare", "plan", "deliver", "OptimizeResult", "Checked", "check_plan",
+           "first_in_order", "fallback_plans", "rewrite_plan", "planned_order", "measure_model",
+           "measure_original", "solver_exact", "inlined_at_load", "ORIGINAL_UNOPTIMIZED", "BUDGET_RETRIES"]

@@ -1,0 +1,307 @@
+"""What `optimize` returns about its work: one typed report, and the one human summary of it.
+
+`Report` is a tree of dataclasses; `to_dict()` gives its JSON form (the names the READMEs,
+benchmarks, the CLI's `--report` file, the worker protocol and the proto's `Report.json`
+use) and `Report.from_dict()` reads it back. Every top-level field is in the JSON (null when
+not known: measuring or verification was off, the solver does not say); a nested field that is
+None is left out.
+
+`summary_text(report)` is the human summary: the CLI prints it, the server logs it and sends
+it in `Report.summary`, and the Node client prints that string.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+
+# report.outcome
+OUTCOME_OPTIMIZED = "optimized"     # the rewritten model: order followed, measured below the original
+OUTCOME_ORIGINAL = "original"       # the original graph, with the session that measured lowest
+OUTCOME_UNMEASURED = "unmeasured"   # the rewritten model, measurement off: not checked against the original
+
+
+# -- JSON form of a dataclass tree -------------------------------------------------------------
+def _to_json(value):
+    if dataclasses.is_dataclass(value):
+        return {f.name: _to_json(getattr(value, f.name)) for f in dataclasses.fields(value)
+                if getattr(value, f.name) is not None}
+    if isinstance(value, dict):
+        return {k: _to_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_to_json(v) for v in value]
+    return value
+
+
+def _from_json(kind, value):
+    """`value` (JSON) as `kind` (a type hint of a report field)."""
+    if value is None:
+        return None
+    origin = typing.get_origin(kind)
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in typing.get_args(kind) if a is not type(None)]
+        return _from_json(options[0], value) if len(options) == 1 else value
+    if origin is list:
+        (item,) = typing.get_args(kind)
+        return [_from_json(item, v) for v in value]
+    if origin is dict:
+        _, item = typing.get_args(kind)
+        return {k: _from_json(item, v) for k, v in value.items()}
+    if dataclasses.is_dataclass(kind):
+        return kind.from_dict(value)
+    if kind is float and isinstance(value, int):
+        return float(value)
+    return value
+
+
+class _Json:
+    """to_dict / from_dict for the report's dataclasses (unknown keys are an error)."""
+
+    def to_dict(self) -> dict:
+        return _to_json(self)
+
+    @classmethod
+    def from_dict(cls, data: dict):
+        hints = typing.get_type_hints(cls)
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - names
+        if unknown:
+            raise ValueError(f"{cls.__name__} has no field(s) {sorted(unknown)}")
+        return cls(**{k: _from_json(hints[k], v) for k, v in data.items()})
+
+
+# -- the tree ------------------------------------------------------------------------------------
+@dataclass
+class NodeCounts(_Json):
+    original: int
+    optimized: int
+    forward: int
+    backward: int
+
+
+@dataclass
+class PredictedRun(_Json):
+    """The cost model's prediction of one training step."""
+    peak_bytes: int
+    step_seconds: float
+    recompute_seconds: float | None = None   # the plan's only
+
+
+@dataclass
+class Predicted(_Json):
+    original_optimizations_off: PredictedRun
+    optimized: PredictedRun
+
+
+@dataclass
+class AnnotationSummary(_Json):
+    provider: str
+    tensors: int
+    nodes_timed: int
+
+
+@dataclass
+class MeasuredRun(_Json):
+    """One step measured in a fresh process."""
+    peak_bytes: int
+    step_seconds: float
+    provider: str = ""
+    method: str = ""
+
+
+@dataclass
+class Measured(_Json):
+    original_default_session: MeasuredRun
+    original_optimizations_off: MeasuredRun
+    optimized: MeasuredRun              # what is returned (the original when it is)
+
+
+@dataclass
+class Ratios(_Json):
+    """Returned / original, measured."""
+    peak_vs_default_session: float
+    peak_vs_optimizations_off: float
+    step_time_vs_default_session: float
+    step_time_vs_optimizations_off: float
+
+
+@dataclass
+class PredictionError(_Json):
+    """predicted / measured - 1."""
+    optimized: float
+    original_optimizations_off: float
+
+
+@dataclass
+class OutputsDiffer(_Json):
+    output: str
+    relative_difference: float
+    reason: str
+
+
+@dataclass
+class Deviation(_Json):
+    position: int | None
+    planned: list[str] = field(default_factory=list)
+    executed: list[str] = field(default_factory=list)
+
+
+@dataclass
+class OrderResult(_Json):
+    """Whether ONNX Runtime's profile of a rewritten model showed the planned order."""
+    followed: bool
+    checked: bool | None = None          # False: not checked (its outputs differed)
+    first_deviation: Deviation | None = None
+    not_in_file: list[str] | None = None
+    not_in_file_count: int | None = None
+
+
+@dataclass
+class PlanTried(_Json):
+    """A plan, rewritten and checked (outputs, then order)."""
+    strategy: str
+    checkpoints: int
+    recompute_nodes: int
+    predicted_peak_bytes: int
+    outputs_match: bool
+    order: OrderResult
+    outputs_differ: OutputsDiffer | None = None
+
+
+@dataclass
+class OrderReport(_Json):
+    followed: bool
+    plans_tried: list[PlanTried] = field(default_factory=list)
+
+
+@dataclass
+class RejectedForOutputs(_Json):
+    strategy: str
+    checkpoints: int
+    recompute_nodes: int
+    predicted_peak_bytes: int
+    output: str
+    relative_difference: float
+    reason: str
+
+
+@dataclass
+class BudgetAttempt(_Json):
+    planned_for_bytes: int | None
+    predicted_peak_bytes: int
+    measured_peak_bytes: int
+
+
+@dataclass
+class PlanMeasured(_Json):
+    strategy: str
+    checkpoints: int
+    recompute_nodes: int
+    predicted_peak_bytes: int
+    measured_peak_bytes: int
+
+
+@dataclass
+class RejectedPlan(_Json):
+    """The plan not returned (the original was): why, and what it measured."""
+    strategy: str
+    checkpoints: int
+    recompute_nodes: int
+    predicted_peak_bytes: int
+    order_followed: bool
+    measured: MeasuredRun | None = None
+
+
+@dataclass
+class Report(_Json):
+    """Everything `optimize` says about its work (see the module docstring)."""
+    loss: str
+    strategy: str                       # of the returned plan
+    nodes: NodeCounts
+    stashed_tensors: int
+    checkpoints: list[str]
+    recompute_nodes: int
+    search_seconds: float
+    predicted: Predicted
+    annotations: AnnotationSummary
+    provider: str = ""                  # where ONNX Runtime ran (annotation and measurement)
+    outcome: str = ""                   # OUTCOME_*
+    outcome_reason: str = ""
+    budget_bytes: int | None = None
+    solver_exact: bool | None = None    # the plan is optimal under its solver's model (None: not known)
+    functions_expanded: dict[str, int] = field(default_factory=dict)
+    session: dict | None = None         # the session settings written in the returned model
+    outputs_match: bool | None = None   # None: not verified
+    max_relative_difference: float | None = None
+    outputs_differ: OutputsDiffer | None = None
+    rejected_for_outputs: list[RejectedForOutputs] = field(default_factory=list)
+    order_followed: bool | None = None  # None: not verified
+    order: OrderReport | None = None
+    budget_attempts: list[BudgetAttempt] | None = None
+    plans_measured: list[PlanMeasured] | None = None
+    rejected: RejectedPlan | None = None
+    measured: Measured | None = None    # None: measurement off
+    measurement_method: str | None = None   # how the peaks were taken (VmHWM, nvml, ...)
+    ratios: Ratios | None = None
+    prediction_error: PredictionError | None = None
+    budget_met: bool | None = None
+    total_seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        return {f.name: _to_json(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+
+# -- the human summary ---------------------------------------------------------------------------
+def _mib(n: int | float) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def summary_text(report: Report) -> str:
+    """The human summary of one `optimize` (the CLI, the server's log, the Node client)."""
+    lines = [f"strategy {report.strategy}: {len(report.checkpoints)} checkpoints, "
+             f"{report.recompute_nodes} recompute nodes, search {report.search_seconds:.2f} s"
+             + ("" if report.solver_exact is None else
+                f" ({'exact' if report.solver_exact else 'not proven optimal'} under its solver's model)")]
+    predicted = report.predicted
+    lines.append(f"predicted peak: original (optimizations off) "
+                 f"{_mib(predicted.original_optimizations_off.peak_bytes)}, "
+                 f"optimized {_mib(predicted.optimized.peak_bytes)}")
+    rejected = report.rejected
+    if report.measured is not None:
+        m = report.measured
+        lines.append(f"measured peak of one training step in ONNX Runtime ({report.provider}"
+                     + (f", {report.measurement_method}" if report.measurement_method else "") + "):")
+        rows = [("original_default_session", m.original_default_session),
+                ("original_optimizations_off", m.original_optimizations_off)]
+        if rejected is not None and rejected.measured is not None:
+            rows.append(("optimized (not returned)", rejected.measured))
+            rows.append(("returned (the original)", m.optimized))
+        else:
+            rows.append(("optimized", m.optimized))
+        for label, row in rows:
+            lines.append(f"  {label:28s} {_mib(row.peak_bytes):>12s}   step {row.step_seconds:.3f} s")
+        r = report.ratios
+        lines.append(f"returned / original: peak {r.peak_vs_default_session:.2f}x (default session), "
+                     f"{r.peak_vs_optimizations_off:.2f}x (optimizations off); step time "
+                     f"{r.step_time_vs_default_session:.2f}x / {r.step_time_vs_optimizations_off:.2f}x")
+    if report.outputs_match is not None:
+        lines.append(f"outputs identical: {report.outputs_match} "
+                     f"(max relative difference {report.max_relative_difference:.2e})")
+    if report.order_followed is not None:
+        tried = report.order.plans_tried if report.order is not None else []
+        lines.append(f"planned order followed by ONNX Runtime: {report.order_followed}"
+                     + (f" ({len(tried)} plans tried)" if len(tried) > 1 else ""))
+    if report.outcome == OUTCOME_ORIGINAL:
+        lines.append("OUTCOME: NOT IMPROVED, the original model is returned: " + report.outcome_reason)
+    elif report.outcome == OUTCOME_UNMEASURED:
+        lines.append("OUTCOME: not measured: " + report.outcome_reason)
+    elif report.outcome:
+        lines.append("outcome: optimized: " + report.outcome_reason)
+    return "\n".join(lines)
+
+
+__all__ = ["Report", "summary_text", "OUTCOME_OPTIMIZED", "OUTCOME_ORIGINAL", "OUTCOME_UNMEASURED",
+           "NodeCounts", "Predicted", "PredictedRun", "AnnotationSummary", "Measured", "MeasuredRun", "Ratios",
+           "PredictionError", "OutputsDiffer", "Deviation", "OrderResult", "PlanTried", "OrderReport",
+           "RejectedForOutputs", "BudgetAttempt", "PlanMeasured", "RejectedPlan"]
