@@ -165,6 +165,19 @@ def annotated_cost_graph(training, options) -> tuple[object, dict]:
     return graph, dict(training_nodes=len(trained.model.graph.node), functions_expanded=dict(expanded))
 
 
+def _commit() -> str | None:
+    """The repository's commit (with "+changes" when the working tree differs): what a cached
+    graph's op rules and builder were."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=30).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "graphopt"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (head + ("+changes" if dirty else "")) or None
+
+
 def build_corpus_graph(model: str, size: str, exporter: str, path: str) -> dict:
     """Export, build and annotate one corpus model; write its cost graph (`CostGraph.to_dict`)
     to `path` and the facts of its making to `<path minus .json>.meta.json`. Runs in its own
@@ -175,7 +188,7 @@ def build_corpus_graph(model: str, size: str, exporter: str, path: str) -> dict:
     from graphopt.build.train_graph import build_training_graph
     from graphopt.optimize import OptimizeOptions
 
-    meta = dict(model=model, size=size, exporter=exporter)
+    meta = dict(model=model, size=size, exporter=exporter, made_at_commit=_commit())
     real = real_zoo.CORPUS[model](size)
     started = time.perf_counter()
     forward = real_zoo.export(real, exporter)
@@ -338,6 +351,14 @@ def families_main(args, strategies: dict) -> int:
     return 0
 
 
+def _made(meta: dict) -> str:
+    """How a corpus graph came: the seconds to export, build and annotate it, or from the cache
+    (with the commit it was made at, where known)."""
+    if meta.get("cached"):
+        return ("cache " + (meta.get("made_at_commit") or "")).strip()
+    return "%.0f s" % (meta["export_seconds"] + meta["build_seconds"] + meta["annotate_seconds"])
+
+
 def corpus_main(args, strategies: dict) -> int:
     if TESTS not in sys.path:
         sys.path.insert(0, TESTS)
@@ -385,7 +406,7 @@ def corpus_main(args, strategies: dict) -> int:
                          f"| {len(graph)} | {forward} | "
                          f"{'' if original is None else mib(original)} | "
                          f"{timing['store-all'] * 1e3:.1f} | {timing['chen'] * 1e3:.1f} | "
-                         f"{'cache' if meta.get('cached') else '%.0f s' % (meta['export_seconds'] + meta['build_seconds'] + meta['annotate_seconds'])} |")
+                         f"{_made(meta)} |")
 
     print(f"\nReal training graphs of the corpus (tests/real_zoo.py, size {args.size}, {args.exporter} exporter; "
           f"cost graphs in {args.cache}): solve time and cost-model peak / store-all peak ({_machine_note(args)}); "
