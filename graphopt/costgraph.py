@@ -78,24 +78,22 @@ class CostGraph:
             tuple(tensor_id[t] for t in op.inputs) for op in ops.values())
         self.op_output_ids: tuple[tuple[int, ...], ...] = tuple(
             tuple(tensor_id[t] for t in op.outputs) for op in ops.values())
-        self.op_seconds: np.ndarray = _frozen(np.array([op.seconds for op in ops.values()], dtype=np.float64))
-        self.op_workspace_bytes: np.ndarray = _frozen(
-            np.array([op.workspace_bytes for op in ops.values()], dtype=np.int64))
-        self.tensor_bytes_by_id: np.ndarray = _frozen(
-            np.array([self.tensor_bytes.get(t, 0) for t in self.tensor_names], dtype=np.int64))
-        # the same facts as plain tuples, for pure-Python inner loops (indexing a tuple is
-        # several times faster than indexing a numpy array element by element)
-        self.op_facts = _OpFacts(
-            seconds=tuple(op.seconds for op in ops.values()),
-            workspace_bytes=tuple(op.workspace_bytes for op in ops.values()),
-            alias=tuple(op.alias and bool(op.inputs) for op in ops.values()),
-            folded=tuple(op.folded for op in ops.values()),
-            runs_first=tuple(op.runs_first for op in ops.values()))
-        self.tensor_facts = _TensorFacts(
-            nbytes=tuple(self.tensor_bytes.get(t, 0) for t in self.tensor_names),
-            resident=tuple(t in self.resident for t in self.tensor_names),
-            kept=tuple(t in self.kept for t in self.tensor_names),
-            droppable=tuple(t in self.droppable for t in self.tensor_names))
+        # per op id: measured facts and flags, and the tensor ids it reads and writes (CSR:
+        # op k reads op_input_tensor[op_input_ptr[k]:op_input_ptr[k + 1]])
+        op_list = list(ops.values())
+        self.op_seconds: np.ndarray = _array([op.seconds for op in op_list], np.float64)
+        self.op_workspace_bytes: np.ndarray = _array([op.workspace_bytes for op in op_list], np.int64)
+        self.op_alias: np.ndarray = _array([op.alias and bool(op.inputs) for op in op_list], bool)
+        self.op_folded: np.ndarray = _array([op.folded for op in op_list], bool)
+        self.op_runs_first: np.ndarray = _array([op.runs_first for op in op_list], bool)
+        self.op_input_ptr, self.op_input_tensor = _csr(self.op_input_ids)
+        self.op_output_ptr, self.op_output_tensor = _csr(self.op_output_ids)
+        # per tensor id
+        self.tensor_bytes_by_id: np.ndarray = _array([self.tensor_bytes.get(t, 0) for t in self.tensor_names],
+                                                     np.int64)
+        self.tensor_resident: np.ndarray = _array([t in self.resident for t in self.tensor_names], bool)
+        self.tensor_kept: np.ndarray = _array([t in self.kept for t in self.tensor_names], bool)
+        self.tensor_droppable: np.ndarray = _array([t in self.droppable for t in self.tensor_names], bool)
 
         producer: dict[str, str] = {}
         readers: dict[str, list[str]] = {}
@@ -103,7 +101,9 @@ class CostGraph:
             for t in op.inputs:
                 readers.setdefault(t, []).append(op.name)
             for t in op.outputs:
-                producer.setdefault(t, op.name)
+                if t in producer:
+                    raise ValueError(f"tensor {t!r} is written by two ops: {producer[t]!r} and {op.name!r}")
+                producer[t] = op.name
         self.producer: Mapping[str, str] = MappingProxyType(producer)
         self._readers = {t: tuple(r) for t, r in readers.items()}
 
@@ -117,6 +117,10 @@ class CostGraph:
         self.candidate_checkpoints: tuple[str, ...] = tuple(
             t for t in forward_tensors
             if t not in self.forced_checkpoints and t not in self.clobbered and self.tensor_bytes.get(t, 0) > 0)
+        self.folded_ops: frozenset[str] = frozenset(name for name, op in ops.items() if op.folded)
+        self.runs_first_ops: frozenset[str] = frozenset(name for name, op in ops.items() if op.runs_first)
+        self.runs_first_inputs: frozenset[str] = frozenset(
+            t for name in self.runs_first_ops for t in ops[name].inputs)
         self.stashed_tensors: frozenset[str] = frozenset(
             t for name in self.backward_order for t in ops[name].inputs if t in forward_tensors)
 
@@ -173,23 +177,15 @@ class CostGraph:
                          tensor_bytes, self.resident, self.kept, self.droppable)
 
 
-@dataclass(frozen=True)
-class _OpFacts:
-    """Per op id."""
-    seconds: tuple[float, ...]
-    workspace_bytes: tuple[int, ...]
-    alias: tuple[bool, ...]
-    folded: tuple[bool, ...]
-    runs_first: tuple[bool, ...]
+def _array(values, dtype) -> np.ndarray:
+    return _frozen(np.array(values, dtype=dtype))
 
 
-@dataclass(frozen=True)
-class _TensorFacts:
-    """Per tensor id."""
-    nbytes: tuple[int, ...]
-    resident: tuple[bool, ...]
-    kept: tuple[bool, ...]
-    droppable: tuple[bool, ...]
+def _csr(rows: tuple[tuple[int, ...], ...]) -> tuple[np.ndarray, np.ndarray]:
+    ptr = np.zeros(len(rows) + 1, dtype=np.int64)
+    ptr[1:] = np.cumsum([len(r) for r in rows])
+    flat = np.fromiter((x for r in rows for x in r), dtype=np.int64, count=int(ptr[-1]))
+    return _frozen(ptr), _frozen(flat)
 
 
 def _frozen(array: np.ndarray) -> np.ndarray:

@@ -38,6 +38,8 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
+import numpy as np
+
 from .costgraph import CostGraph
 
 Step = tuple[str, int]
@@ -90,92 +92,98 @@ def check_schedule(graph: CostGraph, schedule: list[Step]) -> None:
         produced.update(op.outputs)
 
 
+def _gather(ptr: np.ndarray, flat: np.ndarray, ops: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For steps running `ops`: (step, tensor, position in the op's list) of every entry of
+    the CSR rows (`ptr`, `flat`) of those ops, in step order."""
+    starts = ptr[ops]
+    counts = ptr[ops + 1] - starts
+    total = int(counts.sum())
+    step = np.repeat(np.arange(len(ops), dtype=np.int64), counts)
+    first = np.cumsum(counts) - counts                 # where each step's entries begin
+    position = np.arange(total, dtype=np.int64) - np.repeat(first, counts)
+    return step, flat[np.repeat(starts, counts) + position], position
+
+
 def simulate(graph: CostGraph, schedule: list[Step]) -> Simulation:
-    """Peak live bytes of running `schedule` (see the module docstring for the rules)."""
-    op_id = graph.op_id
-    op_inputs, op_outputs = graph.op_input_ids, graph.op_output_ids
-    of, tf = graph.op_facts, graph.tensor_facts
-    op_seconds, op_workspace, op_alias, op_folded = of.seconds, of.workspace_bytes, of.alias, of.folded
-    t_bytes, t_resident, t_kept, t_droppable = tf.nbytes, tf.resident, tf.kept, tf.droppable
+    """Peak live bytes of running `schedule` (see the module docstring for the rules).
 
-    # storage of the latest version of each tensor (a read resolves to the latest version):
-    # RESIDENT, or an index into the storage_* lists; aliases share their input's storage.
-    # None: the tensor was never produced (resident or not yet available).
-    # A storage was read iff its last use comes after its birth (a step's reads come before
-    # its writes, and an alias extends its input's storage only at a step that reads it).
-    RESIDENT = -1
-    current: list[int | None] = [None] * len(t_bytes)
-    storage_bytes: list[int] = []
-    storage_born: list[int] = []
-    storage_last: list[int] = []
-    storage_kept: list[bool] = []
-    storage_droppable: list[bool] = []
-    step_workspace: list[int] = []
-    compute = 0.0
-    recompute = 0.0
-
-    for i, (name, copy) in enumerate(schedule):
-        k = op_id[name]
-        inputs = op_inputs[k]
-        for t in inputs:
-            s = current[t]
-            if s is not None and s >= 0:
-                storage_last[s] = i
-        step_workspace.append(op_workspace[k])
-        seconds = op_seconds[k]
-        compute += seconds
-        if copy:
-            recompute += seconds
-        if op_folded[k]:                     # an initializer by the time the run starts
-            for t in op_outputs[k]:
-                current[t] = RESIDENT
-            continue
-        first_output = op_alias[k]
-        for t in op_outputs[k]:
-            if first_output:
-                first_output = False
-                # the storage of the version input 0 resolved to before this step's writes
-                source = inputs[0]
-                s = current[source]
-                if s is None and t_resident[source]:
-                    s = RESIDENT
-                if s is not None:
-                    current[t] = s
-                    if s != RESIDENT and copy == 0 and t_kept[t]:
-                        storage_kept[s] = True
-                    continue
-            current[t] = len(storage_bytes)
-            storage_bytes.append(t_bytes[t])
-            storage_born.append(i)
-            storage_last.append(i)
-            storage_kept.append(copy == 0 and t_kept[t])
-            storage_droppable.append(t_droppable[t])
-
+    Vectorized over the schedule's reads and writes: a read resolves to the latest write of its
+    tensor at an earlier step (a step's reads come before its writes); every write makes a
+    buffer ("storage"), except an aliasing op's output 0, which shares the storage its input 0
+    resolved to (a resident input: none), and a folded op's outputs (resident)."""
     n = len(schedule)
-    allocated = [0] * n
-    freed = [0] * n
-    for s, nbytes in enumerate(storage_bytes):
-        born, last = storage_born[s], storage_last[s]
-        if last == born:                     # never read
-            if not storage_droppable[s]:     # kept to the end (unless the rewrite drops it)
-                allocated[born] += nbytes
-            continue
-        allocated[born] += nbytes
-        if not storage_kept[s]:              # graph outputs are kept to the end
-            freed[last] += nbytes
+    if n == 0:
+        return Simulation(0, 0, 0.0, 0.0, [])
+    names, copy_list = zip(*schedule)
+    ops = np.array(list(map(graph.op_id.__getitem__, names)), dtype=np.int64)
+    copies = np.array(copy_list, dtype=np.int64)
+    seconds = graph.op_seconds[ops]
+    compute = float(seconds.sum())
+    recompute = float(seconds[copies != 0].sum())
+    n_tensors = len(graph.tensor_names)
 
-    live = 0
-    peak = 0
-    peak_step = 0
-    live_bytes = []
-    for i in range(n):
-        live += allocated[i]
-        running = live + step_workspace[i]
-        live_bytes.append(running)
-        if running > peak:
-            peak, peak_step = running, i
-        live -= freed[i]
-    return Simulation(peak, peak_step, compute, recompute, live_bytes)
+    r_step, r_tensor, r_position = _gather(graph.op_input_ptr, graph.op_input_tensor, ops)
+    w_step, w_tensor, w_position = _gather(graph.op_output_ptr, graph.op_output_tensor, ops)
+    # the write each read resolves to: the last write of the tensor at an earlier step
+    w_key = w_tensor * (n + 1) + w_step
+    w_order = np.argsort(w_key, kind="stable")
+    sorted_key = w_key[w_order]
+    r_at = np.searchsorted(sorted_key, r_tensor * (n + 1) + r_step, side="left") - 1
+    r_found = r_at >= 0
+    r_found[r_found] = w_tensor[w_order[r_at[r_found]]] == r_tensor[r_found]
+    r_write = np.full(len(r_step), -1, dtype=np.int64)
+    r_write[r_found] = w_order[r_at[r_found]]
+
+    # storages: RESIDENT (-1) for folded outputs, shared for alias outputs, else new
+    RESIDENT = -1
+    w_folded = graph.op_folded[ops][w_step]
+    w_alias = graph.op_alias[ops][w_step] & (w_position == 0)
+    w_storage = np.full(len(w_step), RESIDENT, dtype=np.int64)
+    creates = ~w_folded & ~w_alias
+    alias_writes = np.flatnonzero(w_alias & ~w_folded)
+    if len(alias_writes):
+        # input 0 of an aliasing step: the read at the step's first input position
+        r_first = np.flatnonzero(r_position == 0)       # one per step with inputs, in step order
+        first_read_of_step = np.full(n, -1, dtype=np.int64)
+        first_read_of_step[r_step[r_first]] = r_first
+        source_reads = first_read_of_step[w_step[alias_writes]]
+        source_writes = r_write[source_reads]
+        source_resident = graph.tensor_resident[r_tensor[source_reads]]
+        # an alias whose input 0 was never produced and is not resident gets its own storage
+        creates[alias_writes[(source_writes < 0) & ~source_resident]] = True
+    creating = np.flatnonzero(creates)
+    w_storage[creating] = np.arange(len(creating), dtype=np.int64)
+    if len(alias_writes):
+        # in step order, so an alias of an alias finds its source's storage already set
+        storage = w_storage
+        for w, source in zip(alias_writes.tolist(), source_writes.tolist()):
+            if source >= 0:
+                storage[w] = storage[source]
+
+    n_storages = len(creating)
+    storage_bytes = graph.tensor_bytes_by_id[w_tensor[creating]]
+    storage_born = w_step[creating]
+    storage_last = storage_born.copy()
+    read_storage = np.where(r_write >= 0, w_storage[np.maximum(r_write, 0)], RESIDENT)
+    counted = read_storage >= 0
+    np.maximum.at(storage_last, read_storage[counted], r_step[counted])
+    storage_kept = np.zeros(n_storages, dtype=bool)
+    w_kept = (copies[w_step] == 0) & graph.tensor_kept[w_tensor] & (w_storage >= 0)
+    storage_kept[w_storage[w_kept]] = True
+    storage_droppable = graph.tensor_droppable[w_tensor[creating]]
+
+    read = storage_last > storage_born
+    allocated_mask = read | ~storage_droppable      # never read and droppable: never allocated
+    allocated = np.bincount(storage_born[allocated_mask], weights=storage_bytes[allocated_mask], minlength=n)
+    freeing = read & ~storage_kept                  # graph outputs (and unread buffers) are kept to the end
+    freed = np.bincount(storage_last[freeing], weights=storage_bytes[freeing], minlength=n)
+    live_before_free = np.cumsum(allocated) - np.concatenate(([0.0], np.cumsum(freed)[:-1]))
+    running = live_before_free.astype(np.int64) + graph.op_workspace_bytes[ops]
+    peak_step = int(np.argmax(running))
+    peak = int(running[peak_step])
+    if peak <= 0:
+        peak, peak_step = 0, 0
+    return Simulation(peak, peak_step, compute, recompute, running.tolist())
 
 
 def priority_order(graph: CostGraph, schedule: list[Step]) -> list[Step]:
@@ -186,35 +194,61 @@ def priority_order(graph: CostGraph, schedule: list[Step]) -> list[Step]:
     (Constant nodes: initializers once loaded) do not run and are left out.
     """
     ops = graph.ops
-    schedule = [step for step in schedule if not ops[step[0]].folded]
-    # Fast path. When no (tensor, version) is written twice (and no copy is negative), a read
-    # depends on the step that last wrote the tensor BEFORE it, so the file order is a
-    # topological order; Kahn's algorithm with "lowest position first" then returns the file
-    # order itself, except that a runs_first step is hoisted to the moment it is ready
-    # (and, ready together, runs_first steps go by position). Only the runs_first steps'
-    # dependencies are tracked. Otherwise: the general rule, `_priority_order_general`.
+    if graph.folded_ops:
+        folded = graph.folded_ops
+        schedule = [step for step in schedule if step[0] not in folded]
+    else:
+        schedule = list(schedule)
+    if not schedule:
+        return schedule
+    # Fast path. A tensor has one producer (CostGraph checks it), so when no step appears twice
+    # and no copy is negative, no (tensor, version) is written twice: a read depends on the
+    # step that last wrote the tensor BEFORE it, so the file order is a topological order;
+    # Kahn's algorithm with "lowest position first" then returns the file order itself, except
+    # that a runs_first step is hoisted to the moment it is ready (and, ready together,
+    # runs_first steps go by position). Only the runs_first steps' dependencies are tracked.
+    # Otherwise: the general rule, `_priority_order_general`.
+    if len(set(schedule)) != len(schedule) or min(copy for _, copy in schedule) < 0:
+        return _priority_order_general(ops, schedule)
+    if not graph.runs_first_ops:
+        return schedule
+    runs_first, watched = graph.runs_first_ops, graph.runs_first_inputs
+    relevant = runs_first | {graph.producer[t] for t in watched if t in graph.producer}
     latest_step: dict[str, int] = {}
-    first_copy: dict[str, int] = {}
-    more_copies: dict[str, set[int]] = {}
     first_deps: dict[int, set[int]] = {}     # runs_first step -> steps it waits for
     for i, (name, copy) in enumerate(schedule):
+        if name not in relevant:
+            continue
         op = ops[name]
-        if op.runs_first:
+        if name in runs_first:
             first_deps[i] = {latest_step[t] for t in op.inputs if t in latest_step}
         for t in op.outputs:
-            c0 = first_copy.get(t)
-            if c0 is None:
-                if copy < 0:
-                    return _priority_order_general(ops, schedule)
-                first_copy[t] = copy
-            else:
-                seen = more_copies.setdefault(t, set())
-                if copy == c0 or copy in seen or copy < 0:
-                    return _priority_order_general(ops, schedule)
-                seen.add(copy)
-            latest_step[t] = i
+            if t in watched:
+                latest_step[t] = i
     if not first_deps:
         return schedule
+    # a runs_first step that waits only for other steps is emitted right after the last of them
+    # (ready steps together: by position); one that waits for another runs_first step: Kahn
+    ready_after: dict[int, list[int]] = {}
+    for r, deps in first_deps.items():
+        if any(d in first_deps for d in deps):
+            return _hoist_runs_first(schedule, first_deps)
+        ready_after.setdefault(max(deps, default=-1), []).append(r)
+    order = [schedule[r] for r in sorted(ready_after.pop(-1, ()))]
+    for j, step in enumerate(schedule):
+        if j in first_deps:
+            continue
+        order.append(step)
+        bucket = ready_after.get(j)
+        if bucket:
+            order.extend(schedule[r] for r in sorted(bucket))
+    assert len(order) == len(schedule)
+    return order
+
+
+def _hoist_runs_first(schedule: list[Step], first_deps: dict[int, set[int]]) -> list[Step]:
+    """The file order with each runs_first step hoisted to the moment it is ready (Kahn's
+    algorithm on the runs_first steps' dependencies; ready together: by position)."""
     waiting: dict[int, int] = {}
     unblocks: dict[int, list[int]] = {}
     ready = []

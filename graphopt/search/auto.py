@@ -25,55 +25,55 @@ Objective: least peak bytes; among plans within 1% of it, least recompute second
 that recomputes several times more for a 0.5% lower peak is not what users want). With a
 budget, least recompute seconds among plans whose peak fits (the least peak when none fits).
 
-Time: the exact solvers are skipped on graphs too large for them (their own guards make
-them approximate first); each local search gets EVALUATIONS_PER_SCHEDULE plan evaluations,
-so the plan does not depend on the machine's speed (except when Feng & Huang reaches its
-FENG_HUANG_SECONDS cap). A wall-clock limit is only a safety net (60 s; 8 s above
-LARGE_GRAPH_OPS ops, where it decides: 10,000 ops are planned in < 10 s).
+Work, not time. Every limit inside `auto` is counted in work, so a plan does not depend on
+the machine's speed: a solver is run only on graphs with at most SEED_MAX_CANDIDATES
+candidate checkpoints (the exact DPs grow too fast beyond); Feng & Huang gets
+FENG_HUANG_LABELS labels (then its beam); Chen's greedy a grid of CHEN_GREEDY_GRID budgets;
+the local searches together EVALUATED_STEPS schedule steps of plan evaluations (about 25
+evaluations per schedule on a 3,000-op graph, about 10 on 10,000 ops; an evaluation is one `make_plan`:
+schedule, runtime order and simulation, linear in the schedule's length). Measured with
+`python benchmarks/solver_timing.py` (families and `--corpus`). A wall-clock limit remains
+only as a safety net (`time_limit_seconds`, default 60 s), never reached on the benchmarks.
 """
 from __future__ import annotations
 
 import time
 
 from ..costgraph import CostGraph
-
-from .chain import chain
-from .chen_greedy import chen_greedy
-from .chen_sqrt import chen_sqrt
-from .feng_huang import feng_huang
 from .greedy import greedy, objective, value_prefix
-from .kusumoto import kusumoto, kusumoto_approx
-from .plan import Plan, peak_floor_bytes
-from .store_all import store_all
+from .plan import Plan, peak_floor_bytes, schedule_for
 
-# candidate tensors above which a solver is left out (its time grows too fast to pay off
-# within the default time limit on a 2-core machine; see benchmarks/solver_timing.py)
-SOLVER_LIMITS = {
+# Seeds in the order auto runs them (the fast ones first, so that where they already reach
+# the peak floor the slow ones are not run), each only on graphs with at most this many
+# candidate checkpoints (None: always). See benchmarks/solver_timing.py.
+SEED_MAX_CANDIDATES = {
     "store-all": None,
     "chen-sqrt": None,
-    "chen-greedy": 20_000,
-    "feng-huang": 2_000,      # has its own deadline (then a beam)
-    "kusumoto-approx": 400,
-    "kusumoto": 120,          # exact below its width guard, else approximate
+    "chen-greedy": None,
     "chain": 1_000,
+    "feng-huang": 150,          # beyond, its frontier explodes and it never beat Chen's greedy on the corpus
+    "kusumoto": 120,            # exact below its width guard, else approximate
+    "kusumoto-approx": 40,      # its DP grows with the square of the lower sets
 }
-SOLVERS = {
-    "store-all": store_all,
-    "chen-sqrt": chen_sqrt,
-    "chen-greedy": chen_greedy,
-    "feng-huang": lambda graph, budget_bytes=None, time_limit_seconds=None:
-        feng_huang(graph, budget_bytes, time_limit_seconds=time_limit_seconds),
-    "kusumoto-approx": kusumoto_approx,
-    "kusumoto": kusumoto,
-    "chain": chain,
-}
-
-
+FAST_SEEDS = ("store-all", "chen-sqrt", "chen-greedy", "chain")
+FENG_HUANG_LABELS = 150_000     # labels the branch and bound may expand, then a beam
+CHEN_GREEDY_GRID = (16, 6)      # budgets on Chen's grid, then refined around the best
+EVALUATED_STEPS = 240_000       # schedule steps all local searches may evaluate together
+MIN_EVALUATIONS = 8             # per local search, however large the graph
+EVALUATIONS_AT_FLOOR_SHARE = 0.5  # of the local-search work, once a plan is at the floor
 # Schedules searched: each recomputed op once (None), and recomputed tensors dropped across
 # gaps of more than 8 backward ops or after every reader (0), recomputed again when needed.
 REFRESH_GAPS = (None, 8, 0)
 # Without a budget, a plan within this fraction of the least peak that recomputes less wins.
 PEAK_TOLERANCE = 0.01
+
+
+def _seed_options(name: str) -> dict:
+    if name == "feng-huang":
+        return {"max_labels": FENG_HUANG_LABELS, "time_limit_seconds": None}
+    if name == "chen-greedy":
+        return {"grid": CHEN_GREEDY_GRID[0], "refine": CHEN_GREEDY_GRID[1]}
+    return {}
 
 
 def choose(plans: list[Plan], budget_bytes: int | None, cap_bytes: int | None = None) -> Plan:
@@ -90,31 +90,11 @@ def choose(plans: list[Plan], budget_bytes: int | None, cap_bytes: int | None = 
     return min(near, key=lambda p: (p.recompute_seconds, p.peak_bytes))
 
 
-def default_time_limit_seconds(graph: CostGraph) -> float:
-    """A safety net: below it the evaluation budget decides, so plans do not depend on the
-    machine's speed; large graphs (over LARGE_GRAPH_OPS ops) are cut at 8 s (10,000 ops
-    planned in under 10 s on 2 cores)."""
-    return 8.0 if len(graph) > LARGE_GRAPH_OPS else 60.0
-
-
-LARGE_GRAPH_OPS = 3_000
-FENG_HUANG_SECONDS = 5.0         # then its beam: exact Feng & Huang explodes on wide graphs
-EVALUATIONS_PER_SCHEDULE = 600   # local-search plan evaluations per refresh gap
-
-
-# Solvers in the order auto runs them: the fast ones first, so that on graphs where they
-# already reach the peak floor (`peak_floor_bytes`) the slow ones are not run at all.
-FAST_SOLVERS = ("store-all", "chen-sqrt", "chen-greedy", "chain")
-# local-search plan evaluations spent on recomputation time once a plan is at the floor
-EVALUATIONS_AT_FLOOR = 400
-
-
 def auto(graph: CostGraph, budget_bytes: int | None = None, *,
-         time_limit_seconds: float | None = None) -> Plan:
+         time_limit_seconds: float = 60.0) -> Plan:
+    from .registry import STRATEGIES        # the registry lists auto itself
     started = time.perf_counter()
-    if time_limit_seconds is None:
-        time_limit_seconds = default_time_limit_seconds(graph)
-    deadline = started + time_limit_seconds
+    deadline = started + time_limit_seconds  # a safety net only: work limits decide
     candidates = len(graph.candidate_checkpoints)
     floor_bytes = peak_floor_bytes(graph)
     seeds: list[Plan] = []
@@ -125,24 +105,28 @@ def auto(graph: CostGraph, budget_bytes: int | None = None, *,
         return (budget_bytes is None and bool(seeds)
                 and min(p.peak_bytes for p in seeds) <= floor_bytes * (1 + PEAK_TOLERANCE))
 
-    names = list(FAST_SOLVERS) + [name for name in SOLVERS if name not in FAST_SOLVERS]
-    for name in names:
-        solve, limit = SOLVERS[name], SOLVER_LIMITS[name]
-        remaining = deadline - time.perf_counter()
-        if (limit is not None and candidates > limit) or (seeds and remaining < 0.5 * time_limit_seconds):
+    for name, limit in SEED_MAX_CANDIDATES.items():
+        if (limit is not None and candidates > limit) or (seeds and time.perf_counter() > deadline):
             continue
-        if name not in FAST_SOLVERS and at_floor():
+        if name not in FAST_SEEDS and at_floor():
             continue
+        strategy = STRATEGIES[name]
         t = time.perf_counter()
-        if name == "feng-huang":
-            plan = solve(graph, budget_bytes, time_limit_seconds=min(FENG_HUANG_SECONDS, 0.3 * remaining))
-        else:
-            plan = solve(graph, budget_bytes=budget_bytes)
+        plan = strategy.solve(graph, **({"budget_bytes": budget_bytes} if strategy.takes_budget else {}),
+                              **_seed_options(name))
         seed_seconds[name] = time.perf_counter() - t
         plan.notes["seed"] = name
         seeds.append(plan)
     seeds.sort(key=lambda p: objective(p, budget_bytes))
     found = [seeds[0]]
+
+    def evaluations(steps: int, schedule_steps: int) -> int:
+        """Plan evaluations that `steps` schedule steps buy, at `schedule_steps` per plan."""
+        return max(MIN_EVALUATIONS, steps // max(1, schedule_steps))
+
+    def remaining() -> float:
+        return max(0.3, deadline - time.perf_counter())
+
     reached_floor = at_floor()
     if reached_floor:
         # no plan has a lower peak: spend the search on recomputation time at this peak
@@ -154,24 +138,27 @@ def auto(graph: CostGraph, budget_bytes: int | None = None, *,
         fitting = sorted([p for p in seeds + prefixes if p.peak_bytes <= target],
                          key=lambda p: p.recompute_seconds)
         found.extend(prefixes)
-        found.append(greedy(graph, target, time_limit_seconds=max(0.3, deadline - time.perf_counter()),
-                            seeds=fitting[:3], max_seeds=0, max_evaluations=EVALUATIONS_AT_FLOOR))
+        found.append(greedy(graph, target, time_limit_seconds=remaining(), seeds=fitting[:3], max_seeds=0,
+                            max_evaluations=evaluations(EVALUATED_STEPS, len(seeds[0].schedule))))
     else:
-        for k, gap in enumerate(REFRESH_GAPS):
-            share = (deadline - time.perf_counter()) / (len(REFRESH_GAPS) - k)
-            plan = greedy(graph, budget_bytes, time_limit_seconds=max(0.3, share), seeds=seeds[:3],
-                          max_seeds=0, refresh_gap=gap, max_evaluations=EVALUATIONS_PER_SCHEDULE)
+        # each recomputation schedule gets an equal share of the steps (a schedule that
+        # recomputes more is longer, so it gets fewer evaluations)
+        share = EVALUATED_STEPS // len(REFRESH_GAPS)
+        for gap in REFRESH_GAPS:
+            steps = len(schedule_for(graph, seeds[0].checkpoints, gap))
+            plan = greedy(graph, budget_bytes, time_limit_seconds=remaining(), seeds=seeds[:3],
+                          max_seeds=0, refresh_gap=gap, max_evaluations=evaluations(share, steps))
             found.append(plan)
             if budget_bytes is None and plan.peak_bytes <= floor_bytes * (1 + PEAK_TOLERANCE):
-                # at the floor with this schedule: the remaining effort goes to its time
+                # at the floor with this schedule: the rest of the effort goes to its time
                 reached_floor = True
                 prefixes = [value_prefix(graph, plan.peak_bytes, base, gap) for base in ((), plan.checkpoints)]
                 found.extend(prefixes)
                 fitting = sorted([q for q in [plan] + prefixes if q.peak_bytes <= plan.peak_bytes],
                                  key=lambda q: q.recompute_seconds)
                 found.append(greedy(graph, plan.peak_bytes, refresh_gap=gap, seeds=fitting, max_seeds=0,
-                                    time_limit_seconds=max(0.3, deadline - time.perf_counter()),
-                                    max_evaluations=EVALUATIONS_AT_FLOOR))
+                                    time_limit_seconds=remaining(),
+                                    max_evaluations=evaluations(int(share * EVALUATIONS_AT_FLOOR_SHARE), steps)))
                 break
     best = choose(found, budget_bytes, cap_bytes=seeds[0].peak_bytes)
     best.notes.update(
@@ -181,6 +168,9 @@ def auto(graph: CostGraph, budget_bytes: int | None = None, *,
         seed_seconds=seed_seconds,
         peak_floor_bytes=floor_bytes,
         reached_floor=reached_floor,
+        # optimal under the cost model: no plan of any checkpoint set has a lower peak
+        exact=budget_bytes is None and best.peak_bytes <= floor_bytes,
+        stopped_by_time=time.perf_counter() > deadline,
         search_seconds=time.perf_counter() - started)
     best.strategy = "auto"
     return best

@@ -572,7 +572,9 @@ def chain(graph: CostGraph, budget_bytes: int | None = None, *, bounds: int = 8,
         if found is not None:
             consider(found[1], model_peak=level)
     best = min(plans.values(), key=lambda p: _plan_objective(p, budget_bytes))
-    best.notes.update(chain_positions=n, free_positions=free, model_peak=model_peak,
+    # without a budget: optimal under the chain model when it is a plan of the least model peak
+    best.notes.update(exact=budget_bytes is None and best.notes.get("model_peak") == model_peak,
+                      chain_positions=n, free_positions=free, model_peak=model_peak,
                       linear_seconds=linear_seconds, evaluated_plans=len(plans),
                       search_seconds=time.perf_counter() - started)
     return best

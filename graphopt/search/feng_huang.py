@@ -37,9 +37,10 @@ graphs into a division tree of independent segments: about O(n⁴) on chains. He
   the frontier structure itself);
 - the max terms are not all enumerated: `solve` runs a branch and bound over m, probing only
   where a cheaper plan can still be (see its docstring).
-Exactness holds while the labels per step stay under `max_states` and no deadline passes;
-otherwise the labels with the least Σ checkpoint bytes are kept (a beam) and
-``notes["exact"]`` is False.
+Exactness holds while the labels per step stay under `max_states` and the effort (labels
+expanded, or a deadline) is not spent;
+otherwise the labels with the least Σ checkpoint bytes are kept (a beam), or past the work limit the
+search stops with the best plan so far, and ``notes["exact"]`` is False.
 """
 from __future__ import annotations
 
@@ -164,8 +165,27 @@ def threshold_bound(model: SegmentModel) -> tuple[int, frozenset[int]]:
     return best
 
 
+class Effort:
+    """The search's limit: work (label expansions weighted by the frontier they carry: the
+    same count on every machine) and, optionally, a wall-clock deadline. Past the work limit
+    the running probe is abandoned and no new one starts (the best plan so far is returned);
+    past the deadline the running probe finishes as a narrow beam."""
+
+    def __init__(self, max_labels: int | None = None, time_limit_seconds: float | None = None):
+        self.max_labels = max_labels
+        self.labels = 0
+        self.deadline = None if time_limit_seconds is None else time.perf_counter() + time_limit_seconds
+
+    def spent(self) -> bool:
+        return ((self.max_labels is not None and self.labels > self.max_labels)
+                or (self.deadline is not None and time.perf_counter() > self.deadline))
+
+    def out_of_work(self) -> bool:
+        return self.max_labels is not None and self.labels > self.max_labels
+
+
 def least_kept_bytes(model: SegmentModel, max_term: int, below: int, max_states: int,
-                     deadline: float | None = None):
+                     effort: Effort | None = None):
     """The linear solver for one max term: least Σ checkpoint bytes such that every component
     is at most `max_term` bytes, among sets whose cost could be below `below`.
     Returns ((Σ kept bytes, kept mask) or None when no such set exists, exact)."""
@@ -176,6 +196,10 @@ def least_kept_bytes(model: SegmentModel, max_term: int, below: int, max_states:
     for i in range(n):
         w_i = model.bytes_[i]
         nxt: dict[tuple, list] = {}
+        if effort is not None:
+            effort.labels += sum(len(labels) * (1 + len(key)) for key, labels in states.items())
+            if effort.max_labels is not None and effort.labels > effort.max_labels:
+                return None, False
         for key, labels in states.items():
             members = dict(key)
             for weights, total, mask in labels:
@@ -209,8 +233,8 @@ def least_kept_bytes(model: SegmentModel, max_term: int, below: int, max_states:
                     bucket[:] = [o for o in bucket
                                  if not (new_total <= o[1] and all(a <= b for a, b in zip(w2, o[0])))]
                     bucket.append((w2, new_total, new_mask))
-        if deadline is not None and max_states > SMALL_BEAM and time.perf_counter() > deadline:
-            max_states = SMALL_BEAM          # out of time: finish this probe as a narrow beam
+        if effort is not None and max_states > SMALL_BEAM and effort.spent():
+            max_states = SMALL_BEAM          # out of effort: finish this probe as a narrow beam
         if sum(len(v) for v in nxt.values()) > max_states:
             exact = False
             flat = sorted(((lab[1], k, lab) for k, labs in nxt.items() for lab in labs),
@@ -228,7 +252,8 @@ def least_kept_bytes(model: SegmentModel, max_term: int, below: int, max_states:
 SMALL_BEAM = 64
 
 
-def solve(model: SegmentModel, max_states: int = 20_000, time_limit_seconds: float | None = None):
+def solve(model: SegmentModel, max_states: int = 20_000, time_limit_seconds: float | None = None,
+          max_labels: int | None = None):
     """Least cost(C) by Feng & Huang's max-term enumeration, as a branch and bound over the
     max term instead of a loop over all O(n²) candidate values.
 
@@ -238,11 +263,11 @@ def solve(model: SegmentModel, max_states: int = 20_000, time_limit_seconds: flo
     cost) returns a set whose largest component m' ≤ m: max terms in (m', m] cannot beat it,
     [a, m'-1] is bounded by f(m') + a and (m, b] by f(b) + m + 1. The first probe is the max
     term of a threshold heuristic, which usually lands next to the optimum.
-    Past `time_limit_seconds` the running probe finishes as a narrow beam and no new probe
-    starts: the best set so far is returned, not exact.
+    Past `max_labels` labels expanded (or `time_limit_seconds`) the running probe finishes as a
+    narrow beam and no new probe starts: the best set so far is returned, not exact.
     Returns (cost, kept indices, exact, probes)."""
     n = len(model.tensors)
-    deadline = None if time_limit_seconds is None else time.perf_counter() + time_limit_seconds
+    effort = Effort(max_labels, time_limit_seconds)
     best_cost, best_kept = threshold_bound(model)
     floor = max((model.bytes_[i] for i in range(n) if not model.candidate[i]), default=0)
     guess = segment_cost(model, set(best_kept))[1]
@@ -254,13 +279,16 @@ def solve(model: SegmentModel, max_states: int = 20_000, time_limit_seconds: flo
         a, b, f_low = intervals.pop(0)
         if a > b or f_low + a >= best_cost:
             continue
-        if deadline is not None and time.perf_counter() > deadline:
+        if effort.spent():
             exact = False
             break
         m = guess if a <= guess <= b else (a + b) // 2
         guess = -1
-        found, exact_here = least_kept_bytes(model, m, best_cost, max_states, deadline)
+        found, exact_here = least_kept_bytes(model, m, best_cost, max_states, effort)
         exact = exact and exact_here
+        if effort.out_of_work():          # the probe was abandoned: keep the best so far
+            exact = False
+            break
         if m < b:
             intervals.append((m + 1, b, f_low))
         if found is None:                 # nothing with max term <= m beats the best
@@ -275,13 +303,15 @@ def solve(model: SegmentModel, max_states: int = 20_000, time_limit_seconds: flo
     return best_cost, best_kept, exact, probes
 
 
-def feng_huang(graph: CostGraph, budget_bytes: int | None = None, *, max_states: int = 20_000,
-               time_limit_seconds: float | None = 30.0) -> Plan:
+def feng_huang(graph: CostGraph, *, max_states: int = 20_000, time_limit_seconds: float | None = 30.0,
+               max_labels: int | None = None) -> Plan:
     """The least-cost plan of the segment model (the paper has no budget or time objective:
-    `budget_bytes` is not used; `auto` and `kusumoto` serve budgets)."""
+    the registry refuses a budget for it; `auto` and `kusumoto` serve budgets). `max_labels`
+    bounds the work (the same plan on every machine); `time_limit_seconds` is a safety net."""
     started = time.perf_counter()
     model = segment_model(graph)
-    cost, kept, exact, front = solve(model, max_states=max_states, time_limit_seconds=time_limit_seconds)
+    cost, kept, exact, front = solve(model, max_states=max_states, time_limit_seconds=time_limit_seconds,
+                                     max_labels=max_labels)
     checkpoints = {model.tensors[i] for i in kept}
     return make_plan(graph, "feng-huang", checkpoints, model_cost_bytes=cost, exact=exact,
                      probes=len(front), search_seconds=time.perf_counter() - started)

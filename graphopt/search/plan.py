@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import bisect
 import weakref
 
 from ..costgraph import CostGraph
@@ -35,12 +36,18 @@ class Plan:
         return self.simulation.recompute_seconds
 
     @property
+    def exact(self) -> bool:
+        """Optimal under its solver's model (the solver says so in ``notes["exact"]``)."""
+        return bool(self.notes.get("exact", False))
+
+    @property
     def recompute_ops(self) -> int:
         return sum(1 for _, copy in self.schedule if copy)
 
 
 # facts a solver derives from a graph once (the graph itself never changes)
 _SUNK_BACKWARD: "weakref.WeakKeyDictionary[CostGraph, tuple[str, ...]]" = weakref.WeakKeyDictionary()
+_FORWARD_READS: "weakref.WeakKeyDictionary[CostGraph, dict]" = weakref.WeakKeyDictionary()
 _PEAK_FLOOR: "weakref.WeakKeyDictionary[CostGraph, int]" = weakref.WeakKeyDictionary()
 
 
@@ -120,34 +127,52 @@ def schedule_for(graph: CostGraph, checkpoints: set[str] | frozenset[str],
             stack.extend(ops[op].inputs)
 
     backward = sunk_backward_order(graph)
+    forward_reads = _forward_reads(graph)
     reads_at: dict[str, list[int]] = {}
     if refresh_gap is not None:
         for i, op in enumerate(backward):
-            for t in ops[op].inputs:
-                if t in producer:
-                    reads_at.setdefault(t, []).append(i)
+            for t in forward_reads[op]:
+                reads_at.setdefault(t, []).append(i)
     recomputed: set[str] = set()
     for i, op in enumerate(backward):
         todo: set[str] = set()
-        for t in ops[op].inputs:
-            if t in producer and t not in available:
+        for t in forward_reads[op]:
+            if t not in available:
                 missing_ops(t, todo)
+        made: list[str] = []
         if todo:
             for r in sorted(todo, key=position.__getitem__):
                 copies[r] = copies.get(r, 0) + 1
                 schedule.append((r, copies[r]))
-                available.update(ops[r].outputs)
-                recomputed.update(ops[r].outputs)
+                made.extend(ops[r].outputs)
+            available.update(made)
+            recomputed.update(made)
             for r in todo:
                 available.difference_update(t for t in ops[r].clobbers if t not in forced)
         schedule.append((op, 0))
         if refresh_gap is not None and recomputed:
-            for t in list(recomputed):
-                later = [j for j in reads_at.get(t, ()) if j > i]
-                if not later or later[0] - i > refresh_gap:
+            # a recomputed tensor is dropped after step i when its next backward reader is more
+            # than refresh_gap steps away (or there is none); that can only change at a step
+            # that made or read it, so only those are looked at
+            for t in made + [t for t in forward_reads[op] if t in recomputed]:
+                if t not in recomputed:
+                    continue
+                reads = reads_at.get(t, ())
+                k = bisect.bisect_right(reads, i)
+                if k == len(reads) or reads[k] - i > refresh_gap:
                     recomputed.discard(t)
                     available.discard(t)
     return schedule
+
+
+def _forward_reads(graph: CostGraph) -> dict[str, tuple[str, ...]]:
+    """Backward op -> the forward tensors it reads (computed once per graph)."""
+    cached = _FORWARD_READS.get(graph)
+    if cached is None:
+        producer = graph.forward_tensors
+        cached = {op: tuple(t for t in graph.ops[op].inputs if t in producer) for op in graph.backward_order}
+        _FORWARD_READS[graph] = cached
+    return cached
 
 
 def peak_floor_bytes(graph: CostGraph) -> int:
