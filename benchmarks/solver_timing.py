@@ -390,18 +390,20 @@ def corpus_main(args, strategies: dict) -> int:
         for name, result in results.items():
             records.append(dict(model=model, size=args.size, exporter=args.exporter, strategy=name, ops=len(graph),
                                 forward_ops=forward, candidates=candidates, store_all_peak=reference,
-                                budget=budget, **{k: v for k, v in result.items() if k != "trace"}))
-        auto_cells = ["", "", ""]
+                                budget=budget, ort_order_peak=meta.get("predicted_original_peak_bytes"),
+                                **{k: v for k, v in result.items() if k != "trace"}))
+        original = meta.get("predicted_original_peak_bytes")
+        auto_cells = ["", "", "", ""]
         if "auto" in results:
             a = results["auto"]
             auto_cells = (["%.2f" % a["seconds"], "%.2f" % a["cpu_seconds"],
                            "%.2f" % (a["peak_bytes"] / max(1, reference))
                            + (" invalid" if not a["valid"] else "")
-                           + (" over" if budget is not None and a["peak_bytes"] > budget else "")]
-                          if a["status"] == "ok" else [cell(a, reference, budget), "", ""])
+                           + (" over" if budget is not None and a["peak_bytes"] > budget else ""),
+                           "" if original is None else "%.2f" % (a["peak_bytes"] / max(1, original))]
+                          if a["status"] == "ok" else [cell(a, reference, budget), "", "", ""])
         rows.append(f"| {model} | {len(graph)} | {candidates} | {mib(reference)} | "
                     + " | ".join(auto_cells + [cell(results[s], reference, budget) for s in others]) + " |")
-        original = meta.get("predicted_original_peak_bytes")
         plan_rows.append(f"| {model} | {meta.get('forward_nodes', '')} | {meta.get('training_nodes', '')} "
                          f"| {len(graph)} | {forward} | "
                          f"{'' if original is None else mib(original)} | "
@@ -410,10 +412,11 @@ def corpus_main(args, strategies: dict) -> int:
 
     print(f"\nReal training graphs of the corpus (tests/real_zoo.py, size {args.size}, {args.exporter} exporter; "
           f"cost graphs in {args.cache}): solve time and cost-model peak / store-all peak ({_machine_note(args)}); "
-          f"a solver's cell is wall-clock solve seconds · peak / store-all peak\n")
-    print("| model | ops | candidates | store-all MiB | auto s | auto CPU s | auto peak / store-all | "
-          + " | ".join(others) + " |")
-    print("|---|---:|---:|---:|---:|---:|---:|" + "---:|" * len(others))
+          f"a solver's cell is wall-clock solve seconds · peak / store-all peak; \"ORT order\": the "
+          f"cost model's peak on ONNX Runtime's own order of the unchanged graph, what optimize starts from\n")
+    print("| model | ops | candidates | store-all MiB | auto s | auto CPU s | auto peak / store-all "
+          "| auto peak / ORT order | " + " | ".join(others) + " |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(others))
     print("\n".join(rows))
     print("\nThe graphs: ONNX nodes of the forward model and of the training graph as annotated (function "
           "ops ORT inlines at load written out), cost-graph ops, forward ops, the cost model's peak on ONNX "
