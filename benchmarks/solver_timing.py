@@ -403,7 +403,7 @@ def corpus_main(args, strategies: dict) -> int:
                            "" if original is None else "%.2f" % (a["peak_bytes"] / max(1, original))]
                           if a["status"] == "ok" else [cell(a, reference, budget), "", "", ""])
         rows.append(f"| {model} | {len(graph)} | {candidates} | {mib(reference)} | "
-                    + " | ".join(auto_cells + [cell(results[s], reference, budget) for s in others]) + " |")
+                    + " | ".join(auto_cells + [cell(results[name], reference, budget) for name in others]) + " |")
         plan_rows.append(f"| {model} | {meta.get('forward_nodes', '')} | {meta.get('training_nodes', '')} "
                          f"| {len(graph)} | {forward} | "
                          f"{'' if original is None else mib(original)} | "
@@ -415,7 +415,7 @@ def corpus_main(args, strategies: dict) -> int:
           f"a solver's cell is wall-clock solve seconds · peak / store-all peak; \"ORT order\": the "
           f"cost model's peak on ONNX Runtime's own order of the unchanged graph, what optimize starts from\n")
     print("| model | ops | candidates | store-all MiB | auto s | auto CPU s | auto peak / store-all "
-          "| auto peak / ORT order | " + " | ".join(others) + " |")
+          "| auto peak / ORT order |" + "".join(f" {name} |" for name in others))
     print("|---|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(others))
     print("\n".join(rows))
     print("\nThe graphs: ONNX nodes of the forward model and of the training graph as annotated (function "
