@@ -104,8 +104,9 @@ def _gather(ptr: np.ndarray, flat: np.ndarray, ops: np.ndarray) -> tuple[np.ndar
     return step, flat[np.repeat(starts, counts) + position], position
 
 
-def simulate(graph: CostGraph, schedule: list[Step]) -> Simulation:
-    """Peak live bytes of running `schedule` (see the module docstring for the rules).
+def simulate(graph: CostGraph, schedule: list[Step], tensor_bytes_by_id: np.ndarray | None = None) -> Simulation:
+    """Peak live bytes of running `schedule` (see the module docstring for the rules);
+    `tensor_bytes_by_id` replaces the graph's tensor sizes (by tensor id) when given.
 
     Vectorized over the schedule's reads and writes: a read resolves to the latest write of its
     tensor at an earlier step (a step's reads come before its writes); every write makes a
@@ -161,7 +162,8 @@ def simulate(graph: CostGraph, schedule: list[Step]) -> Simulation:
                 storage[w] = storage[source]
 
     n_storages = len(creating)
-    storage_bytes = graph.tensor_bytes_by_id[w_tensor[creating]]
+    sizes = graph.tensor_bytes_by_id if tensor_bytes_by_id is None else tensor_bytes_by_id
+    storage_bytes = sizes[w_tensor[creating]]
     storage_born = w_step[creating]
     storage_last = storage_born.copy()
     read_storage = np.where(r_write >= 0, w_storage[np.maximum(r_write, 0)], RESIDENT)

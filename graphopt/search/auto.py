@@ -28,7 +28,8 @@ budget, least recompute seconds among plans whose peak fits (the least peak when
 Work, not time. Every limit inside `auto` is counted in work, so a plan does not depend on
 the machine's speed: a solver is run only on graphs with at most SEED_MAX_CANDIDATES
 candidate checkpoints (the exact DPs grow too fast beyond); Feng & Huang gets
-FENG_HUANG_LABELS labels (then its beam); Chen's greedy a grid of CHEN_GREEDY_GRID budgets;
+FENG_HUANG_LABELS of work (then the best so far); Chen's greedy a grid of CHEN_GREEDY_GRID
+budgets; the chain solver CHAIN_BOUNDS model bounds;
 the local searches together EVALUATED_STEPS schedule steps of plan evaluations (about 25
 evaluations per schedule on a 3,000-op graph, about 10 on 10,000 ops; an evaluation is one `make_plan`:
 schedule, runtime order and simulation, linear in the schedule's length). Measured with
@@ -41,7 +42,7 @@ import time
 
 from ..costgraph import CostGraph
 from .greedy import greedy, objective, value_prefix
-from .plan import Plan, peak_floor_bytes, schedule_for
+from .plan import Plan, peak_floor_bytes
 
 # Seeds in the order auto runs them (the fast ones first, so that where they already reach
 # the peak floor the slow ones are not run), each only on graphs with at most this many
@@ -58,8 +59,9 @@ SEED_MAX_CANDIDATES = {
 FAST_SEEDS = ("store-all", "chen-sqrt", "chen-greedy", "chain")
 FENG_HUANG_LABELS = 150_000     # labels the branch and bound may expand, then a beam
 CHEN_GREEDY_GRID = (16, 6)      # budgets on Chen's grid, then refined around the best
+CHAIN_BOUNDS = 4                # model bounds the chain solver tries above its least peak
 EVALUATED_STEPS = 240_000       # schedule steps all local searches may evaluate together
-MIN_EVALUATIONS = 8             # per local search, however large the graph
+MIN_EVALUATIONS = 4             # toggles of the first local search, however large the graph
 EVALUATIONS_AT_FLOOR_SHARE = 0.5  # of the local-search work, once a plan is at the floor
 # Schedules searched: each recomputed op once (None), and recomputed tensors dropped across
 # gaps of more than 8 backward ops or after every reader (0), recomputed again when needed.
@@ -73,6 +75,8 @@ def _seed_options(name: str) -> dict:
         return {"max_labels": FENG_HUANG_LABELS, "time_limit_seconds": None}
     if name == "chen-greedy":
         return {"grid": CHEN_GREEDY_GRID[0], "refine": CHEN_GREEDY_GRID[1]}
+    if name == "chain":
+        return {"bounds": CHAIN_BOUNDS}
     return {}
 
 
@@ -120,10 +124,6 @@ def auto(graph: CostGraph, budget_bytes: int | None = None, *,
     seeds.sort(key=lambda p: objective(p, budget_bytes))
     found = [seeds[0]]
 
-    def evaluations(steps: int, schedule_steps: int) -> int:
-        """Plan evaluations that `steps` schedule steps buy, at `schedule_steps` per plan."""
-        return max(MIN_EVALUATIONS, steps // max(1, schedule_steps))
-
     def remaining() -> float:
         return max(0.3, deadline - time.perf_counter())
 
@@ -132,33 +132,37 @@ def auto(graph: CostGraph, budget_bytes: int | None = None, *,
         # no plan has a lower peak: spend the search on recomputation time at this peak
         # (least recompute seconds whose peak fits the best seed's)
         target = seeds[0].peak_bytes
-        prefixes = [value_prefix(graph, target, base) for base in ((), seeds[0].checkpoints)]
+        prefixes = [p for p in (value_prefix(graph, target, base, max_steps=EVALUATED_STEPS // 8)
+                                for base in ((), seeds[0].checkpoints)) if p is not None]
         for prefix in prefixes:
             prefix.notes["seed"] = "value-prefix"
         fitting = sorted([p for p in seeds + prefixes if p.peak_bytes <= target],
                          key=lambda p: p.recompute_seconds)
         found.extend(prefixes)
         found.append(greedy(graph, target, time_limit_seconds=remaining(), seeds=fitting[:3], max_seeds=0,
-                            max_evaluations=evaluations(EVALUATED_STEPS, len(seeds[0].schedule))))
+                            max_steps=EVALUATED_STEPS // 2, min_evaluations=0))
     else:
         # each recomputation schedule gets an equal share of the steps (a schedule that
-        # recomputes more is longer, so it gets fewer evaluations)
+        # recomputes more is longer, so it gets fewer evaluations); the first starts from the
+        # best seeds, the others from the best plan so far and the best seed
         share = EVALUATED_STEPS // len(REFRESH_GAPS)
         for gap in REFRESH_GAPS:
-            steps = len(schedule_for(graph, seeds[0].checkpoints, gap))
-            plan = greedy(graph, budget_bytes, time_limit_seconds=remaining(), seeds=seeds[:3],
-                          max_seeds=0, refresh_gap=gap, max_evaluations=evaluations(share, steps))
+            starts = seeds[:3] if gap is None else [min(found, key=lambda p: objective(p, budget_bytes))]
+            plan = greedy(graph, budget_bytes, time_limit_seconds=remaining(), seeds=starts, max_seeds=0,
+                          refresh_gap=gap, max_steps=share, min_evaluations=MIN_EVALUATIONS if gap is None else 0)
             found.append(plan)
             if budget_bytes is None and plan.peak_bytes <= floor_bytes * (1 + PEAK_TOLERANCE):
                 # at the floor with this schedule: the rest of the effort goes to its time
                 reached_floor = True
-                prefixes = [value_prefix(graph, plan.peak_bytes, base, gap) for base in ((), plan.checkpoints)]
+                prefixes = [p for p in (value_prefix(graph, plan.peak_bytes, base, gap, max_steps=share // 8)
+                                        for base in ((), plan.checkpoints)) if p is not None]
                 found.extend(prefixes)
                 fitting = sorted([q for q in [plan] + prefixes if q.peak_bytes <= plan.peak_bytes],
                                  key=lambda q: q.recompute_seconds)
                 found.append(greedy(graph, plan.peak_bytes, refresh_gap=gap, seeds=fitting, max_seeds=0,
                                     time_limit_seconds=remaining(),
-                                    max_evaluations=evaluations(int(share * EVALUATIONS_AT_FLOOR_SHARE), steps)))
+                                    max_steps=int(share * EVALUATIONS_AT_FLOOR_SHARE),
+                                    min_evaluations=MIN_EVALUATIONS))
                 break
     best = choose(found, budget_bytes, cap_bytes=seeds[0].peak_bytes)
     best.notes.update(

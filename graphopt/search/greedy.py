@@ -37,21 +37,28 @@ def by_value(graph: CostGraph) -> list[str]:
                   key=lambda t: -producer_seconds[t] / max(1, tensor_bytes.get(t, 0)))
 
 
-def value_prefix(graph: CostGraph, budget_bytes: int, base=(), refresh_gap: int | None = None) -> Plan:
+def value_prefix(graph: CostGraph, budget_bytes: int, base=(), refresh_gap: int | None = None,
+                 max_steps: int | None = None) -> Plan | None:
     """Keep `base` (a checkpoint set that fits, e.g. the least-peak plan's) plus the longest
     prefix of the other candidates in `by_value` order whose plan's peak fits `budget_bytes`:
     bisection on the prefix length, about log2(candidates) plan evaluations (the peak grows,
-    though not strictly monotonically, with what is kept). `base` alone when no addition fits."""
+    though not strictly monotonically, with what is kept). `base` alone when no addition fits.
+    `max_steps` bounds the work (schedule steps evaluated): the bisection stops there with the
+    longest prefix found to fit; None if `base`'s own schedule is longer."""
     base = frozenset(base)
     ranked = [t for t in by_value(graph) if t not in base]
     lo, hi = 0, len(ranked)
-    best = make_plan(graph, "value-prefix", base, refresh_gap)
+    best = make_plan(graph, "value-prefix", base, refresh_gap, max_steps)
+    if best is None:
+        return None
     evaluated = 1
-    while lo < hi:
+    steps = len(best.schedule)
+    while lo < hi and (max_steps is None or steps < max_steps):
         mid = (lo + hi + 1) // 2
-        plan = make_plan(graph, "value-prefix", base | frozenset(ranked[:mid]), refresh_gap)
+        plan = make_plan(graph, "value-prefix", base | frozenset(ranked[:mid]), refresh_gap, max_steps)
         evaluated += 1
-        if plan.peak_bytes <= budget_bytes:
+        steps += max_steps if plan is None else len(plan.schedule)
+        if plan is not None and plan.peak_bytes <= budget_bytes:
             lo, best = mid, plan
         else:
             hi = mid - 1
@@ -61,14 +68,29 @@ def value_prefix(graph: CostGraph, budget_bytes: int, base=(), refresh_gap: int 
 
 def greedy(graph: CostGraph, budget_bytes: int | None = None, *,
            time_limit_seconds: float = 20.0, max_seeds: int = 24, seeds: list[Plan] = (),
-           refresh_gap: int | None = None, max_evaluations: int | None = None) -> Plan:
+           refresh_gap: int | None = None, max_steps: int | None = None,
+           min_evaluations: int = 8) -> Plan:
     """Local search from the best of the built-in seeds and `seeds` (plans of other solvers),
-    every plan scheduled with `refresh_gap` (see `schedule_for`)."""
+    every plan scheduled with `refresh_gap` (see `schedule_for`). `max_steps` bounds the work:
+    the schedule steps of the plans it evaluates (seeds included), at least `min_evaluations`
+    toggles; the same plan on every machine."""
     started = time.perf_counter()
     n = len(graph.forward_order)
-    seeds = [*seeds, store_all(graph), chen_sqrt(graph)]
-    if refresh_gap is not None:
-        seeds = [make_plan(graph, p.strategy, p.checkpoints, refresh_gap, **p.notes) for p in seeds]
+    # the seeds given, each under this schedule (re-evaluated only if made under another one),
+    # then with `max_seeds`, the built-in ones: store-all, Chen's sqrt(n), segmentations
+    def under_gap(p: Plan) -> Plan | None:
+        """`p` under this schedule; None when that schedule alone is longer than max_steps."""
+        return p if p.refresh_gap == refresh_gap else make_plan(graph, p.strategy, p.checkpoints, refresh_gap,
+                                                                 max_steps, **p.notes)
+    given = list(seeds)
+    seeds = [q for q in map(under_gap, given) if q is not None]
+    if max_seeds or not given:
+        seeds += [q for q in map(under_gap, (store_all(graph), chen_sqrt(graph))) if q is not None]
+    if not seeds:          # every seed's schedule is over the work limit: nothing to search from
+        best = min(given, key=lambda p: objective(p, budget_bytes))
+        best.notes.update(seed=best.notes.get("seed", best.strategy), evaluated_plans=0, evaluated_steps=0,
+                          schedule_over_work_limit=True)
+        return best
     counts = sorted({max(2, round(n ** (k / max_seeds))) for k in range(1, max_seeds + 1)} |
                     {max(1, round(math.sqrt(n)) // 2), 2 * round(math.sqrt(n))}) if max_seeds else []
     for segments in counts:
@@ -81,11 +103,13 @@ def greedy(graph: CostGraph, budget_bytes: int | None = None, *,
         candidates = sorted(graph.candidate_checkpoints, key=lambda t: -tensor_bytes.get(t, 0))
     else:
         candidates = by_value(graph)
-    evaluated = len(seeds)
+    evaluated = 0                                   # toggles tried
+    steps = sum(len(p.schedule) for p in seeds)     # work so far
     improved = True
+
     def out_of_budget():
         return (time.perf_counter() - started >= time_limit_seconds
-                or (max_evaluations is not None and evaluated >= max_evaluations))
+                or (max_steps is not None and steps >= max_steps and evaluated >= min_evaluations))
 
     while improved and not out_of_budget():
         improved = False
@@ -93,12 +117,16 @@ def greedy(graph: CostGraph, budget_bytes: int | None = None, *,
             if out_of_budget():
                 break
             trial = current ^ {t}
-            plan = make_plan(graph, "greedy", trial, refresh_gap)
+            plan = make_plan(graph, "greedy", trial, refresh_gap, max_steps)
             evaluated += 1
+            if plan is None:                        # its schedule alone is over the work limit
+                steps += max_steps
+                continue
+            steps += len(plan.schedule)
             if objective(plan, budget_bytes) < objective(best, budget_bytes):
                 best, current, improved = plan, trial, True
     best.notes["seed"] = best.notes.get("seed", best.strategy)
     best.strategy = "greedy"
-    best.notes.update(evaluated_plans=evaluated, search_seconds=time.perf_counter() - started,
+    best.notes.update(evaluated_plans=evaluated, evaluated_steps=steps, search_seconds=time.perf_counter() - started,
                       stopped_by_time=time.perf_counter() - started >= time_limit_seconds)
     return best

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import bisect
 import weakref
+from collections import OrderedDict
 
 from ..costgraph import CostGraph
 from ..costmodel import Simulation, Step, priority_order, simulate
@@ -47,7 +48,9 @@ class Plan:
 
 # facts a solver derives from a graph once (the graph itself never changes)
 _SUNK_BACKWARD: "weakref.WeakKeyDictionary[CostGraph, tuple[str, ...]]" = weakref.WeakKeyDictionary()
-_FORWARD_READS: "weakref.WeakKeyDictionary[CostGraph, dict]" = weakref.WeakKeyDictionary()
+_SCHEDULE_FACTS: "weakref.WeakKeyDictionary[CostGraph, _ScheduleFacts]" = weakref.WeakKeyDictionary()
+_EVALUATED: "weakref.WeakKeyDictionary[CostGraph, OrderedDict]" = weakref.WeakKeyDictionary()
+EVALUATIONS_REMEMBERED = 32
 _PEAK_FLOOR: "weakref.WeakKeyDictionary[CostGraph, int]" = weakref.WeakKeyDictionary()
 
 
@@ -93,7 +96,7 @@ def sunk_backward_order(graph: CostGraph) -> tuple[str, ...]:
 
 
 def schedule_for(graph: CostGraph, checkpoints: set[str] | frozenset[str],
-                 refresh_gap: int | None = None) -> list[Step]:
+                 refresh_gap: int | None = None, max_steps: int | None = None) -> list[Step] | None:
     """The schedule implied by keeping `checkpoints` (see the module docstring).
 
     `refresh_gap`: a recomputed tensor whose next backward reader is more than this many
@@ -103,54 +106,50 @@ def schedule_for(graph: CostGraph, checkpoints: set[str] | frozenset[str],
 
     Tensors an op overwrites in place (`graph.clobbered`: a training-mode
     BatchNormalization's statistics inputs) are never kept: every run of that op, a
-    recomputed clone included, reads a fresh copy (the checkpoints named are ignored)."""
-    ops = graph.ops
-    fwd_order = graph.forward_order
-    position = graph.op_id
+    recomputed clone included, reads a fresh copy (the checkpoints named are ignored).
+
+    `max_steps`: None (no schedule) as soon as the schedule would be longer (a bound on the
+    work of evaluating it: recomputing across every gap can make it many times the graph)."""
+    facts = _schedule_facts(graph)
+    inputs_of, outputs_of, clobbers_of = facts.inputs_of, facts.outputs_of, facts.clobbers_of
+    position = graph.op_id.__getitem__
     producer = graph.forward_tensors
-    clobbered = graph.clobbered
     forced = graph.forced_checkpoints
-    available = (set(checkpoints) - clobbered) | forced
-    schedule: list[Step] = [(op, 0) for op in fwd_order]
+    available = (set(checkpoints) - graph.clobbered) | forced
+    schedule: list[Step] = [(op, 0) for op in graph.forward_order]
     copies: dict[str, int] = {}
-
-    def missing_ops(tensor, into):
-        stack = [tensor]
-        while stack:
-            t = stack.pop()
-            if t in available or t not in producer:
-                continue
-            op = producer[t]
-            if op in into:
-                continue
-            into.add(op)
-            stack.extend(ops[op].inputs)
-
     backward = sunk_backward_order(graph)
-    forward_reads = _forward_reads(graph)
-    reads_at: dict[str, list[int]] = {}
-    if refresh_gap is not None:
-        for i, op in enumerate(backward):
-            for t in forward_reads[op]:
-                reads_at.setdefault(t, []).append(i)
+    forward_reads = facts.forward_reads
+    reads_at = facts.reads_at
+    gap = refresh_gap
     recomputed: set[str] = set()
     for i, op in enumerate(backward):
-        todo: set[str] = set()
-        for t in forward_reads[op]:
-            if t not in available:
-                missing_ops(t, todo)
+        stack = [t for t in forward_reads[op] if t not in available]
         made: list[str] = []
-        if todo:
-            for r in sorted(todo, key=position.__getitem__):
-                copies[r] = copies.get(r, 0) + 1
-                schedule.append((r, copies[r]))
-                made.extend(ops[r].outputs)
+        if stack:
+            # the forward ops that recompute what this op reads, from what is available
+            todo: set[str] = set()
+            while stack:
+                t = stack.pop()
+                if t in available:
+                    continue
+                o = producer.get(t)
+                if o is None or o in todo:
+                    continue
+                todo.add(o)
+                stack.extend(inputs_of[o])
+            for r in sorted(todo, key=position):
+                copy = copies[r] = copies.get(r, 0) + 1
+                schedule.append((r, copy))
+                made.extend(outputs_of[r])
             available.update(made)
             recomputed.update(made)
-            for r in todo:
-                available.difference_update(t for t in ops[r].clobbers if t not in forced)
+            for r in todo & clobbers_of.keys():
+                available.difference_update(t for t in clobbers_of[r] if t not in forced)
         schedule.append((op, 0))
-        if refresh_gap is not None and recomputed:
+        if max_steps is not None and len(schedule) > max_steps:
+            return None
+        if gap is not None and recomputed:
             # a recomputed tensor is dropped after step i when its next backward reader is more
             # than refresh_gap steps away (or there is none); that can only change at a step
             # that made or read it, so only those are looked at
@@ -159,19 +158,37 @@ def schedule_for(graph: CostGraph, checkpoints: set[str] | frozenset[str],
                     continue
                 reads = reads_at.get(t, ())
                 k = bisect.bisect_right(reads, i)
-                if k == len(reads) or reads[k] - i > refresh_gap:
+                if k == len(reads) or reads[k] - i > gap:
                     recomputed.discard(t)
                     available.discard(t)
     return schedule
 
 
-def _forward_reads(graph: CostGraph) -> dict[str, tuple[str, ...]]:
-    """Backward op -> the forward tensors it reads (computed once per graph)."""
-    cached = _FORWARD_READS.get(graph)
+@dataclass(frozen=True)
+class _ScheduleFacts:
+    """What `schedule_for` reads of a graph, as plain dicts (computed once per graph)."""
+    inputs_of: dict[str, tuple[str, ...]]
+    outputs_of: dict[str, tuple[str, ...]]
+    clobbers_of: dict[str, tuple[str, ...]]      # only ops that clobber something
+    forward_reads: dict[str, tuple[str, ...]]    # backward op -> the forward tensors it reads
+    reads_at: dict[str, list[int]]               # forward tensor -> its readers' positions in the sunk order
+
+
+def _schedule_facts(graph: CostGraph) -> _ScheduleFacts:
+    cached = _SCHEDULE_FACTS.get(graph)
     if cached is None:
         producer = graph.forward_tensors
-        cached = {op: tuple(t for t in graph.ops[op].inputs if t in producer) for op in graph.backward_order}
-        _FORWARD_READS[graph] = cached
+        forward_reads = {op: tuple(t for t in graph.ops[op].inputs if t in producer) for op in graph.backward_order}
+        reads_at: dict[str, list[int]] = {}
+        for i, op in enumerate(sunk_backward_order(graph)):
+            for t in forward_reads[op]:
+                reads_at.setdefault(t, []).append(i)
+        cached = _ScheduleFacts(
+            inputs_of={name: op.inputs for name, op in graph.ops.items()},
+            outputs_of={name: op.outputs for name, op in graph.ops.items()},
+            clobbers_of={name: op.clobbers for name, op in graph.ops.items() if op.clobbers},
+            forward_reads=forward_reads, reads_at=reads_at)
+        _SCHEDULE_FACTS[graph] = cached
     return cached
 
 
@@ -189,18 +206,41 @@ def peak_floor_bytes(graph: CostGraph) -> int:
     cached = _PEAK_FLOOR.get(graph)
     if cached is not None:
         return cached
-    zeroed = graph.with_tensor_bytes({t: 0 for t in graph.candidate_checkpoints})
-    schedule = schedule_for(zeroed, graph.candidate_checkpoints)
-    floor = simulate(zeroed, priority_order(zeroed, schedule)).peak_bytes
+    zeroed = graph.tensor_bytes_by_id.copy()
+    zeroed[[graph.tensor_id[t] for t in graph.candidate_checkpoints]] = 0
+    schedule = schedule_for(graph, graph.candidate_checkpoints)
+    floor = simulate(graph, priority_order(graph, schedule), zeroed).peak_bytes
     _PEAK_FLOOR[graph] = floor
     return floor
 
 
-def make_plan(graph: CostGraph, strategy: str, checkpoints, refresh_gap: int | None = None, **notes) -> Plan:
-    """Plan for a checkpoint set, evaluated by the cost model on the runtime's order."""
+def make_plan(graph: CostGraph, strategy: str, checkpoints, refresh_gap: int | None = None,
+              max_steps: int | None = None, **notes) -> Plan | None:
+    """Plan for a checkpoint set, evaluated by the cost model on the runtime's order (None when
+    its schedule is longer than `max_steps`)."""
     checkpoints = frozenset(checkpoints) - graph.clobbered
-    schedule = schedule_for(graph, checkpoints, refresh_gap)
+    # solvers evaluate the same sets again (store-all, Chen's plan, the best seed under each
+    # schedule): the last few evaluations of each graph are remembered
+    cache = _EVALUATED.get(graph)
+    if cache is None:
+        cache = _EVALUATED[graph] = OrderedDict()
+    key = (checkpoints, refresh_gap)
+    hit = cache.get(key)
+    if hit is not None:
+        cache.move_to_end(key)
+        schedule, simulation = hit
+        if max_steps is not None and len(schedule) > max_steps:
+            return None
+        plan = Plan(strategy, checkpoints, schedule, simulation, dict(notes))
+        plan.refresh_gap = refresh_gap
+        return plan
+    schedule = schedule_for(graph, checkpoints, refresh_gap, max_steps)
+    if schedule is None:
+        return None
     executed = priority_order(graph, schedule)
     plan = Plan(strategy, checkpoints, schedule, simulate(graph, executed), dict(notes))
+    cache[key] = (schedule, plan.simulation)
+    if len(cache) > EVALUATIONS_REMEMBERED:
+        cache.popitem(last=False)
     plan.refresh_gap = refresh_gap
     return plan
