@@ -329,3 +329,17 @@ def test_value_prefix_fits_its_budget(n, seed, shape, share):
     assert plan.peak_bytes <= max(budget, base.peak_bytes)
     added = [t for t in by_value(graph) if t not in base.checkpoints][:plan.notes["added"]]
     assert set(plan.checkpoints) == set(base.checkpoints) | set(added)
+
+
+def test_every_strategy_plans_a_graph_whose_backward_reads_no_forward_tensor():
+    """Nothing requires a gradient: no tensor is ever recomputed, so every strategy's plan has
+    store-all's peak (kusumoto and milp used to index an empty backward table)."""
+    g = CostGraph([Op("f1", "Neg", ("x0",), ("t1",), 1.0), Op("f2", "Tanh", ("t1",), ("t2",), 1.0),
+                   Op("loss", "Loss", ("t2",), ("l",), 0.1)], [],
+                  {"x0": 16, "t1": 100, "t2": 100, "l": 4}, resident={"x0"}, kept={"l"})
+    expected = store_all(g).peak_bytes
+    for name in STRATEGIES:
+        plan = run_strategy(name, g)
+        check_schedule(g, plan.schedule)
+        assert plan.peak_bytes == expected, name
+        assert plan.recompute_ops == 0, name

@@ -119,7 +119,8 @@ class Model:
         return (1 << self.n) - 1
 
     def g_max(self, lo: int, hi: int) -> int:
-        """max G over backward positions lo..hi (0 for an empty range)."""
+        """max G over backward positions lo..hi (0 for an empty range, e.g. no backward)."""
+        hi = min(hi, len(self._table[0]) - 1) if self._table else -1
         if lo < 0 or hi < lo:
             return 0
         k = (hi - lo + 1).bit_length() - 1
@@ -595,6 +596,11 @@ def _least_peak(model: Model, family: list[int]) -> int:
 def _solve(graph: CostGraph, budget_bytes: int | None, exact: bool, max_lower_sets: int,
            max_rounds: int = 8) -> Plan:
     started = time.perf_counter()
+    if not graph.stashed_tensors:
+        # the backward reads no forward tensor: nothing is ever recomputed, every set is the
+        # same plan (the model below needs a backward position)
+        return make_plan(graph, "kusumoto", graph.candidate_checkpoints, exact=True,
+                         search_seconds=time.perf_counter() - started)
     model = build_model(graph)
     family = lower_sets(model, max_lower_sets) if exact else None
     is_exact = family is not None
