@@ -129,7 +129,7 @@ def prepare(model: onnx.ModelProto, options: OptimizeOptions, *, reference: bool
         if expand:
             training, annotations, expanded = _expand_inlined(training, annotations, options, workspace)
         graph = build_cost_graph(training, annotations.tensor_bytes, annotations.node_seconds,
-                                 tensor_shapes=annotations.tensor_shapes)
+                                 tensor_shapes=annotations.tensor_shapes, provider=annotations.provider)
         predicted = simulate(graph, [(name, 0) for name in annotations.execution_order if name in graph])
         prepared = Prepared(working, training, annotations, first, graph, expanded, predicted, inputs, workspace)
         if options.verify if reference is None else reference:
