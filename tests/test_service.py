@@ -93,16 +93,21 @@ def test_stubs_are_generated_from_the_proto():
 
 # -- what works --------------------------------------------------------------------------------
 def test_python_client_gets_the_in_process_graph(client, models, tmp_path):
-    # feng-huang plans on measured bytes only, so both runs plan alike (auto breaks ties by seconds)
+    # feng-huang plans on measured bytes only, so both runs plan alike (auto breaks ties by
+    # seconds); without measurement, so that which graph comes back does not hang on this tiny
+    # model's peaks (20-80 KiB: page-level noise decides the never-worse comparison)
+    unmeasured = client.optimize(models["resnet"], tmp_path / "unmeasured.onnx", strategy="feng-huang",
+                                 measure=False)
+    local = optimize(load_model(models["resnet"]), OptimizeOptions(strategy="feng-huang", measure=False))
+    _same_graph(onnx.load(tmp_path / "unmeasured.onnx"), local.model)
+    assert unmeasured.checkpoints == local.report.checkpoints and unmeasured.outcome == "unmeasured"
+    (tmp_path / "unmeasured.onnx").unlink()
+    # measured: the typed report, as the library's (the options arrived under the library's names)
     progress = []
     report = client.optimize(models["resnet"], tmp_path / "opt.onnx", strategy="feng-huang",
                              progress=lambda stage, fraction: progress.append((stage, fraction)))
-    local = optimize(load_model(models["resnet"]), OptimizeOptions(strategy="feng-huang"))
-    _same_graph(onnx.load(tmp_path / "opt.onnx"), local.model)
-    # the typed report, as the library's (the options arrived under the library's names)
     assert report.outputs_match and report.order_followed
-    assert report.checkpoints == local.report.checkpoints
-    assert report.measured.optimized.peak_bytes > 0 and report.measurement_method == local.report.measurement_method
+    assert report.measured.optimized.peak_bytes > 0 and report.measurement_method
     assert report.provider == "CPUExecutionProvider" and report.solver_exact == local.report.solver_exact
     stages = [s for s, _ in progress]
     assert stages[0] == "queued" and {"annotate", "plan", "rewrite", "verify", "measure"} <= set(stages)
