@@ -23,13 +23,13 @@ from dataclasses import asdict, dataclass, field, fields, replace
 
 import onnx
 
-from .errors import BudgetInfeasibleError, VerificationError
+from .errors import BudgetInfeasibleError, InvalidOptionError, VerificationError
 from .options import OptimizeOptions
 from .pipeline import (ORIGINAL_UNOPTIMIZED, Prepared, compare_in_child, measure_model, measure_original, plan,
                        prepare, rewrite_plan)
 from .runtime.isolated import save_model
 from .runtime.session import DEFAULT_SETTINGS
-from .search import Plan
+from .search import Plan, get_strategy
 
 DEFAULT_POINTS = 8
 
@@ -115,6 +115,10 @@ def sweep(model: onnx.ModelProto, options: OptimizeOptions | None = None,
     marked, so the table shows it).
     """
     options = options or OptimizeOptions()
+    strategy = get_strategy(options.strategy)
+    if not strategy.takes_budget:       # refused before any work: every point is a budget
+        raise InvalidOptionError(f"the sweep plans the front under budgets, and strategy {strategy.name!r} "
+                                 f"takes none; use a strategy that does (e.g. auto)")
     progress = options.progress or (lambda message, fraction: None)
     started = time.perf_counter()
     stages = replace(options, budget_bytes=None, progress=lambda stage, fraction: progress(f"sweep: {stage}", 0.0))

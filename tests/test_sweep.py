@@ -139,6 +139,12 @@ def test_sweep_rejects_budget_and_zero_points(tmp_path, capsys):
     assert main(["optimize", str(path), "-o", str(tmp_path / "o.onnx"), "--sweep", "0"]) == 2
     assert "--sweep" in capsys.readouterr().err
     assert not (tmp_path / "o.onnx").exists()
+    # every point of the front is a budget: a strategy that takes none is refused at once
+    assert main(["optimize", str(path), "-o", str(tmp_path / "o.onnx"), "--sweep", "3",
+                 "--strategy", "feng-huang"]) == 2
+    err = capsys.readouterr().err
+    assert "feng-huang" in err and "takes none" in err and "Traceback" not in err
+    assert not (tmp_path / "o.onnx").exists()
 
 
 def test_budget_series_spans_least_to_store_all():
