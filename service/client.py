@@ -57,11 +57,16 @@ def make_options(options: OptimizeOptions | None = None, *, plan: bool = False, 
 
 def upload_messages(model_path: str | os.PathLike, options: pb.OptimizeOptions,
                     chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[pb.OptimizeRequest]:
-    """The request stream: options, the model file, then each external-data file it references."""
+    """The request stream: options, the model file, then each external-data file it references.
+    The model is read (and a bad one refused with InvalidModelError) here, before the call
+    starts: raised inside the stream, gRPC would end the call as UNKNOWN."""
     model_path = Path(model_path)
     files = [model_path.name, *external_data_files(model_path)]
-    yield pb.OptimizeRequest(options=options)
-    yield from folder_messages(model_path.parent, files, chunk_bytes, lambda **item: pb.OptimizeRequest(**item))
+
+    def stream():
+        yield pb.OptimizeRequest(options=options)
+        yield from folder_messages(model_path.parent, files, chunk_bytes, lambda **item: pb.OptimizeRequest(**item))
+    return stream()
 
 
 class Client:

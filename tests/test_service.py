@@ -379,9 +379,6 @@ def test_cli_uses_the_server(server, models, tmp_path):
     assert f"server {server.target}" in result.stdout and (tmp_path / "opt.onnx").is_file()
 
 
-@pytest.mark.xfail(strict=True, reason="the client reads the model's external-data list inside the "
-                   "gRPC request stream: a bad model ends as 'UNKNOWN: Exception iterating requests!' "
-                   "with a traceback (service/client.py upload_messages)")
 def test_cli_names_a_bad_model_sent_to_a_server(server, tmp_path):
     bad = tmp_path / "bad.onnx"
     bad.write_bytes(b"nope")
