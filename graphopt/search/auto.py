@@ -26,8 +26,8 @@ that recomputes several times more for a 0.5% lower peak is not what users want)
 budget, least recompute seconds among plans whose peak fits (the least peak when none fits).
 
 Work, not time. Every limit inside `auto` is counted in work, so a plan does not depend on
-the machine's speed: a solver is run only on graphs with at most SEED_MAX_CANDIDATES
-candidate checkpoints (the exact DPs grow too fast beyond); Feng & Huang gets
+the machine's speed: a solver is run only on graphs with at most its registry entry's
+`auto_max_candidates` candidate checkpoints (the exact DPs grow too fast beyond); Feng & Huang gets
 FENG_HUANG_LABELS of work (then the best so far); Chen's greedy a grid of CHEN_GREEDY_GRID
 budgets; the chain solver CHAIN_BOUNDS model bounds;
 the local searches together EVALUATED_STEPS schedule steps of plan evaluations (about 25
@@ -44,20 +44,11 @@ from ..costgraph import CostGraph
 from .greedy import greedy, objective, value_prefix
 from .plan import Plan, peak_floor_bytes
 
-# Seeds in the order auto runs them (the fast ones first, so that where they already reach
-# the peak floor the slow ones are not run), each only on graphs with at most this many
-# candidate checkpoints (None: always). See benchmarks/solver_timing.py.
-SEED_MAX_CANDIDATES = {
-    "store-all": None,
-    "chen-sqrt": None,
-    "chen-greedy": None,
-    "chain": 1_000,
-    "feng-huang": 150,          # beyond, its frontier explodes and it never beat Chen's greedy on the corpus
-    "kusumoto": 120,            # exact below its width guard, else approximate
-    "kusumoto-approx": 40,      # its DP grows with the square of the lower sets
-}
+# The seeds are the registry's strategies marked `in_auto` (each on graphs up to its
+# `auto_max_candidates`), the fast ones first, so that where they already reach the peak
+# floor the slow ones are not run.
 FAST_SEEDS = ("store-all", "chen-sqrt", "chen-greedy", "chain")
-FENG_HUANG_LABELS = 150_000     # labels the branch and bound may expand, then a beam
+FENG_HUANG_LABELS = 150_000     # work of its branch and bound (labels x frontier), then the best so far
 CHEN_GREEDY_GRID = (16, 6)      # budgets on Chen's grid, then refined around the best
 CHAIN_BOUNDS = 4                # model bounds the chain solver tries above its least peak
 EVALUATED_STEPS = 240_000       # schedule steps all local searches may evaluate together
@@ -109,12 +100,14 @@ def auto(graph: CostGraph, budget_bytes: int | None = None, *,
         return (budget_bytes is None and bool(seeds)
                 and min(p.peak_bytes for p in seeds) <= floor_bytes * (1 + PEAK_TOLERANCE))
 
-    for name, limit in SEED_MAX_CANDIDATES.items():
+    in_auto = [s for s in STRATEGIES.values() if s.in_auto]
+    for strategy in sorted(in_auto, key=lambda s: FAST_SEEDS.index(s.name) if s.name in FAST_SEEDS
+                           else len(FAST_SEEDS)):
+        name, limit = strategy.name, strategy.auto_max_candidates
         if (limit is not None and candidates > limit) or (seeds and time.perf_counter() > deadline):
             continue
         if name not in FAST_SEEDS and at_floor():
             continue
-        strategy = STRATEGIES[name]
         t = time.perf_counter()
         plan = strategy.solve(graph, **({"budget_bytes": budget_bytes} if strategy.takes_budget else {}),
                               **_seed_options(name))
