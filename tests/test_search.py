@@ -343,3 +343,28 @@ def test_every_strategy_plans_a_graph_whose_backward_reads_no_forward_tensor():
         check_schedule(g, plan.schedule)
         assert plan.peak_bytes == expected, name
         assert plan.recompute_ops == 0, name
+
+
+def test_a_budget_is_refused_by_a_strategy_that_cannot_honour_it():
+    """The registry's contract: never a budget silently ignored."""
+    from graphopt.errors import InvalidOptionError
+    graph = training_cost_graph(8, seed=1)
+    for name, strategy in STRATEGIES.items():
+        if strategy.takes_budget:
+            continue
+        with pytest.raises(InvalidOptionError, match=name) as refused:
+            strategy(graph, budget_bytes=10 ** 6)
+        assert "auto" in str(refused.value)          # names the strategies that can
+    assert {s.name for s in STRATEGIES.values() if not s.takes_budget} == {"feng-huang", "chen-sqrt", "store-all"}
+
+
+def test_auto_says_exact_only_at_the_peak_floor():
+    """auto's plan is `exact` exactly when its peak reaches the peak floor (a lower bound on every
+    plan), and otherwise not; a plan's `exact` is never claimed by a heuristic."""
+    from graphopt.search.plan import peak_floor_bytes
+    for seed in range(20):
+        graph = training_cost_graph(10, seed=seed, max_fanin=3)
+        plan = auto(graph)
+        assert plan.exact == (plan.peak_bytes <= peak_floor_bytes(graph))
+        for name in ("greedy", "chen-greedy", "chen-sqrt", "store-all", "kusumoto-approx"):
+            assert not run_strategy(name, graph).exact, name

@@ -1,0 +1,137 @@
+"""The one cost model against independent step-by-step references.
+
+`simulate` is vectorized (numpy over the schedule's reads and writes) and `priority_order`
+takes a fast path; the references here walk the schedule one step at a time, by the rules
+of costmodel's docstring: a buffer per write (an alias's output 0 shares the buffer its
+input 0 resolved to; a folded op's outputs and resident tensors have none), freed after its
+last reader unless it is a graph output (copy 0) or never read (then kept, or free if
+droppable); a step's peak includes its inputs, outputs and work buffer. ORT's order:
+Kahn's algorithm over the versions each step reads, Shape-like (runs_first) steps first,
+then the lowest position."""
+import dataclasses
+import heapq
+import random
+
+import pytest
+
+from graphopt.costgraph import CostGraph, Op
+from graphopt.costmodel import priority_order, simulate
+from graphopt.search.plan import schedule_for
+
+from synthetic import branching_cost_graph, training_cost_graph
+
+
+def reference_live_bytes(graph: CostGraph, schedule) -> list[int]:
+    ops = graph.ops
+    latest = {}                 # tensor -> buffer id of its latest version (None: resident)
+    buffers = []                # [bytes, born step, last read step, kept, droppable]
+    for i, (name, copy) in enumerate(schedule):
+        op = ops[name]
+        for t in op.inputs:
+            b = latest.get(t)
+            if b is not None:
+                buffers[b][2] = i
+        for k, t in enumerate(op.outputs):
+            if op.folded:
+                latest[t] = None
+                continue
+            if k == 0 and op.alias and op.inputs:
+                source = op.inputs[0]
+                if source in latest or source in graph.resident:
+                    b = latest.get(source)
+                    latest[t] = b
+                    if b is not None and copy == 0 and t in graph.kept:
+                        buffers[b][3] = True
+                    continue
+            latest[t] = len(buffers)
+            buffers.append([graph.tensor_bytes.get(t, 0), i, i, copy == 0 and t in graph.kept,
+                            t in graph.droppable])
+    live = []
+    for i, (name, _) in enumerate(schedule):
+        total = graph.ops[name].workspace_bytes
+        for nbytes, born, last, kept, droppable in buffers:
+            if born > i:
+                continue
+            never_read = last == born
+            if never_read and droppable:
+                continue
+            if never_read or kept or last >= i:
+                total += nbytes
+        live.append(total)
+    return live
+
+
+def reference_order(graph: CostGraph, schedule):
+    schedule = [s for s in schedule if not graph.ops[s[0]].folded]
+    writer = {}                 # (tensor, version) -> last step writing it
+    latest = {}
+    deps = []
+    for i, (name, copy) in enumerate(schedule):
+        deps.append({(t, latest[t]) for t in graph.ops[name].inputs if t in latest})
+        for t in graph.ops[name].outputs:
+            latest[t] = copy
+            writer[(t, copy)] = i
+    waiting = [{writer[v] for v in d if v in writer} for d in deps]
+    users = [[] for _ in schedule]
+    for i, w in enumerate(waiting):
+        for j in w:
+            users[j].append(i)
+    count = [len(w) for w in waiting]
+    m = len(schedule)
+    key = [i - m if graph.ops[schedule[i][0]].runs_first else i for i in range(m)]
+    ready = [key[i] for i in range(m) if count[i] == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        k = heapq.heappop(ready)
+        i = k + m if k < 0 else k
+        order.append(schedule[i])
+        for j in users[i]:
+            count[j] -= 1
+            if count[j] == 0:
+                heapq.heappush(ready, key[j])
+    return order
+
+
+def _with_flags(graph: CostGraph, rng: random.Random, runs_first: float) -> CostGraph:
+    """The graph with some ops made Shape-like (runs_first), and a Constant (folded at load)
+    read by a few ops, one of them an alias of it."""
+    readers = set(rng.sample(list(graph.ops), 3))
+
+    def change(name):
+        op = graph.ops[name]
+        inputs = op.inputs + ("const",) if name in readers else op.inputs
+        return dataclasses.replace(op, inputs=inputs, runs_first=rng.random() < runs_first)
+    constant = [Op("const_op", "Constant", (), ("const",), folded=True),
+                Op("const_view", "Reshape", ("const",), ("const_r",), alias=True)]
+    forward = constant + [change(n) for n in graph.forward_order]
+    last = forward[-1]
+    forward[-1] = dataclasses.replace(last, inputs=last.inputs + ("const_r",))
+    return CostGraph(forward, [change(n) for n in graph.backward_order],
+                     {**graph.tensor_bytes, "const": 64, "const_r": 64}, graph.resident, graph.kept,
+                     graph.droppable)
+
+
+def _graphs():
+    for seed in range(12):
+        yield branching_cost_graph(6 + seed, seed=seed)
+    for seed in range(4):
+        yield training_cost_graph(10, seed=seed, max_fanin=3)
+
+
+@pytest.mark.parametrize("graph", list(_graphs()), ids=lambda g: repr(g))
+def test_simulate_and_order_equal_step_by_step_references(graph):
+    rng = random.Random(len(graph))
+    candidates = list(graph.candidate_checkpoints)
+    for trial in range(6):
+        g = _with_flags(graph, rng, runs_first=0.15 * (trial % 3))
+        keep = {t for t in candidates if rng.random() < 0.5}
+        schedule = schedule_for(g, keep, rng.choice([None, 0, 2]))
+        executed = priority_order(g, schedule)
+        assert executed == reference_order(g, schedule)
+        sim = simulate(g, executed)
+        live = reference_live_bytes(g, executed)
+        assert sim.live_bytes == live
+        assert sim.peak_bytes == max(live, default=0)
+        assert sim.compute_seconds == pytest.approx(sum(g.ops[n].seconds for n, _ in executed))
+        assert sim.recompute_seconds == pytest.approx(sum(g.ops[n].seconds for n, c in executed if c))
