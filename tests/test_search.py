@@ -362,9 +362,13 @@ def test_auto_says_exact_only_at_the_peak_floor():
     """auto's plan is `exact` exactly when its peak reaches the peak floor (a lower bound on every
     plan), and otherwise not; a plan's `exact` is never claimed by a heuristic."""
     from graphopt.search.plan import peak_floor_bytes
+    from synthetic import branching_cost_graph
+    claims = []
     for seed in range(20):
-        graph = training_cost_graph(10, seed=seed, max_fanin=3)
+        graph = branching_cost_graph(6, seed=seed) if seed % 2 else training_cost_graph(10, seed=seed, max_fanin=3)
         plan = auto(graph)
         assert plan.exact == (plan.peak_bytes <= peak_floor_bytes(graph))
+        claims.append(plan.exact)
         for name in ("greedy", "chen-greedy", "chen-sqrt", "store-all", "kusumoto-approx"):
             assert not run_strategy(name, graph).exact, name
+    assert any(claims) and not all(claims)      # both cases were seen
