@@ -45,6 +45,37 @@ def producers(model: onnx.ModelProto) -> dict[str, onnx.NodeProto]:
     return out
 
 
+def implicit_inputs(node: onnx.NodeProto) -> tuple[str, ...]:
+    """Outer-scope tensors that the node's subgraphs (If branches, Loop and Scan bodies, at any
+    depth) read without taking them as inputs, in first-use order: ONNX Runtime keeps them
+    alive until the node runs, like its inputs."""
+    found: list[str] = []
+    for graph in _subgraphs(node):
+        _outer_names(graph, frozenset(), found)
+    explicit = set(node.input)
+    return tuple(t for t in dict.fromkeys(found) if t not in explicit)
+
+
+def _subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
+    graphs: list[onnx.GraphProto] = []
+    for attribute in node.attribute:
+        if attribute.type == onnx.AttributeProto.GRAPH:
+            graphs.append(attribute.g)
+        elif attribute.type == onnx.AttributeProto.GRAPHS:
+            graphs.extend(attribute.graphs)
+    return graphs
+
+
+def _outer_names(graph: onnx.GraphProto, bound: frozenset, found: list[str]) -> None:
+    local = set(bound) | {i.name for i in graph.input} | {t.name for t in graph.initializer}
+    local |= {t.values.name for t in graph.sparse_initializer}
+    for node in graph.node:
+        found.extend(t for t in node.input if t and t not in local)
+        for body in _subgraphs(node):
+            _outer_names(body, frozenset(local), found)
+        local.update(t for t in node.output if t)
+
+
 def node_graph(model: onnx.ModelProto) -> nx.DiGraph:
     """Node-level dependency graph (node name -> node name); checks missing tensors and cycles."""
     produced = producers(model)
@@ -55,7 +86,7 @@ def node_graph(model: onnx.ModelProto) -> nx.DiGraph:
             raise UnsupportedOpError(
                 f"node {node.name!r}: operator {node.op_type!r} of unknown domain {node.domain!r}")
         graph.add_node(node.name)
-        for name in node.input:
+        for name in list(node.input) + list(implicit_inputs(node)):
             if not name or name in resident:
                 continue
             if name not in produced:

@@ -98,9 +98,17 @@ def name_nodes(model: onnx.ModelProto) -> onnx.ModelProto:
     """Give every node a unique, non-empty name (in place; returns the model).
 
     The first holder of a name keeps it; an unnamed node becomes ``<op_type>_<k>`` and a
-    later duplicate ``<name>_<k>``, never taking a name that another node already holds."""
-    nodes = model.graph.node
+    later duplicate ``<name>_<k>``, never taking a name that another node already holds.
+    Nodes inside subgraphs (If branches, Loop and Scan bodies) get names unique across the
+    whole model too, ``<parent>/<op_type>_<k>`` when they have none: ONNX Runtime's profile
+    lists them by name beside the top-level nodes."""
     taken: set[str] = set()
+    _name_graph_nodes(model.graph, taken, "")
+    return model
+
+
+def _name_graph_nodes(graph: onnx.GraphProto, taken: set[str], prefix: str) -> None:
+    nodes = graph.node
     renamed = []
     for node in nodes:
         if node.name and node.name not in taken:
@@ -109,11 +117,16 @@ def name_nodes(model: onnx.ModelProto) -> onnx.ModelProto:
             renamed.append(node)
     counters: dict[str, int] = {}
     for node in renamed:
-        stem = node.name or node.op_type
+        stem = node.name or prefix + node.op_type
         k = counters.get(stem, 0)
         while f"{stem}_{k}" in taken:
             k += 1
         counters[stem] = k + 1
         node.name = f"{stem}_{k}"
         taken.add(node.name)
-    return model
+    for node in nodes:
+        for attribute in node.attribute:
+            bodies = [attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else \
+                list(attribute.graphs) if attribute.type == onnx.AttributeProto.GRAPHS else []
+            for body in bodies:
+                _name_graph_nodes(body, taken, f"{node.name}/{attribute.name}/")

@@ -10,7 +10,7 @@ import math
 import onnx
 from onnx import defs, shape_inference
 
-from .analyze import TrainingGraph
+from .analyze import TrainingGraph, implicit_inputs
 from .costgraph import CostGraph, Op
 from .runtime.measure import MMAP_THRESHOLD_BYTES
 
@@ -263,6 +263,10 @@ def build_cost_graph(training: TrainingGraph, tensor_bytes: dict[str, int],
     outputs = {o.name for o in model.graph.output}
     droppable = set()
     ops = {}
+    # tensors a subgraph reads from the outer scope are inputs of its node; their producers are
+    # never recomputed (a body reads the tensor by its name, which a recomputed copy does not have)
+    implicit = {name: implicit_inputs(nodes[name]) for name in training.forward + training.backward}
+    implicitly_read = {t for names in implicit.values() for t in names}
     for name in training.forward + training.backward:
         node = nodes[name]
         clobbers = clobbered_inputs(node)
@@ -277,11 +281,12 @@ def build_cost_graph(training: TrainingGraph, tensor_bytes: dict[str, int],
         ops[name] = Op(
             name=name,
             op_type=node.op_type,
-            inputs=tuple(t for t in node.input if t),
+            inputs=tuple(t for t in node.input if t) + implicit[name],
             outputs=tuple(t for t in node.output if t),
             seconds=float(node_seconds.get(name, 0.0)),
             alias=is_alias(node, outputs),
-            recomputable=not is_random(node) and not folded and not overwrites_resident,
+            recomputable=(not is_random(node) and not folded and not overwrites_resident
+                          and not any(t in implicitly_read for t in node.output)),
             runs_first=node.op_type in RUNS_FIRST_OPS,
             folded=folded,
             clobbers=clobbers,

@@ -162,7 +162,8 @@ def executed_order(
 ) -> list[str]:
     """The node names ONNX Runtime ran, in execution order, in one profiled run of `model`
     (``settings=None``: its metadata). Nodes ORT made at load (inlined function bodies) appear
-    under the names ORT gave them."""
+    under the names ORT gave them; nodes inside the model's subgraphs (If branches, Loop and
+    Scan bodies: run by their parent node) are left out."""
     tmp = tempfile.mkdtemp(prefix="graphopt-order-")
     try:
         sess = open_session(model, settings, providers=providers, threads=threads,
@@ -176,9 +177,29 @@ def executed_order(
             path = found[-1] if found else None
         if path is None:
             return []
-        return _parse_profile(path)[0]
+        inner = subgraph_node_names(model if isinstance(model, onnx.ModelProto)
+                                    else onnx.load(str(model), load_external_data=False))
+        return [name for name in _parse_profile(path)[0] if name not in inner]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def subgraph_node_names(model: onnx.ModelProto) -> set[str]:
+    """Names of the nodes inside the model's subgraphs, at any depth."""
+    names: set[str] = set()
+
+    def visit(graph: onnx.GraphProto, inside: bool) -> None:
+        for node in graph.node:
+            if inside:
+                names.add(node.name)
+            for attribute in node.attribute:
+                if attribute.type == onnx.AttributeProto.GRAPH:
+                    visit(attribute.g, True)
+                elif attribute.type == onnx.AttributeProto.GRAPHS:
+                    for body in attribute.graphs:
+                        visit(body, True)
+    visit(model.graph, False)
+    return names
 
 
 @dataclass

@@ -183,3 +183,66 @@ def test_rewrite_refuses_a_plan_that_reads_an_overwritten_tensor():
     bad = Plan("by-hand", plan.checkpoints, schedule)
     with pytest.raises(ValueError, match="overwrote it in place"):
         rewrite(training, graph, bad)
+
+
+def _if_reading_outer_tensors():
+    """A training graph whose backward has an If: its branches read `wt` (the transposed weight,
+    made from an initializer) and `a_sum` (made from a forward activation) from the outer
+    scope, taking neither as an input; `wt` is also read, later, by a gradient MatMul."""
+    d = 32
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array(rng.standard_normal((d, d)).astype(np.float32), "w")
+    then_branch = helper.make_graph([helper.make_node("Add", ["wt", "a_sum"], ["out_then"])], "then", [],
+                                    [helper.make_tensor_value_info("out_then", TensorProto.FLOAT, [d, d])])
+    else_branch = helper.make_graph([helper.make_node("Sub", ["wt", "a_sum"], ["out_else"])], "else", [],
+                                    [helper.make_tensor_value_info("out_else", TensorProto.FLOAT, [d, d])])
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["h"]),
+        helper.make_node("Tanh", ["h"], ["a"]),
+        helper.make_node("ReduceSum", ["a"], ["loss"], keepdims=0),
+        # backward
+        helper.make_node("Transpose", ["w"], ["wt"]),
+        helper.make_node("ReduceSum", ["a"], ["a_sum"], keepdims=1),
+        helper.make_node("If", ["flag"], ["probe"], then_branch=then_branch, else_branch=else_branch),
+        helper.make_node("Mul", ["a", "a"], ["a2"]),
+        helper.make_node("Sub", ["one", "a2"], ["gh"]),
+        helper.make_node("MatMul", ["gh", "wt"], ["gx_unused"]),
+        helper.make_node("Transpose", ["x"], ["xt"]),
+        helper.make_node("MatMul", ["xt", "gh"], ["gw"]),
+        helper.make_node("Add", ["gw", "gx_unused"], ["gw_probe"]),
+    ]
+    graph = helper.make_graph(
+        nodes, "if_outer",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [d, d]),
+         helper.make_tensor_value_info("flag", TensorProto.BOOL, [])],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, []),
+         helper.make_tensor_value_info("gw_probe", TensorProto.FLOAT, [d, d]),
+         helper.make_tensor_value_info("probe", TensorProto.FLOAT, [d, d])],
+        [w, numpy_helper.from_array(np.array(1.0, np.float32), "one")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    inputs = {"x": rng.standard_normal((d, d)).astype(np.float32), "flag": np.array(True)}
+    return model, inputs
+
+
+def test_tensors_a_subgraph_reads_from_the_outer_scope_are_its_inputs():
+    """Read by an If's branches only, `wt` and `a_sum` must exist when the If runs: the cost
+    graph counts them as the If's inputs (so the backward's reorder does not move `wt`'s
+    Transpose past the If, to right before its explicit reader), and the tensors a body reads
+    are never recomputed (a recomputed copy has another name). ORT runs the rewritten graph in
+    the planned order, outputs identical."""
+    from graphopt.analyze import implicit_inputs
+    model, inputs = _if_reading_outer_tensors()
+    onnx.checker.check_model(model)
+    training, graph, plan, rewritten = planned(model, inputs, checkpoints=())
+    if_name = next(n.name for n in model.graph.node if n.op_type == "If")
+    assert implicit_inputs(training.nodes[if_name]) == ("wt", "a_sum")
+    assert {"wt", "a_sum"} <= set(graph.ops[if_name].inputs)
+    assert not graph.ops[graph.producer["a_sum"]].recomputable and not graph.ops[graph.producer["wt"]].recomputable
+    order = [op for op, _ in plan.schedule]
+    assert order.index(graph.producer["wt"]) < order.index(if_name)
+    from graphopt.verify import executed_order
+    reference = run_outputs(model, inputs, ORIGINAL_UNOPTIMIZED)
+    assert compare_outputs(reference, run_outputs(rewritten, inputs, read_settings(rewritten))).match
+    executed = executed_order(rewritten, inputs, PLANNED_SETTINGS)
+    planned_names = [n.name for n in rewritten.graph.node]
+    assert [n for n in executed if n in set(planned_names)] == planned_names
