@@ -13,8 +13,8 @@ What the tests prove (on the graphs drawn here, all with at most MAX_CANDIDATES 
 - `auto` is within QUALITY[...] of the least peak; `greedy` and `chen-greedy` too (stated
   factors: these are heuristics, the factors are what they reach today, so that a regression
   shows); the share of graphs each solves exactly is printed;
-- `auto` reaching the least peak (within its PEAK_TOLERANCE) on every graph: not yet (xfail,
-  strict: the smallest failing graph is in the reason);
+- `auto` reaching the least peak (within its PEAK_TOLERANCE) on the small graphs here; beyond
+  single toggles not yet (xfail, strict: the failing graph is in the reason);
 - `greedy` ends at a local optimum: no single toggle of a candidate improves its objective
   (what its docstring claims, checked by trying every toggle, not by its own loop).
 """
@@ -150,13 +150,10 @@ def test_solvers_against_the_brute_force_least_peak():
               f"mean ratio {statistics.mean(r):.3f}, worst {max(r):.3f}")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "auto's local search is seeded with the solvers' plans and runs 1-opt moves: on "
-    "branching_cost_graph(4, seed=4047) the least peak is 3108 (keep nothing, refresh gap 0) "
-    "but every seed keeps all and no single toggle helps (auto: 3208, +3.2%); "
-    "reported to the lead (/tmp/oracles/auto_misses.py)"))
 def test_auto_reaches_the_least_peak_on_small_branching_graphs():
-    """auto's objective: the least peak (within PEAK_TOLERANCE, for less recomputation)."""
+    """auto's objective: the least peak (within PEAK_TOLERANCE, for less recomputation). The
+    first graph's least peak keeps nothing (refresh gap 0) while every solver's plan keeps all:
+    found since auto also starts its local searches from keeping nothing."""
     misses = []
     for n, seed, graph in [(4, 4047, branching_cost_graph(4, seed=4047))] + GRAPHS[:12]:
         least = min(p.peak_bytes for p in brute_force(graph, REFRESH_GAPS))
@@ -164,6 +161,16 @@ def test_auto_reaches_the_least_peak_on_small_branching_graphs():
         if plan.peak_bytes > least * (1 + PEAK_TOLERANCE):
             misses.append((n, seed, plan.peak_bytes, least))
     assert not misses, misses
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "a local optimum of auto's 1-opt moves: on branching_cost_graph(8, seed=8026) the least peak "
+    "keeps t2_0, t3, t5_0, t5_1, t7 (1892, refresh gap 0); auto keeps t2_0, t3, t7 (1972, +4.2%), "
+    "and no single toggle from there helps"))
+def test_auto_reaches_the_least_peak_beyond_single_toggles():
+    graph = branching_cost_graph(8, seed=8026)
+    least = min(p.peak_bytes for p in brute_force(graph, REFRESH_GAPS))
+    assert auto(graph).peak_bytes <= least * (1 + PEAK_TOLERANCE)
 
 
 # --------------------------------------------------------------------------- greedy --

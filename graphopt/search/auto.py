@@ -42,7 +42,7 @@ import time
 
 from ..costgraph import CostGraph
 from .greedy import greedy, objective, value_prefix
-from .plan import Plan, peak_floor_bytes
+from .plan import Plan, make_plan, peak_floor_bytes
 
 # The seeds are the registry's strategies marked `in_auto` (each on graphs up to its
 # `auto_max_candidates`), the fast ones first, so that where they already reach the peak
@@ -51,9 +51,10 @@ FAST_SEEDS = ("store-all", "chen-sqrt", "chen-greedy", "chain")
 FENG_HUANG_LABELS = 150_000     # work of its branch and bound (labels x frontier), then the best so far
 CHEN_GREEDY_GRID = (16, 6)      # budgets on Chen's grid, then refined around the best
 CHAIN_BOUNDS = 4                # model bounds the chain solver tries above its least peak
-EVALUATED_STEPS = 240_000       # schedule steps all local searches may evaluate together
+EVALUATED_STEPS = 280_000       # schedule steps all local searches may evaluate together
 MIN_EVALUATIONS = 4             # toggles of the first local search, however large the graph
 EVALUATIONS_AT_FLOOR_SHARE = 0.5  # of the local-search work, once a plan is at the floor
+FROM_NOTHING_SHARE = 0.3        # of each schedule's work, for the search from keeping nothing
 # Schedules searched: each recomputed op once (None), and recomputed tensors dropped across
 # gaps of more than 8 backward ops or after every reader (0), recomputed again when needed.
 REFRESH_GAPS = (None, 8, 0)
@@ -142,8 +143,19 @@ def auto(graph: CostGraph, budget_bytes: int | None = None, *,
         for gap in REFRESH_GAPS:
             starts = seeds[:3] if gap is None else [min(found, key=lambda p: objective(p, budget_bytes))]
             plan = greedy(graph, budget_bytes, time_limit_seconds=remaining(), seeds=starts, max_seeds=0,
-                          refresh_gap=gap, max_steps=share, min_evaluations=MIN_EVALUATIONS if gap is None else 0)
+                          refresh_gap=gap, max_steps=int(share * (1 - FROM_NOTHING_SHARE)),
+                          min_evaluations=MIN_EVALUATIONS if gap is None else 0)
             found.append(plan)
+            # and from the other end, keeping nothing (every seed may keep more than the best
+            # plan): a second local search, its result beside the first (the objective then
+            # prefers the one that recomputes less within PEAK_TOLERANCE)
+            nothing = make_plan(graph, "recompute-all", (), gap, max_steps=int(share * FROM_NOTHING_SHARE))
+            if nothing is not None:
+                nothing.notes["seed"] = "recompute-all"
+                other = greedy(graph, budget_bytes, time_limit_seconds=remaining(), seeds=[nothing], max_seeds=0,
+                               refresh_gap=gap, max_steps=int(share * FROM_NOTHING_SHARE), min_evaluations=0)
+                found.append(other)
+                plan = min((plan, other), key=lambda p: objective(p, budget_bytes))
             if budget_bytes is None and plan.peak_bytes <= floor_bytes * (1 + PEAK_TOLERANCE):
                 # at the floor with this schedule: the rest of the effort goes to its time
                 reached_floor = True
