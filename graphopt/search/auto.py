@@ -7,7 +7,8 @@ Kusumoto (time-centric under a budget, memory-centric without), Chen's greedy, t
 solver, Chen √n and store-all, scores each plan with the one cost model on the order the
 runtime will execute, and hands the best ones to `greedy`'s local search as seeds, once per
 recomputation schedule (each op recomputed once; recomputed tensors dropped across long gaps
-and recomputed again: more time, less memory). The result's peak is never above, under
+and recomputed again: more time, less memory); a second local search per schedule starts
+from keeping nothing (the least peak sometimes keeps less than every solver's plan). The result's peak is never above, under
 the cost model, the best of those solvers' plans (the tolerance below never crosses it).
 
 The floor. `peak_floor_bytes` is a lower bound on every plan's peak: what the backward
