@@ -127,8 +127,8 @@ def _ratio(a, b) -> str:
 
 HEADER = ("| model | exporter | nodes | grad error vs fp64 (float32 floor) | eager MiB "
           "| built MiB (opt. off) | built / eager | default session MiB | returned MiB "
-          "| vs opt. off | vs default | step time vs default | outputs identical | order followed "
-          "| outcome |")
+          "| vs opt. off | vs default | step time vs default | prediction error opt / orig | search s "
+          "| outputs identical | order followed | outcome |")
 
 
 def table_row(row: dict) -> str:
@@ -145,10 +145,15 @@ def table_row(row: dict) -> str:
                               max(row["torch_fp32_vs_fp64"], row.get("fp32_sensitivity", 0.0)))
              if "grad_error_fp64" in row else "-")
     step = ratios.get("step_time_vs_default_session")
-    return "| %s | %s | %d | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |" % (
+    errors = report.get("prediction_error") or {}
+    predicted = ("%+.1f%% / %+.1f%%" % (100 * errors["optimized"], 100 * errors["original_optimizations_off"])
+                 if errors else "-")
+    search = report.get("search_seconds")
+    return "| %s | %s | %d | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |" % (
         row["model"], row["exporter"], row["nodes_training"], grads, _mib(eager), _mib(off),
         _ratio(off, eager), _mib(default), _mib(returned), _ratio(returned, off),
-        _ratio(returned, default), "%.2fx" % step if step else "-", report.get("outputs_match"),
+        _ratio(returned, default), "%.2fx" % step if step else "-", predicted,
+        "%.1f" % search if search is not None else "-", report.get("outputs_match"),
         report.get("order_followed"), report.get("outcome", "-"))
 
 
@@ -169,6 +174,22 @@ def summary(rows: list[dict]) -> list[str]:
              and r["report"]["ratios"]["peak_vs_optimizations_off"] > 1.0
              and r["report"]["ratios"]["peak_vs_default_session"] > 1.0]
     lines.append("returned above the original under both sessions: %s." % (", ".join(worse) or "none"))
+    lines.extend(prediction_summary(ok))
+    return lines
+
+
+def prediction_summary(rows: list[dict]) -> list[str]:
+    """The largest |predicted / measured - 1| of the plan and of the original (optimizations
+    off), naming the model, and the models above 3% (the goal)."""
+    lines = []
+    for key, label in (("optimized", "the plan"), ("original_optimizations_off", "the original, optimizations off")):
+        errors = [(abs(e[key]), e[key], f"{r['model']}/{r['exporter']}") for r in rows
+                  for e in [r["report"].get("prediction_error") or {}] if e.get(key) is not None]
+        if errors:
+            worst = max(errors)
+            over = [f"{name} {value:+.1%}" for _, value, name in errors if abs(value) > 0.03]
+            lines.append(f"max |prediction error|, {label}: {worst[0]:.1%} ({worst[2]}, {worst[1]:+.1%}); "
+                         f"above 3%: {', '.join(over) or 'none'}.")
     return lines
 
 

@@ -9,7 +9,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+
+# this checkout's graphopt, not whichever one is installed (`python benchmarks/zoo_table.py`
+# puts benchmarks/ first on the path, not the repository)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
 
 from graphopt.examples import EXAMPLES, training_example
 from graphopt.optimize import OptimizeOptions, optimize
@@ -54,6 +61,13 @@ def main() -> int:
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
     print("\n".join(rows))
+    print()
+    for key, label in (("optimized", "the plan"), ("original_optimizations_off", "the original, optimizations off")):
+        errors = {name: r["prediction_error"][key] for name, r in reports.items()}
+        worst = max(errors, key=lambda name: abs(errors[name]))
+        over = [f"{name} {e:+.1%}" for name, e in errors.items() if abs(e) > 0.03]
+        print(f"max |prediction error|, {label}: {abs(errors[worst]):.1%} ({worst}, {errors[worst]:+.1%}); "
+              f"above 3%: {', '.join(over) or 'none'}.")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(reports, f, indent=2)
