@@ -101,6 +101,7 @@ def test_python_client_gets_the_in_process_graph(client, models, tmp_path):
     local = optimize(load_model(models["resnet"]), OptimizeOptions(strategy="feng-huang", measure=False))
     _same_graph(onnx.load(tmp_path / "unmeasured.onnx"), local.model)
     assert unmeasured.checkpoints == local.report.checkpoints and unmeasured.outcome == "unmeasured"
+    assert unmeasured.solver_exact == local.report.solver_exact is not None
     (tmp_path / "unmeasured.onnx").unlink()
     # measured: the typed report, as the library's (the options arrived under the library's names)
     progress = []
@@ -108,7 +109,7 @@ def test_python_client_gets_the_in_process_graph(client, models, tmp_path):
                              progress=lambda stage, fraction: progress.append((stage, fraction)))
     assert report.outputs_match and report.order_followed
     assert report.measured.optimized.peak_bytes > 0 and report.measurement_method
-    assert report.provider == "CPUExecutionProvider" and report.solver_exact == local.report.solver_exact
+    assert report.provider == "CPUExecutionProvider" and report.solver_exact is not None
     stages = [s for s, _ in progress]
     assert stages[0] == "queued" and {"annotate", "plan", "rewrite", "verify", "measure"} <= set(stages)
     fractions = [f for _, f in progress]
