@@ -50,7 +50,9 @@ from .plan import Plan, make_plan, peak_floor_bytes
 # floor the slow ones are not run.
 FAST_SEEDS = ("store-all", "chen-sqrt", "chen-greedy", "chain")
 FENG_HUANG_LABELS = 150_000     # work of its branch and bound (labels x frontier), then the best so far
-CHEN_GREEDY_GRID = (16, 6)      # budgets on Chen's grid, then refined around the best
+CHEN_GREEDY_GRID = (16, 6)      # budgets on Chen's grid, then refined around the best (at least)
+CHEN_GREEDY_GRID_LARGEST = (40, 12)   # (at most: its own default)
+CHEN_GREEDY_STEPS = 60_000      # schedule steps of its evaluations, between those two
 CHAIN_BOUNDS = 4                # model bounds the chain solver tries above its least peak
 EVALUATED_STEPS = 280_000       # schedule steps all local searches may evaluate together
 MIN_EVALUATIONS = 4             # toggles of the first local search, however large the graph
@@ -63,11 +65,15 @@ REFRESH_GAPS = (None, 8, 0)
 PEAK_TOLERANCE = 0.01
 
 
-def _seed_options(name: str) -> dict:
+def _seed_options(name: str, graph: CostGraph) -> dict:
     if name == "feng-huang":
         return {"max_labels": FENG_HUANG_LABELS, "time_limit_seconds": None}
     if name == "chen-greedy":
-        return {"grid": CHEN_GREEDY_GRID[0], "refine": CHEN_GREEDY_GRID[1]}
+        # its plan evaluations, as many as CHEN_GREEDY_STEPS buy (at least the smaller grid)
+        evaluations = min(sum(CHEN_GREEDY_GRID_LARGEST), max(sum(CHEN_GREEDY_GRID),
+                                                             CHEN_GREEDY_STEPS // max(1, len(graph))))
+        refine = max(CHEN_GREEDY_GRID[1], evaluations // 4)
+        return {"grid": evaluations - refine, "refine": refine}
     if name == "chain":
         return {"bounds": CHAIN_BOUNDS}
     return {}
@@ -112,7 +118,7 @@ def auto(graph: CostGraph, budget_bytes: int | None = None, *,
             continue
         t = time.perf_counter()
         plan = strategy.solve(graph, **({"budget_bytes": budget_bytes} if strategy.takes_budget else {}),
-                              **_seed_options(name))
+                              **_seed_options(name, graph))
         seed_seconds[name] = time.perf_counter() - t
         plan.notes["seed"] = name
         seeds.append(plan)
@@ -142,7 +148,7 @@ def auto(graph: CostGraph, budget_bytes: int | None = None, *,
         # best seeds, the others from the best plan so far and the best seed
         share = EVALUATED_STEPS // len(REFRESH_GAPS)
         for gap in REFRESH_GAPS:
-            starts = seeds[:3] if gap is None else [min(found, key=lambda p: objective(p, budget_bytes))]
+            starts = seeds[:3] if gap is None else [min(found, key=lambda p: objective(p, budget_bytes))] + seeds[:3]
             plan = greedy(graph, budget_bytes, time_limit_seconds=remaining(), seeds=starts, max_seeds=0,
                           refresh_gap=gap, max_steps=int(share * (1 - FROM_NOTHING_SHARE)),
                           min_evaluations=MIN_EVALUATIONS if gap is None else 0)
