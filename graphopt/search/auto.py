@@ -30,7 +30,8 @@ Work, not time. Every limit inside `auto` is counted in work, so a plan does not
 the machine's speed: a solver is run only on graphs with at most its registry entry's
 `auto_max_candidates` candidate checkpoints (the exact DPs grow too fast beyond); Feng & Huang gets
 FENG_HUANG_LABELS of work (then the best so far); Chen's greedy a grid of CHEN_GREEDY_GRID
-budgets; the chain solver CHAIN_BOUNDS model bounds;
+budgets; the chain solver CHAIN_BOUNDS model bounds; Kusumoto's exact DP KUSUMOTO_LOWER_SETS
+lower sets;
 the local searches together EVALUATED_STEPS schedule steps of plan evaluations (about 25
 evaluations per schedule on a 3,000-op graph, about 10 on 10,000 ops; an evaluation is one `make_plan`:
 schedule, runtime order and simulation, linear in the schedule's length). Measured with
@@ -54,6 +55,7 @@ CHEN_GREEDY_GRID = (16, 6)      # budgets on Chen's grid, then refined around th
 CHEN_GREEDY_GRID_LARGEST = (40, 12)   # (at most: its own default)
 CHEN_GREEDY_STEPS = 60_000      # schedule steps of its evaluations, between those two
 CHAIN_BOUNDS = 4                # model bounds the chain solver tries above its least peak
+KUSUMOTO_LOWER_SETS = 300       # its exact DP (quadratic in them) up to this many, else approximate
 EVALUATED_STEPS = 280_000       # schedule steps all local searches may evaluate together
 MIN_EVALUATIONS = 4             # toggles of the first local search, however large the graph
 EVALUATIONS_AT_FLOOR_SHARE = 0.5  # of the local-search work, once a plan is at the floor
@@ -76,6 +78,8 @@ def _seed_options(name: str, graph: CostGraph) -> dict:
         return {"grid": evaluations - refine, "refine": refine}
     if name == "chain":
         return {"bounds": CHAIN_BOUNDS}
+    if name == "kusumoto":
+        return {"max_lower_sets": KUSUMOTO_LOWER_SETS}
     return {}
 
 
