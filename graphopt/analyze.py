@@ -11,7 +11,7 @@ import networkx as nx
 import onnx
 
 from .errors import InvalidModelError, UnsupportedOpError
-from .ingest import KNOWN_DOMAINS
+from .ingest import KNOWN_DOMAINS, subgraphs
 
 FLOAT_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE,
                          onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16})
@@ -50,20 +50,10 @@ def implicit_inputs(node: onnx.NodeProto) -> tuple[str, ...]:
     depth) read without taking them as inputs, in first-use order: ONNX Runtime keeps them
     alive until the node runs, like its inputs."""
     found: list[str] = []
-    for graph in _subgraphs(node):
+    for graph in subgraphs(node):
         _outer_names(graph, frozenset(), found)
     explicit = set(node.input)
     return tuple(t for t in dict.fromkeys(found) if t not in explicit)
-
-
-def _subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
-    graphs: list[onnx.GraphProto] = []
-    for attribute in node.attribute:
-        if attribute.type == onnx.AttributeProto.GRAPH:
-            graphs.append(attribute.g)
-        elif attribute.type == onnx.AttributeProto.GRAPHS:
-            graphs.extend(attribute.graphs)
-    return graphs
 
 
 def _outer_names(graph: onnx.GraphProto, bound: frozenset, found: list[str]) -> None:
@@ -71,9 +61,10 @@ def _outer_names(graph: onnx.GraphProto, bound: frozenset, found: list[str]) -> 
     local |= {t.values.name for t in graph.sparse_initializer}
     for node in graph.node:
         found.extend(t for t in node.input if t and t not in local)
-        for body in _subgraphs(node):
+        for body in subgraphs(node):
             _outer_names(body, frozenset(local), found)
         local.update(t for t in node.output if t)
+    found.extend(o.name for o in graph.output if o.name not in local)   # an outer tensor passed out
 
 
 def node_graph(model: onnx.ModelProto) -> nx.DiGraph:

@@ -125,8 +125,17 @@ def _name_graph_nodes(graph: onnx.GraphProto, taken: set[str], prefix: str) -> N
         node.name = f"{stem}_{k}"
         taken.add(node.name)
     for node in nodes:
-        for attribute in node.attribute:
-            bodies = [attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else \
-                list(attribute.graphs) if attribute.type == onnx.AttributeProto.GRAPHS else []
-            for body in bodies:
-                _name_graph_nodes(body, taken, f"{node.name}/{attribute.name}/")
+        for attribute, body in subgraphs(node, with_attributes=True):
+            _name_graph_nodes(body, taken, f"{node.name}/{attribute}/")
+
+
+def subgraphs(node: onnx.NodeProto, with_attributes: bool = False) -> list:
+    """The node's subgraphs (If branches, Loop and Scan bodies): GraphProtos, or with
+    `with_attributes` (attribute name, GraphProto) pairs."""
+    found = []
+    for attribute in node.attribute:
+        if attribute.type == onnx.AttributeProto.GRAPH:
+            found.append((attribute.name, attribute.g))
+        elif attribute.type == onnx.AttributeProto.GRAPHS:
+            found.extend((attribute.name, g) for g in attribute.graphs)
+    return found if with_attributes else [g for _, g in found]

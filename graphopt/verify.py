@@ -20,6 +20,7 @@ import numpy as np
 import onnx
 
 from graphopt.annotate import _parse_profile
+from graphopt.ingest import subgraphs
 from graphopt.runtime.session import SessionSettings, open_session
 
 
@@ -192,12 +193,8 @@ def subgraph_node_names(model: onnx.ModelProto) -> set[str]:
         for node in graph.node:
             if inside:
                 names.add(node.name)
-            for attribute in node.attribute:
-                if attribute.type == onnx.AttributeProto.GRAPH:
-                    visit(attribute.g, True)
-                elif attribute.type == onnx.AttributeProto.GRAPHS:
-                    for body in attribute.graphs:
-                        visit(body, True)
+            for body in subgraphs(node):
+                visit(body, True)
     visit(model.graph, False)
     return names
 

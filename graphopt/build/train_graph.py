@@ -28,6 +28,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper, shape_inference
 
 from graphopt.errors import InvalidModelError, UnsupportedOpError
+from graphopt.analyze import implicit_inputs
 from graphopt.ingest import name_nodes
 from graphopt.runtime.session import UNOPTIMIZED_SETTINGS, write_settings
 
@@ -50,32 +51,9 @@ _STANDARD_DOMAINS = ("", "ai.onnx")
 
 # --------------------------------------------------------------------------- helpers --
 
-def _subgraphs(node):
-    found = []
-    for attribute in node.attribute:
-        if attribute.type == onnx.AttributeProto.GRAPH:
-            found.append(attribute.g)
-        elif attribute.type == onnx.AttributeProto.GRAPHS:
-            found.extend(attribute.graphs)
-    return found
-
-
-def _captures(graph):
-    reads = set()
-    defined = {v.name for v in graph.input} | {t.name for t in graph.initializer}
-    for node in graph.node:
-        reads |= _node_reads(node)
-        defined.update(o for o in node.output if o)
-    reads.update(v.name for v in graph.output)
-    return reads - defined - {""}
-
-
 def _node_reads(node):
     """Explicit inputs plus the outer names any subgraph captures."""
-    reads = {name for name in node.input if name}
-    for graph in _subgraphs(node):
-        reads |= _captures(graph)
-    return reads
+    return {name for name in node.input if name} | set(implicit_inputs(node))
 
 
 def _elem_types(model):
