@@ -561,3 +561,22 @@ def test_a_graph_with_operators_this_runtime_lacks_is_unsupported():
                                                     helper.make_opsetid("com.microsoft", 1)])
     with pytest.raises(UnsupportedOpError, match="SoftmaxCrossEntropyLossGrad.*train-graph"):
         optimize(model, OptimizeOptions(measure=False))
+
+
+def test_implicit_inputs_of_nested_subgraphs():
+    """Outer tensors a body reads: by its nodes, by a nested body, or passed out as its output;
+    not its own inputs, initializers or what it computes; each once."""
+    from onnx import TensorProto, helper
+    from graphopt.analyze import implicit_inputs
+    f = TensorProto.FLOAT
+    inner = helper.make_graph([helper.make_node("Mul", ["u", "local"], ["v"])], "inner", [],
+                              [helper.make_tensor_value_info("v", f, [1])])
+    then_branch = helper.make_graph(
+        [helper.make_node("Neg", ["a"], ["local"]),
+         helper.make_node("If", ["c"], ["w"], then_branch=inner, else_branch=inner),
+         helper.make_node("Add", ["w", "a"], ["out"])],
+        "then", [], [helper.make_tensor_value_info("out", f, [1])])
+    else_branch = helper.make_graph([], "else", [], [helper.make_tensor_value_info("b", f, [1])])
+    node = helper.make_node("If", ["c"], ["y"], then_branch=then_branch, else_branch=else_branch)
+    found = implicit_inputs(node)
+    assert sorted(found) == ["a", "b", "u"] and len(found) == 3
