@@ -19,6 +19,8 @@ ALIAS_OPS = frozenset({"Reshape", "Identity", "Squeeze", "Unsqueeze", "Flatten"}
 # Ops that draw random numbers: never recomputed (their outputs are always checkpoints).
 RANDOM_OPS = frozenset({"Dropout", "RandomNormal", "RandomNormalLike", "RandomUniform",
                         "RandomUniformLike", "Multinomial", "Bernoulli"})
+# ScatterND's offset table: one uint64 per index tuple (scatter_nd.cc); see `workspace_bytes`.
+SCATTER_ND_OFFSET_BYTES = 8
 # Ops ONNX Runtime's priority-based order runs as soon as they are ready.
 RUNS_FIRST_OPS = frozenset({"Shape", "Size"})
 # Ops ONNX Runtime replaces by initializers when it loads a graph (onnxruntime/core/graph/
@@ -115,6 +117,11 @@ def workspace_bytes(node: onnx.NodeProto, shapes: dict, tensor_bytes: dict[str, 
       condition broadcast with X) and Y_selection (condition with Y), both of X's dtype, and
       merges them into the output. Measured (tests/test_cost_rules.py, and traced in
       mobilenet_v2's ReLU6 gradient ``Where(cond, g, 0)``, 3 MiB output): output + 2 x 3 MiB.
+    - ``ScatterND`` (scatter_nd.cc, ``Prepare::element_offsets``) computes one ``uint64`` offset
+      per index tuple before it scatters: 8 bytes x prod(indices.shape[:-1]), from malloc.
+      Measured (tests/test_cost_rules.py; traced in googlenet's backward, whose scatter-adds
+      (``ScatterND(zeros, indices, g, reduction="add")``) held up to 1 MiB of offsets, one of
+      them at the original's peak).
     """
     if node.domain not in ("", "ai.onnx"):
         return 0
@@ -125,6 +132,10 @@ def workspace_bytes(node: onnx.NodeProto, shapes: dict, tensor_bytes: dict[str, 
         return int(tensor_bytes.get(outs[0], 0)) if len([t for t in node.input if t]) >= 3 else 0
     if node.op_type == "Where" and len(node.input) == 3:
         return _where_selection_bytes(node, shapes, tensor_bytes)
+    if node.op_type == "ScatterND" and len(node.input) >= 2:
+        indices = shapes.get(node.input[1])
+        slices = _numel(indices[:-1]) if indices else None
+        return SCATTER_ND_OFFSET_BYTES * slices if slices else 0
     if node.op_type not in ("Conv", "ConvTranspose") or len(node.input) < 2:
         return 0
     x, w, y = shapes.get(node.input[0]), shapes.get(node.input[1]), shapes.get(outs[0])

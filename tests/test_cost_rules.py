@@ -63,6 +63,26 @@ def test_reshape_into_a_graph_output_copies(tmp_path):
     assert abs(allocated_bytes(4 * n) / measured - 1) > 0.4           # as an alias: off
 
 
+def test_scatter_nd_holds_one_offset_per_index_tuple(tmp_path):
+    """ScatterND(data, indices [n, 1], updates [n]): output + 8 bytes per index tuple."""
+    n = 1 << 20                                       # 4 MiB of float32, 8 MiB of offsets
+    node = h.make_node("ScatterND", ["data", "indices", "updates"], ["y"], name="scatter", reduction="add")
+    inputs = [h.make_tensor_value_info("data", T.FLOAT, [n]),
+              h.make_tensor_value_info("indices", T.INT64, [n, 1]),
+              h.make_tensor_value_info("updates", T.FLOAT, [n])]
+    outputs = [h.make_tensor_value_info("y", T.FLOAT, [n])]
+    rng = np.random.default_rng(0)
+    feeds = {"data": np.zeros(n, np.float32), "indices": rng.integers(0, n, (n, 1)),
+             "updates": rng.random(n, dtype=np.float32)}
+    measured = _measured_peak(tmp_path, [node], inputs, outputs, feeds)
+    model = h.make_model(h.make_graph([node], "g", inputs, outputs))
+    work = workspace_bytes(node, static_shapes(model), {"y": 4 * n})
+    assert work == 8 * n
+    predicted = allocated_bytes(4 * n) + allocated_bytes(work)
+    assert abs(predicted / measured - 1) <= 0.03, (predicted, measured)
+    assert abs(allocated_bytes(4 * n) / measured - 1) > 0.5           # without the rule: far off
+
+
 @pytest.mark.parametrize("count,nbytes", [(2000, 64), (2000, 1024), (1000, 3968), (100, 1 << 20)])
 def test_allocated_bytes_of_many_buffers(tmp_path, count, nbytes):
     """Split into `count` graph outputs of `nbytes` each: the peak is their allocated bytes."""
