@@ -34,9 +34,14 @@ class ServerProcess:
         return [json.loads(line) for line in self.log_path.read_text().splitlines() if line.startswith("{")]
 
     def leftover_files(self) -> list[str]:
-        """Everything under the work dir (the server's root folder itself aside)."""
-        return [str(p) for p in self.work_dir.rglob("*") if p.is_file() or
-                (p.is_dir() and p.parent != self.work_dir)]
+        """Everything under the work dir (the server's root folder itself aside). The server
+        may be removing a call's folder while it is walked: then it is walked again."""
+        while True:
+            try:
+                return [str(p) for p in self.work_dir.rglob("*") if p.is_file() or
+                        (p.is_dir() and p.parent != self.work_dir)]
+            except FileNotFoundError:
+                time.sleep(0.05)
 
     def wait_no_leftovers(self, timeout_seconds: float = 15.0) -> list[str]:
         """Leftover files once the server had time to clean up after a call's end."""
