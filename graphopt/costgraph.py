@@ -6,10 +6,10 @@ graph inputs, initializers, folded constants), which are kept to its end (``kept
 outputs), which the rewrite may drop (``droppable``: unused optional outputs) and which an op
 overwrites in place (``clobbered``). Derived facts (producers, readers, the forward tensors,
 the forced and candidate checkpoints, the tensors the backward reads) are computed once when
-the graph is made; the graph never changes after that (`with_tensor_bytes` makes a new one).
+the graph is made; the graph never changes after that.
 
-The integer ids and flat lists (``op_input_ids``, ``op_output_ids``, ``tensor_bytes_by_id``, ...)
-serve the inner loops (`costmodel.simulate`); solvers read ops by name. Built from ONNX by
+The integer ids and arrays (``op_input_ptr``/``op_input_tensor``, ``tensor_bytes_by_id``, ...)
+serve the inner loop (`costmodel.simulate`); solvers read ops by name. Built from ONNX by
 `op_rules.build_cost_graph`; this module imports no ONNX.
 """
 from __future__ import annotations
@@ -74,10 +74,6 @@ class CostGraph:
             tensor_id.setdefault(t, len(tensor_id))
         self.tensor_id: Mapping[str, int] = MappingProxyType(tensor_id)
         self.tensor_names: tuple[str, ...] = tuple(tensor_id)
-        self.op_input_ids: tuple[tuple[int, ...], ...] = tuple(
-            tuple(tensor_id[t] for t in op.inputs) for op in ops.values())
-        self.op_output_ids: tuple[tuple[int, ...], ...] = tuple(
-            tuple(tensor_id[t] for t in op.outputs) for op in ops.values())
         # per op id: measured facts and flags, and the tensor ids it reads and writes (CSR:
         # op k reads op_input_tensor[op_input_ptr[k]:op_input_ptr[k + 1]])
         op_list = list(ops.values())
@@ -85,9 +81,8 @@ class CostGraph:
         self.op_workspace_bytes: np.ndarray = _array([op.workspace_bytes for op in op_list], np.int64)
         self.op_alias: np.ndarray = _array([op.alias and bool(op.inputs) for op in op_list], bool)
         self.op_folded: np.ndarray = _array([op.folded for op in op_list], bool)
-        self.op_runs_first: np.ndarray = _array([op.runs_first for op in op_list], bool)
-        self.op_input_ptr, self.op_input_tensor = _csr(self.op_input_ids)
-        self.op_output_ptr, self.op_output_tensor = _csr(self.op_output_ids)
+        self.op_input_ptr, self.op_input_tensor = _csr([[tensor_id[t] for t in op.inputs] for op in op_list])
+        self.op_output_ptr, self.op_output_tensor = _csr([[tensor_id[t] for t in op.outputs] for op in op_list])
         # per tensor id
         self.tensor_bytes_by_id: np.ndarray = _array([self.tensor_bytes.get(t, 0) for t in self.tensor_names],
                                                      np.int64)
@@ -167,21 +162,12 @@ class CostGraph:
         return cls([op(o) for o in d["forward"]], [op(o) for o in d["backward"]], d["tensor_bytes"],
                    d.get("resident", ()), d.get("kept", ()), d.get("droppable", ()))
 
-    # ---- new graphs
-
-    def with_tensor_bytes(self, overrides: Mapping[str, int]) -> "CostGraph":
-        """The same graph with some tensors' bytes replaced."""
-        tensor_bytes = dict(self.tensor_bytes)
-        tensor_bytes.update(overrides)
-        return CostGraph([self.ops[n] for n in self.forward_order], [self.ops[n] for n in self.backward_order],
-                         tensor_bytes, self.resident, self.kept, self.droppable)
-
 
 def _array(values, dtype) -> np.ndarray:
     return _frozen(np.array(values, dtype=dtype))
 
 
-def _csr(rows: tuple[tuple[int, ...], ...]) -> tuple[np.ndarray, np.ndarray]:
+def _csr(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
     ptr = np.zeros(len(rows) + 1, dtype=np.int64)
     ptr[1:] = np.cumsum([len(r) for r in rows])
     flat = np.fromiter((x for r in rows for x in r), dtype=np.int64, count=int(ptr[-1]))
