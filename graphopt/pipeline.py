@@ -233,9 +233,9 @@ def plan(prepared: Prepared, options: OptimizeOptions, budget_bytes=_OPTIONS_BUD
     return chosen
 
 
-def solver_exact(chosen: Plan) -> bool | None:
-    """Whether `chosen` is optimal under its solver's model (None: not known)."""
-    return getattr(chosen, "exact", chosen.notes.get("exact"))
+def solver_exact(chosen: Plan) -> bool:
+    """Whether `chosen` is optimal under its solver's model (`Plan.exact`)."""
+    return chosen.exact
 
 
 # -- deliver: the pieces ---------------------------------------------------------------------------
