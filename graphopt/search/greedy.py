@@ -83,7 +83,14 @@ def greedy(graph: CostGraph, budget_bytes: int | None = None, *,
         return p if p.refresh_gap == refresh_gap else make_plan(graph, p.strategy, p.checkpoints, refresh_gap,
                                                                  max_steps, **p.notes)
     given = list(seeds)
-    seeds = [q for q in map(under_gap, given) if q is not None]
+    # the seeds, in the order given, while they use at most half of the work (at least one)
+    seeds = []
+    for p in given:
+        if seeds and max_steps is not None and sum(len(q.schedule) for q in seeds) > max_steps // 2:
+            break
+        q = under_gap(p)
+        if q is not None:
+            seeds.append(q)
     if max_seeds or not given:
         seeds += [q for q in map(under_gap, (store_all(graph), chen_sqrt(graph))) if q is not None]
     if not seeds:          # every seed's schedule is over the work limit: nothing to search from

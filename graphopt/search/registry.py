@@ -71,7 +71,7 @@ _LIST = [
              in_auto=True, auto_max_candidates=40),
     Strategy("chain", chain,
              "arXiv 2502.12499: exact DP / linear algorithm on layer chains (branches kept)",
-             takes_budget=True, exact_for="its layer-chain model", in_auto=True, auto_max_candidates=1_000),
+             takes_budget=True, exact_for="its layer-chain model", in_auto=True, auto_max_candidates=500),
     Strategy("greedy", greedy,
              "local search over checkpoint sets on the cost model, seeded with Chen and segmentations",
              takes_budget=True),
