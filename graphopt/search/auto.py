@@ -32,7 +32,8 @@ the machine's speed: a solver is run only on graphs with at most its registry en
 FENG_HUANG_LABELS of work (then the best so far); Chen's greedy a grid of CHEN_GREEDY_GRID
 budgets; the chain solver CHAIN_BOUNDS model bounds; Kusumoto's exact DP KUSUMOTO_LOWER_SETS
 lower sets;
-the local searches together EVALUATED_STEPS schedule steps of plan evaluations (about 25
+the local searches together EVALUATED_STEPS schedule steps of plan evaluations (fewer above
+LARGE_GRAPH_OPS ops; about 25
 evaluations per schedule on a 3,000-op graph, about 10 on 10,000 ops; an evaluation is one `make_plan`:
 schedule, runtime order and simulation, linear in the schedule's length). Measured with
 `python benchmarks/solver_timing.py` (families and `--corpus`). A wall-clock limit remains
@@ -56,7 +57,8 @@ CHEN_GREEDY_GRID_LARGEST = (40, 12)   # (at most: its own default)
 CHEN_GREEDY_STEPS = 60_000      # schedule steps of its evaluations, between those two
 CHAIN_BOUNDS = 4                # model bounds the chain solver tries above its least peak
 KUSUMOTO_LOWER_SETS = 300       # its exact DP (quadratic in them) up to this many, else approximate
-EVALUATED_STEPS = 200_000       # schedule steps all local searches may evaluate together
+EVALUATED_STEPS = 200_000       # schedule steps all local searches may evaluate together,
+LARGE_GRAPH_OPS = 5_000         # scaled down by LARGE_GRAPH_OPS / ops above that many ops
 MIN_EVALUATIONS = 4             # toggles of the first local search, however large the graph
 EVALUATIONS_AT_FLOOR_SHARE = 0.5  # of the local-search work, once a plan is at the floor
 FROM_NOTHING_SHARE = 0.3        # of each schedule's work, for the search from keeping nothing
@@ -128,6 +130,7 @@ def auto(graph: CostGraph, budget_bytes: int | None = None, *,
         seeds.append(plan)
     seeds.sort(key=lambda p: objective(p, budget_bytes))
     found = [seeds[0]]
+    work = int(EVALUATED_STEPS * min(1.0, LARGE_GRAPH_OPS / max(1, len(graph))))
 
     def remaining() -> float:
         return max(0.3, deadline - time.perf_counter())
@@ -137,7 +140,7 @@ def auto(graph: CostGraph, budget_bytes: int | None = None, *,
         # no plan has a lower peak: spend the search on recomputation time at this peak
         # (least recompute seconds whose peak fits the best seed's)
         target = seeds[0].peak_bytes
-        prefixes = [p for p in (value_prefix(graph, target, base, max_steps=EVALUATED_STEPS // 8)
+        prefixes = [p for p in (value_prefix(graph, target, base, max_steps=work // 8)
                                 for base in ((), seeds[0].checkpoints)) if p is not None]
         for prefix in prefixes:
             prefix.notes["seed"] = "value-prefix"
@@ -145,12 +148,12 @@ def auto(graph: CostGraph, budget_bytes: int | None = None, *,
                          key=lambda p: p.recompute_seconds)
         found.extend(prefixes)
         found.append(greedy(graph, target, time_limit_seconds=remaining(), seeds=fitting[:3], max_seeds=0,
-                            max_steps=EVALUATED_STEPS // 2, min_evaluations=0))
+                            max_steps=work // 2, min_evaluations=0))
     else:
         # each recomputation schedule gets an equal share of the steps (a schedule that
         # recomputes more is longer, so it gets fewer evaluations); the first starts from the
         # best seeds, the others from the best plan so far and the best seed
-        share = EVALUATED_STEPS // len(REFRESH_GAPS)
+        share = work // len(REFRESH_GAPS)
         for gap in REFRESH_GAPS:
             starts = seeds[:3] if gap is None else [min(found, key=lambda p: objective(p, budget_bytes))] + seeds[:3]
             plan = greedy(graph, budget_bytes, time_limit_seconds=remaining(), seeds=starts, max_seeds=0,
