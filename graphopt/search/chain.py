@@ -72,9 +72,8 @@ Algorithms
 from __future__ import annotations
 
 import itertools
-import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..costgraph import CostGraph
 
