@@ -178,6 +178,31 @@ def _order_and_seconds(kernels: list[dict]) -> tuple[list[str], dict[str, float]
     return order, seconds
 
 
+def median_node_seconds(path: str, skip_runs: int = 1) -> dict[str, float]:
+    """Each node's median seconds over the ``model_run``s in the profile at ``path`` after the
+    first ``skip_runs`` (warm-up); a node that runs several kernels sums them per run. One
+    profiled run's kernel times vary by 10-40% on a shared machine; the median of several
+    does not."""
+    with open(path) as f:
+        events = json.load(f)
+    runs = sorted((e for e in events if e.get("cat") == "Session" and e.get("name") == "model_run"),
+                  key=lambda e: e["ts"])[skip_runs:]
+    kernels = sorted((e for e in events
+                      if e.get("cat") == "Node" and str(e.get("name", "")).endswith(_KERNEL_SUFFIX)),
+                     key=lambda e: e["ts"])
+    per_node: dict[str, list[float]] = {}
+    for run in runs:
+        lo, hi = run["ts"], run["ts"] + run.get("dur", 0)
+        seconds: dict[str, float] = {}
+        for e in kernels:
+            if lo <= e["ts"] <= hi:
+                name = e["name"][: -len(_KERNEL_SUFFIX)]
+                seconds[name] = seconds.get(name, 0.0) + float(e.get("dur", 0)) * 1e-6
+        for name, value in seconds.items():
+            per_node.setdefault(name, []).append(value)
+    return {name: float(np.median(values)) for name, values in per_node.items()}
+
+
 def _parse_profile(path: str) -> tuple[list[str], dict[str, float]]:
     """Execution order and seconds per node of the last run in the profile at ``path``."""
     return _order_and_seconds(_kernel_events(path))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -94,14 +95,16 @@ def measure(
     *,
     provider: str | None = None,
     threads: int = 1,
-    repeats: int = 3,
+    repeats: int = 7,
     timeout_seconds: float = 600,
+    timing: bool = True,
 ) -> Measurement:
     """Peak memory growth and median step time of ``session.run`` on the saved model and
     inputs (:func:`graphopt.inputs.save_inputs`), in a fresh subprocess.
 
     ``settings=None`` uses the model's metadata, else the defaults. ``provider=None``
-    picks CUDA when available, else CPU.
+    picks CUDA when available, else CPU. ``timing=False``: the peak only (step_seconds NaN;
+    `time_steps` times sessions against each other).
     """
     cmd = [sys.executable, "-m", "graphopt.runtime._measure_worker",
            os.fspath(model_path), os.fspath(inputs_path),
@@ -114,9 +117,12 @@ def measure(
     peak = _run_worker(cmd + ["--repeats", "1"], _worker_env(), model_path, timeout_seconds)
     # Step time: in a process with the allocator as users have it (returning every buffer to
     # the OS makes each step pay page faults, which is not what a training loop sees).
-    timing = _run_worker(cmd + ["--repeats", str(int(repeats))], _worker_env(plain_allocator=True),
-                         model_path, timeout_seconds)
-    d = dict(peak, step_seconds=timing["step_seconds"])
+    if not timing:
+        d = dict(peak, step_seconds=float("nan"))
+    else:
+        timed = _run_worker(cmd + ["--repeats", str(int(repeats))], _worker_env(plain_allocator=True),
+                            model_path, timeout_seconds)
+        d = dict(peak, step_seconds=timed["step_seconds"])
     return Measurement(
         peak_bytes=int(d["peak_bytes"]),
         step_seconds=float(d["step_seconds"]),
@@ -124,3 +130,47 @@ def measure(
         settings=SessionSettings.from_dict(d["settings"]),
         method=str(d.get("method", "")),
     )
+
+
+@dataclass
+class StepTimes:
+    """Step seconds of several sessions timed against each other in one process."""
+    step_seconds: list[float]             # median per session, in the order given
+    runs: list[list[float]]               # every timed run per session
+    provider: str
+    node_seconds: list[dict[str, float]]  # per profiled session: its median seconds per node
+
+    def ratio(self, i: int, j: int) -> float:
+        """Session i's step time over session j's: the median of the rounds' ratios."""
+        return float(statistics.median(a / b for a, b in zip(self.runs[i], self.runs[j])))
+
+
+def time_steps(
+    sessions: list[tuple[str | os.PathLike, SessionSettings | None]],
+    inputs_path: str | os.PathLike,
+    *,
+    provider: str | None = None,
+    threads: int = 1,
+    rounds: int = 7,
+    max_seconds: float = 30.0,
+    profile: tuple[int, ...] = (),
+    timeout_seconds: float = 900,
+) -> StepTimes:
+    """Median step seconds of each (model path, settings; None: its metadata) session, timed
+    in turn in one fresh process with the allocator as users have it (see
+    graphopt/runtime/_timing_worker.py); for each session index in ``profile``, its median
+    seconds per node too."""
+    import tempfile
+    spec = {"inputs": os.fspath(inputs_path), "provider": provider, "threads": int(threads),
+            "rounds": int(rounds), "max_seconds": float(max_seconds), "profile": list(profile),
+            "sessions": [{"model": os.fspath(path), "settings": None if s is None else s.to_dict()}
+                         for path, s in sessions]}
+    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="graphopt-timing-", delete=False) as f:
+        json.dump(spec, f)
+    try:
+        d = _run_worker([sys.executable, "-m", "graphopt.runtime._timing_worker", f.name],
+                        _worker_env(plain_allocator=True), sessions[0][0], timeout_seconds)
+    finally:
+        os.remove(f.name)
+    return StepTimes(step_seconds=[float(x) for x in d["step_seconds"]], runs=d["runs"],
+                     provider=str(d["provider"]), node_seconds=list(d.get("node_seconds") or []))
