@@ -44,7 +44,8 @@ class CostGraph:
     """An immutable training cost graph (see the module docstring)."""
 
     def __init__(self, forward: Sequence[Op], backward: Sequence[Op], tensor_bytes: Mapping[str, int],
-                 resident: Iterable[str] = (), kept: Iterable[str] = (), droppable: Iterable[str] = ()):
+                 resident: Iterable[str] = (), kept: Iterable[str] = (), droppable: Iterable[str] = (),
+                 recompute_factor: float = 1.0):
         ops: dict[str, Op] = {}
         for op in list(forward) + list(backward):
             if op.name in ops:
@@ -62,6 +63,9 @@ class CostGraph:
         self.droppable: frozenset[str] = frozenset(droppable)
         self.clobbered: frozenset[str] = frozenset(t for op in ops.values() for t in op.clobbers)
         self.tensor_bytes: Mapping[str, int] = MappingProxyType({t: int(b) for t, b in tensor_bytes.items()})
+        # a recomputed copy of an op takes this many times the op's seconds (its inputs are
+        # checkpoints made long before, no longer in cache; see op_rules.RECOMPUTE_FACTOR)
+        self.recompute_factor: float = float(recompute_factor)
 
         # ids: ops in order (forward, then backward); tensors in order of first appearance
         self.op_names: tuple[str, ...] = tuple(ops)
@@ -152,7 +156,8 @@ class CostGraph:
         return {"forward": [op_dict(self.ops[n]) for n in self.forward_order],
                 "backward": [op_dict(self.ops[n]) for n in self.backward_order],
                 "tensor_bytes": dict(self.tensor_bytes), "resident": sorted(self.resident),
-                "kept": sorted(self.kept), "droppable": sorted(self.droppable)}
+                "kept": sorted(self.kept), "droppable": sorted(self.droppable),
+                "recompute_factor": self.recompute_factor}
 
     @classmethod
     def from_dict(cls, d: dict) -> "CostGraph":
@@ -160,7 +165,8 @@ class CostGraph:
             return Op(**{**o, "inputs": tuple(o["inputs"]), "outputs": tuple(o["outputs"]),
                          "clobbers": tuple(o.get("clobbers", ()))})
         return cls([op(o) for o in d["forward"]], [op(o) for o in d["backward"]], d["tensor_bytes"],
-                   d.get("resident", ()), d.get("kept", ()), d.get("droppable", ()))
+                   d.get("resident", ()), d.get("kept", ()), d.get("droppable", ()),
+                   d.get("recompute_factor", 1.0))
 
 
 def _array(values, dtype) -> np.ndarray:

@@ -49,7 +49,8 @@ Step = tuple[str, int]
 class Simulation:
     peak_bytes: int
     peak_step: int                 # index in the schedule where the peak occurs
-    compute_seconds: float         # sum of the steps' measured seconds
+    compute_seconds: float         # predicted step seconds: the steps' seconds, copies >= 1 times
+                                   # the graph's recompute_factor
     recompute_seconds: float       # seconds spent in copies >= 1
     live_bytes: list[int]          # bytes live while each step runs
 
@@ -119,8 +120,8 @@ def simulate(graph: CostGraph, schedule: list[Step], tensor_bytes_by_id: np.ndar
     ops = np.array(list(map(graph.op_id.__getitem__, names)), dtype=np.int64)
     copies = np.array(copy_list, dtype=np.int64)
     seconds = graph.op_seconds[ops]
-    compute = float(seconds.sum())
-    recompute = float(seconds[copies != 0].sum())
+    recompute = float(seconds[copies != 0].sum()) * graph.recompute_factor
+    compute = float(seconds[copies == 0].sum()) + recompute
     n_tensors = len(graph.tensor_names)
 
     r_step, r_tensor, r_position = _gather(graph.op_input_ptr, graph.op_input_tensor, ops)

@@ -109,7 +109,7 @@ def _with_flags(graph: CostGraph, rng: random.Random, runs_first: float) -> Cost
     forward[-1] = dataclasses.replace(last, inputs=last.inputs + ("const_r",))
     return CostGraph(forward, [change(n) for n in graph.backward_order],
                      {**graph.tensor_bytes, "const": 64, "const_r": 64}, graph.resident, graph.kept,
-                     graph.droppable)
+                     graph.droppable, recompute_factor=rng.choice([1.0, 1.2]))
 
 
 def _graphs():
@@ -133,5 +133,7 @@ def test_simulate_and_order_equal_step_by_step_references(graph):
         live = reference_live_bytes(g, executed)
         assert sim.live_bytes == live
         assert sim.peak_bytes == max(live, default=0)
-        assert sim.compute_seconds == pytest.approx(sum(g.ops[n].seconds for n, _ in executed))
-        assert sim.recompute_seconds == pytest.approx(sum(g.ops[n].seconds for n, c in executed if c))
+        # a recomputed copy takes recompute_factor times its op's seconds
+        k = g.recompute_factor
+        assert sim.compute_seconds == pytest.approx(sum(g.ops[n].seconds * (k if c else 1) for n, c in executed))
+        assert sim.recompute_seconds == pytest.approx(sum(g.ops[n].seconds * k for n, c in executed if c))
