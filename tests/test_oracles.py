@@ -229,3 +229,47 @@ def test_chen_greedy_is_chens_segmentation_for_its_b(n, seed):
     cuts = greedy_cuts(sizes, plan.notes["b"])
     assert plan.notes["segments"] == len(cuts) + 1
     assert set(plan.checkpoints) == chen_crossing(graph, cuts) - graph.clobbered
+
+
+# ------------------------------------------------------------- peak and time together --
+
+def _seconds(plan):
+    return plan.simulation.compute_seconds
+
+
+@pytest.mark.parametrize("share", [0.25, 0.6])
+def test_least_peak_within_a_step_time_against_brute_force(share):
+    """`least_peak_within` keeps the predicted step time within the limit, and its peak is
+    within QUALITY["auto"] of the least peak of every subset whose time fits (the brute force,
+    no solver). The limit: `share` of the way from store-all's time to the least-peak plan's."""
+    from graphopt.search import least_peak_within, store_all
+    ratios = []
+    for n, seed, graph in GRAPHS:
+        plans = list(brute_force(graph, REFRESH_GAPS))
+        slowest = max(_seconds(p) for p in plans if p.peak_bytes == min(q.peak_bytes for q in plans))
+        fastest = _seconds(store_all(graph))
+        limit = fastest + share * (slowest - fastest)
+        best = min(p.peak_bytes for p in plans if _seconds(p) <= limit + 1e-12)
+        found = least_peak_within(graph, auto, limit)
+        assert _seconds(found) <= limit + 1e-12, (n, seed, _seconds(found), limit)
+        assert found.peak_bytes >= best, (n, seed)     # the oracle is a lower bound
+        ratios.append(found.peak_bytes / best)
+        assert found.peak_bytes <= QUALITY["auto"] * best, (n, seed, found.peak_bytes, best)
+    print(f"least peak within the time: exact on {sum(r == 1 for r in ratios)}/{len(ratios)}, "
+          f"worst {max(ratios):.3f}")
+
+
+def test_front_is_a_front():
+    """`front`: no point beats another in both peak and predicted time; it runs from the
+    least-peak plan to store-all's time; every point is a plan of the graph (its peak and time
+    recomputed by the one cost model from its checkpoints)."""
+    from graphopt.search import front, store_all
+    for n, seed, graph in GRAPHS[:12]:
+        points = front(graph, auto, points=6)
+        assert points, (n, seed)
+        for a, b in zip(points, points[1:]):
+            assert a.peak_bytes < b.peak_bytes and _seconds(a) > _seconds(b), (n, seed)
+        assert _seconds(points[-1]) <= _seconds(store_all(graph)) + 1e-12
+        for p in points:
+            again = make_plan(graph, "again", p.checkpoints, p.refresh_gap)
+            assert again.peak_bytes == p.peak_bytes, (n, seed)

@@ -9,6 +9,7 @@ from .chain import chain
 from .chen_greedy import chen_greedy
 from .chen_sqrt import chen_sqrt
 from .feng_huang import feng_huang
+from .front import front, least_peak_within, pareto
 from .greedy import greedy
 from .kusumoto import kusumoto, kusumoto_approx
 from .milp import milp
@@ -18,4 +19,4 @@ from .store_all import store_all
 
 __all__ = ["STRATEGIES", "DEFAULT_STRATEGY", "Strategy", "get_strategy", "Plan", "make_plan", "schedule_for",
            "auto", "chain", "chen_greedy", "chen_sqrt", "feng_huang", "greedy", "kusumoto",
-           "kusumoto_approx", "milp", "store_all"]
+           "kusumoto_approx", "milp", "store_all", "front", "least_peak_within", "pareto"]
