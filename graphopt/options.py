@@ -15,6 +15,14 @@ from .search import DEFAULT_STRATEGY, STRATEGIES
 
 Progress = Callable[[str, float], None]
 
+# Objectives without a budget (with one: the least step time whose measured peak fits it).
+BOUNDED_OVERHEAD = "bounded-overhead"   # the least peak within (1 + max_overhead) x the original's step time
+LEAST_PEAK = "least-peak"               # the least peak, whatever it costs in time
+OBJECTIVES = (BOUNDED_OVERHEAD, LEAST_PEAK)
+# The default objective's overhead: see README "Choices" (the fronts of the examples and the
+# corpus: what a 0.1-0.5 overhead buys).
+DEFAULT_MAX_OVERHEAD = 0.2
+
 # fields that do not travel as JSON: the inputs' arrays (a file instead) and the callback
 NOT_JSON = ("inputs", "progress")
 
@@ -22,7 +30,11 @@ NOT_JSON = ("inputs", "progress")
 @dataclass
 class OptimizeOptions:
     loss: str | None = None                 # the loss output's name (None: the first output)
-    budget_bytes: int | None = None         # peak-memory budget (None: the least peak)
+    budget_bytes: int | None = None         # peak-memory budget (None: see `objective`)
+    objective: str = BOUNDED_OVERHEAD       # without a budget: see OBJECTIVES
+    # the step time allowed, as a fraction above the original's under ONNX Runtime's default
+    # session (None: DEFAULT_MAX_OVERHEAD for bounded-overhead; with a budget, no limit)
+    max_overhead: float | None = None
     strategy: str = DEFAULT_STRATEGY
     input_dims: dict[str, list[int]] = field(default_factory=dict)   # shapes of symbolic inputs
     inputs: dict[str, np.ndarray] | None = None   # None: synthesized from the shapes
@@ -46,12 +58,42 @@ class OptimizeOptions:
             if provider not in available:
                 raise InvalidOptionError(f"execution provider {provider!r} is not available here "
                                          f"(available: {available})")
+        if self.objective not in OBJECTIVES:
+            raise InvalidOptionError(f"unknown objective {self.objective!r} (known: {list(OBJECTIVES)})")
+        if self.max_overhead is not None:
+            if not self.max_overhead >= 0 or self.max_overhead == float("inf"):
+                raise InvalidOptionError(f"max overhead must be a finite fraction >= 0 (0.1: 10% slower "
+                                         f"at most), got {self.max_overhead}")
+            if self.objective == LEAST_PEAK:
+                raise InvalidOptionError("objective least-peak takes no max overhead: drop one of them")
+            if not STRATEGIES[self.strategy].takes_budget:
+                raise InvalidOptionError(f"strategy {self.strategy!r} plans only its own least peak: it cannot "
+                                         f"bound the step time (max overhead {self.max_overhead})")
         if self.budget_bytes is not None and self.budget_bytes <= 0:
             raise InvalidOptionError(f"budget must be positive, got {self.budget_bytes} bytes")
         if self.threads < 1:
             raise InvalidOptionError(f"threads must be at least 1, got {self.threads}")
         if not self.tolerance >= 0:
             raise InvalidOptionError(f"tolerance must be at least 0, got {self.tolerance}")
+
+    @property
+    def overhead_limit(self) -> float | None:
+        """The step-time overhead the plan must stay within (None: no limit): `max_overhead`,
+        or DEFAULT_MAX_OVERHEAD under the default objective with no budget and a strategy that
+        takes budgets (one that plans only its least peak has nothing to trade)."""
+        if self.max_overhead is not None:
+            return float(self.max_overhead)
+        if (self.objective == BOUNDED_OVERHEAD and self.budget_bytes is None
+                and STRATEGIES[self.strategy].takes_budget):
+            return DEFAULT_MAX_OVERHEAD
+        return None
+
+    @property
+    def effective_objective(self) -> str:
+        """What the plan optimizes: "least-time-under-budget", "bounded-overhead" or "least-peak"."""
+        if self.budget_bytes is not None:
+            return "least-time-under-budget"
+        return BOUNDED_OVERHEAD if self.overhead_limit is not None else LEAST_PEAK
 
     @property
     def provider(self) -> str | None:

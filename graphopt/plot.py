@@ -45,6 +45,11 @@ def plot_front(rows, path, title: str | None = None) -> None:
                             ha="right")
         ax.annotate("least peak", (least.step_seconds, _mib(least.measured_peak_bytes)),
                     textcoords="offset points", xytext=(8, -12), fontsize=8, color="tab:blue")
+        predicted = [r for r in front if r.predicted_step_seconds is not None and r.predicted_peak_bytes is not None]
+        if predicted:
+            ax.plot([r.predicted_step_seconds for r in predicted], [_mib(r.predicted_peak_bytes) for r in predicted],
+                    "--o", color="tab:blue", markerfacecolor="none", markersize=6, linewidth=1, alpha=0.6,
+                    zorder=1, label="the same plans, predicted (cost model)")
     bad = [r for r in rows if r.outputs_identical is False]
     if bad:  # never expected: a plan whose outputs differ from the original's
         ax.plot([r.step_seconds for r in bad], [_mib(r.measured_peak_bytes) for r in bad], "x",

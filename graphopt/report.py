@@ -128,9 +128,34 @@ class Ratios(_Json):
 
 @dataclass
 class PredictionError(_Json):
-    """predicted / measured - 1."""
+    """predicted / measured - 1 (peaks; `*_step_time`: step seconds, None when not timed)."""
     optimized: float
     original_optimizations_off: float
+    optimized_step_time: float | None = None
+    original_optimizations_off_step_time: float | None = None
+
+
+@dataclass
+class Objective(_Json):
+    """What the plan was chosen for, and the chosen point."""
+    name: str                           # "bounded-overhead", "least-peak" or "least-time-under-budget"
+    max_overhead: float | None = None   # step time at most (1 + this) x the baseline
+    baseline_step_seconds: float | None = None   # the original's, default session (measured)
+    baseline: str = ""                  # what the baseline is
+    step_seconds_limit: float | None = None      # (1 + max_overhead) x baseline
+    predicted_step_seconds: float | None = None  # the returned plan's (cost model)
+    measured_overhead: float | None = None       # the returned model's step time / baseline - 1
+    met: bool | None = None             # measured_overhead <= max_overhead (None: no limit or not measured)
+
+
+@dataclass
+class OverheadAttempt(_Json):
+    """A plan for a step-time limit, measured: planned again, tighter, when over the limit."""
+    planned_for_seconds: float
+    predicted_step_seconds: float
+    measured_overhead: float
+    predicted_peak_bytes: int
+    measured_peak_bytes: int
 
 
 @dataclass
@@ -239,6 +264,8 @@ class Report(_Json):
     order_followed: bool | None = None  # None: not verified
     order: OrderReport | None = None
     budget_attempts: list[BudgetAttempt] | None = None
+    objective: Objective | None = None
+    overhead_attempts: list[OverheadAttempt] | None = None
     plans_measured: list[PlanMeasured] | None = None
     rejected: RejectedPlan | None = None
     measured: Measured | None = None    # None: measurement off
@@ -266,7 +293,18 @@ def summary_text(report: Report) -> str:
     predicted = report.predicted
     lines.append(f"predicted peak: original (optimizations off) "
                  f"{_mib(predicted.original_optimizations_off.peak_bytes)}, "
-                 f"optimized {_mib(predicted.optimized.peak_bytes)}")
+                 f"optimized {_mib(predicted.optimized.peak_bytes)}; predicted step "
+                 f"{predicted.original_optimizations_off.step_seconds:.3f} s / {predicted.optimized.step_seconds:.3f} s")
+    objective = report.objective
+    if objective is not None:
+        line = f"objective {objective.name}"
+        if objective.max_overhead is not None:
+            line += (f": step time at most {1 + objective.max_overhead:.2f}x the original's "
+                     f"({objective.baseline}: {objective.baseline_step_seconds:.3f} s)")
+        if objective.measured_overhead is not None:
+            line += (f"; returned: {1 + objective.measured_overhead:.2f}x measured"
+                     + ("" if objective.met is None else (" (within)" if objective.met else " (NOT within)")))
+        lines.append(line)
     rejected = report.rejected
     if report.measured is not None:
         m = report.measured
@@ -304,4 +342,4 @@ def summary_text(report: Report) -> str:
 __all__ = ["Report", "summary_text", "OUTCOME_OPTIMIZED", "OUTCOME_ORIGINAL", "OUTCOME_UNMEASURED",
            "NodeCounts", "Predicted", "PredictedRun", "AnnotationSummary", "Measured", "MeasuredRun", "Ratios",
            "PredictionError", "OutputsDiffer", "Deviation", "OrderResult", "PlanTried", "OrderReport",
-           "RejectedForOutputs", "BudgetAttempt", "PlanMeasured", "RejectedPlan"]
+           "RejectedForOutputs", "BudgetAttempt", "PlanMeasured", "RejectedPlan", "Objective", "OverheadAttempt"]

@@ -52,6 +52,7 @@ class SweepRow:
     measured_peak_bytes: int | None = None
     step_seconds: float | None = None
     recompute_seconds: float | None = None  # predicted (cost model)
+    predicted_step_seconds: float | None = None  # predicted (cost model, seconds as timed in prepare)
     checkpoints: int | None = None
     recompute_nodes: int | None = None
     outputs_identical: bool | None = None    # None: not verified
@@ -114,7 +115,8 @@ def sweep(model: onnx.ModelProto, options: OptimizeOptions | None = None,
     the least-peak plan's outputs differ (another plan whose outputs differ is kept in the rows,
     marked, so the table shows it).
     """
-    options = options or OptimizeOptions()
+    # the front's least-peak end is the least peak, whatever the time (the points between trade it)
+    options = replace(options or OptimizeOptions(), objective="least-peak", max_overhead=None)
     strategy = get_strategy(options.strategy)
     if not strategy.takes_budget:       # refused before any work: every point is a budget
         raise InvalidOptionError(f"the sweep plans the front under budgets, and strategy {strategy.name!r} "
@@ -152,7 +154,8 @@ def _sweep(prepared: Prepared, options: OptimizeOptions, points: int, repeats: i
             row.note = _join(row.note, f"also the {label} plan")
             return row
         row = SweepRow(label=label, kind=kind, strategy=plan.strategy, predicted_peak_bytes=plan.peak_bytes,
-                       recompute_seconds=plan.recompute_seconds, checkpoints=len(plan.checkpoints),
+                       recompute_seconds=plan.recompute_seconds,
+                       predicted_step_seconds=plan.simulation.compute_seconds, checkpoints=len(plan.checkpoints),
                        recompute_nodes=plan.recompute_ops, on_front=on_front)
         entries[key], plans[key] = row, plan
         return row
@@ -200,8 +203,11 @@ def _sweep(prepared: Prepared, options: OptimizeOptions, points: int, repeats: i
             ("original (optimizations off)", ORIGINAL_OFF, ORIGINAL_UNOPTIMIZED,
              prepared.predicted_original.peak_bytes)):
         m = measure_original(prepared, options, settings, repeats=repeats)
+        predicted_seconds = (prepared.timing.predicted_original_seconds
+                             if kind == ORIGINAL_OFF and prepared.timing is not None else None)
         row = SweepRow(label=label, kind=kind, predicted_peak_bytes=predicted,
                        measured_peak_bytes=m.peak_bytes, step_seconds=m.step_seconds,
+                       predicted_step_seconds=predicted_seconds,
                        recompute_seconds=0.0, recompute_nodes=0,
                        note="the reference for outputs" if kind == ORIGINAL_OFF and options.verify else "")
         rows.append(row)
@@ -265,7 +271,7 @@ def write_csv(rows: list[SweepRow], path) -> None:
 def read_csv(path) -> list[SweepRow]:
     """Rows back from `write_csv` (the plot can be redrawn from a CSV)."""
     ints = {"budget_bytes", "predicted_peak_bytes", "measured_peak_bytes", "checkpoints", "recompute_nodes"}
-    floats = {"step_seconds", "recompute_seconds"}
+    floats = {"step_seconds", "recompute_seconds", "predicted_step_seconds"}
     bools = {"outputs_identical", "budget_met", "on_front"}
     rows = []
     with open(path, newline="") as f:
@@ -291,7 +297,7 @@ def read_csv(path) -> list[SweepRow]:
 
 
 MARKDOWN_COLUMNS = ["label", "budget (MiB)", "predicted peak (MiB)", "measured peak (MiB)", "step (s)",
-                    "recompute (s)", "checkpoints", "recompute nodes", "outputs identical", "budget met"]
+                    "predicted step (s)", "recompute (s)", "checkpoints", "recompute nodes", "outputs identical", "budget met"]
 
 
 def markdown_cells(row: SweepRow) -> list[str]:
@@ -303,7 +309,7 @@ def markdown_cells(row: SweepRow) -> list[str]:
     return [row.label, num(None if row.budget_bytes is None else row.budget_bytes / 2**20, ".2f"),
             num(None if row.predicted_peak_bytes is None else row.predicted_peak_bytes / 2**20, ".2f"),
             num(None if row.measured_peak_bytes is None else row.measured_peak_bytes / 2**20, ".2f"),
-            num(row.step_seconds, ".4f"), num(row.recompute_seconds, ".4f"),
+            num(row.step_seconds, ".4f"), num(row.predicted_step_seconds, ".4f"), num(row.recompute_seconds, ".4f"),
             num(row.checkpoints, "d"), num(row.recompute_nodes, "d"),
             flag(row.outputs_identical), flag(row.budget_met)]
 

@@ -17,7 +17,7 @@ _reports = {}
 def report_for(name):
     if name not in _reports:
         model, inputs = training_example(name)
-        _reports[name] = optimize(model, OptimizeOptions(inputs=inputs)).report
+        _reports[name] = optimize(model, OptimizeOptions(inputs=inputs, objective="least-peak")).report
     return _reports[name]
 
 
@@ -108,3 +108,67 @@ def test_budget_just_above_a_prediction_is_met_by_measurement():
     assert report.measured.optimized.peak_bytes <= budget and report.budget_met, attempts
     assert all(a.measured_peak_bytes > budget for a in attempts[:-1]), attempts
     assert report.outputs_match and report.order_followed
+
+
+# -- memory at a chosen time cost -------------------------------------------------------------
+def test_default_objective_states_its_point_and_never_returns_over_the_limit():
+    """The default objective bounds the step time: the report names it, its baseline (the
+    original under the default session, measured), and whether the returned model measured
+    within it; a rewritten model is returned only when it did."""
+    from graphopt.options import DEFAULT_MAX_OVERHEAD
+    model, inputs = training_example("resnet")
+    report = optimize(model, OptimizeOptions(inputs=inputs)).report
+    objective = report.objective
+    assert objective.name == "bounded-overhead" and objective.max_overhead == DEFAULT_MAX_OVERHEAD
+    assert objective.baseline_step_seconds == report.measured.original_default_session.step_seconds
+    assert objective.step_seconds_limit == pytest.approx((1 + DEFAULT_MAX_OVERHEAD) * objective.baseline_step_seconds)
+    assert objective.met == (report.ratios.step_time_vs_default_session <= 1 + DEFAULT_MAX_OVERHEAD)
+    assert objective.measured_overhead == pytest.approx(report.ratios.step_time_vs_default_session - 1)
+    if report.outcome == "optimized":
+        assert objective.met, report.overhead_attempts
+        assert report.outputs_match and report.order_followed
+    assert report.overhead_attempts and all(a.measured_overhead >= -1 for a in report.overhead_attempts)
+    assert report.prediction_error.optimized_step_time is not None
+
+
+def test_max_overhead_bounds_the_predicted_step_time():
+    """With measurement off the baseline is the original's predicted step time (optimizations
+    off): the plan's predicted step time stays within (1 + F) of it, and a tighter F never gives
+    a lower predicted peak than a looser one."""
+    model, inputs = training_example("mlp", small=True)
+    peaks = []
+    for overhead in (0.0, 0.1, 0.5):
+        report = optimize(model, OptimizeOptions(inputs=inputs, max_overhead=overhead, measure=False,
+                                                 verify=False)).report
+        objective = report.objective
+        assert objective.name == "bounded-overhead" and objective.max_overhead == overhead
+        assert "predicted" in objective.baseline
+        assert objective.predicted_step_seconds <= objective.step_seconds_limit * (1 + 1e-9), objective
+        peaks.append(report.predicted.optimized.peak_bytes)
+    assert peaks[0] >= peaks[1] >= peaks[2], peaks
+    least = optimize(model, OptimizeOptions(inputs=inputs, objective="least-peak", measure=False,
+                                            verify=False)).report
+    assert least.objective.name == "least-peak" and least.predicted.optimized.peak_bytes <= peaks[-1]
+
+
+def test_budget_and_max_overhead_that_cannot_both_hold_name_both():
+    model, inputs = training_example("mlp", small=True)
+    least = optimize(model, OptimizeOptions(inputs=inputs, objective="least-peak", measure=False,
+                                            verify=False)).report
+    with pytest.raises(BudgetInfeasibleError, match="cannot both hold") as caught:
+        optimize(model, OptimizeOptions(inputs=inputs, budget_bytes=least.predicted.optimized.peak_bytes,
+                                        max_overhead=0.0, measure=False, verify=False))
+    assert "least step time" in str(caught.value) and "least peak" in str(caught.value)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"objective": "fastest"}, "unknown objective"),
+    ({"objective": "least-peak", "max_overhead": 0.1}, "least-peak takes no max overhead"),
+    ({"max_overhead": -0.1}, "max overhead must be"),
+    ({"max_overhead": 0.1, "strategy": "feng-huang"}, "cannot bound the step time"),
+])
+def test_bad_objective_options_are_refused_before_any_work(options, message):
+    from graphopt.errors import InvalidOptionError
+    model, inputs = training_example("mlp", small=True)
+    with pytest.raises(InvalidOptionError, match=message):
+        optimize(model, OptimizeOptions(inputs=inputs, **options))
