@@ -48,7 +48,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 import types
 
 import numpy as np
@@ -170,14 +169,15 @@ class _ZooStep:
         return tuple(torch.from_numpy(inputs[n]) for n in module.input_names)
 
 
-def step_worker(shim, name: str, config: str = "eager") -> dict:
-    """pytorch_compare.worker's peak measurement of the step `shim` builds (an object with
+def step_worker(shim, name: str, config: str = "eager", repeats: int = 1) -> dict:
+    """pytorch_compare.worker's peak measurement (repeats 1; else the median step time of
+    `repeats`) of the step `shim` builds (an object with
     pytorch_compare's twin_example(name) -> (module returning the loss, _, inputs) and
     torch_inputs(module, inputs)), in this process (run it in a fresh one: run_worker)."""
     fake = types.ModuleType("torch_twins")
     fake.twin_example, fake.torch_inputs = shim.twin_example, shim.torch_inputs
     sys.modules["torch_twins"] = fake       # pytorch_compare.worker imports it by name
-    return pytorch_compare.worker(name, config, 1)
+    return pytorch_compare.worker(name, config, repeats)
 
 
 def torch_worker(name: str, inputs_path: str, config: str) -> dict:
@@ -458,14 +458,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     if args.worker:
-        try:
-            result = torch_worker(*args.worker)
-        except Exception as e:  # noqa: BLE001
-            traceback.print_exc()
-            sys.stderr.write("\n%s: %s\n" % (type(e).__name__, str(e).replace("\n", " ")[:300]))
-            return 1
-        sys.stdout.write("\n" + json.dumps(result) + "\n")
-        return 0
+        return pytorch_compare.worker_main(lambda: torch_worker(*args.worker))
 
     import warnings
     warnings.filterwarnings("ignore")

@@ -58,6 +58,21 @@ WARMUP_STEPS = 2
 
 # ----------------------------------------------------------------- worker (subprocess) --
 
+def parse_config(config: str) -> tuple[str, float | None]:
+    """("eager" | "compile", activation_memory_budget or None) of a torch configuration:
+    eager, compile, compile-budget (BUDGET) or compile-budget=B (0 < B <= 1)."""
+    if config in ("eager", "compile"):
+        return config, None
+    if config == "compile-budget":
+        return "compile", BUDGET
+    if config.startswith("compile-budget="):
+        budget = float(config.split("=", 1)[1])
+        if not 0 < budget <= 1:
+            raise ValueError("activation_memory_budget must be in (0, 1], got %r" % config)
+        return "compile", budget
+    raise ValueError("unknown torch configuration %r (eager, compile, compile-budget[=B])" % config)
+
+
 def worker(name: str, config: str, repeats: int) -> dict:
     """One configuration, in this (fresh) process: peak (repeats == 1) or step time."""
     import torch
@@ -66,18 +81,17 @@ def worker(name: str, config: str, repeats: int) -> dict:
     sys.path.insert(0, HERE)
     from torch_twins import torch_inputs, twin_example
 
+    mode, budget = parse_config(config)
     module, _, inputs = twin_example(name)
     args = torch_inputs(module, inputs)
     params = list(module.parameters())
-    if config == "eager":
+    if mode == "eager":
         step_fn = module
-    elif config in ("compile", "compile-budget"):
-        if config == "compile-budget":
-            import torch._functorch.config as functorch_config
-            functorch_config.activation_memory_budget = BUDGET
-        step_fn = torch.compile(module)
     else:
-        raise ValueError("unknown torch configuration %r" % config)
+        if budget is not None:     # read when compiling: set before torch.compile
+            import torch._functorch.config as functorch_config
+            functorch_config.activation_memory_budget = budget
+        step_fn = torch.compile(module)
 
     def step():
         for p in params:
@@ -120,6 +134,19 @@ def worker(name: str, config: str, repeats: int) -> dict:
     return result
 
 
+def worker_main(run) -> int:
+    """A worker process's end: `run()`'s result as the last stdout line (JSON), exit 0; or
+    the traceback and a one-line error (what _run_worker reports) on stderr, exit 1."""
+    try:
+        result = run()
+    except Exception as e:  # noqa: BLE001
+        traceback.print_exc()
+        sys.stderr.write("\n%s: %s\n" % (type(e).__name__, str(e).replace("\n", " ")[:300]))
+        return 1
+    sys.stdout.write("\n" + json.dumps(result) + "\n")
+    return 0
+
+
 def _worker_env(plain_allocator: bool) -> dict[str, str]:
     env = dict(os.environ)
     for key in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"):
@@ -131,9 +158,10 @@ def _worker_env(plain_allocator: bool) -> dict[str, str]:
     return env
 
 
-def _run_worker(name: str, config: str, repeats: int, timeout: float) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", name, config,
-           "--repeats", str(repeats)]
+def _run_worker(name: str, config: str, repeats: int, timeout: float,
+                worker_argv: list[str] | None = None) -> dict:
+    cmd = [sys.executable] + (worker_argv or [os.path.abspath(__file__), "--worker", name, config]) \
+        + ["--repeats", str(repeats)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
                               env=_worker_env(plain_allocator=repeats > 1))
@@ -146,12 +174,17 @@ def _run_worker(name: str, config: str, repeats: int, timeout: float) -> dict:
     return json.loads(lines[-1])
 
 
-def measure_torch(name: str, config: str, timeout: float = 1800) -> dict:
-    """{"peak_bytes", "step_seconds", "warmup_seconds", "loss", "wall_seconds"} or {"error"}."""
+def measure_torch(name: str, config: str, timeout: float = 1800,
+                  worker_argv: list[str] | None = None) -> dict:
+    """{"peak_bytes", "step_seconds", "warmup_seconds", "loss", "wall_seconds"} or {"error"}.
+
+    `worker_argv`: another script's worker command (``[script, args...]``, given
+    ``--repeats N`` after them) that runs `worker` on its own step (e.g. a corpus model's),
+    measured the same way; default this file's ``--worker NAME CONFIG``."""
     started = time.perf_counter()
     try:
-        peak = _run_worker(name, config, 1, timeout)
-        timing = _run_worker(name, config, 3, timeout)
+        peak = _run_worker(name, config, 1, timeout, worker_argv)
+        timing = _run_worker(name, config, 3, timeout, worker_argv)
     except Exception as e:  # noqa: BLE001  (a failing configuration is a table cell)
         return {"error": str(e)[:300], "wall_seconds": time.perf_counter() - started}
     return dict(peak, step_seconds=timing["step_seconds"],
@@ -236,14 +269,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     if args.worker:
-        try:
-            result = worker(args.worker[0], args.worker[1], args.repeats)
-        except Exception as e:  # noqa: BLE001
-            traceback.print_exc()
-            sys.stderr.write("\n%s: %s\n" % (type(e).__name__, str(e).replace("\n", " ")[:300]))
-            return 1
-        sys.stdout.write("\n" + json.dumps(result) + "\n")
-        return 0
+        return worker_main(lambda: worker(args.worker[0], args.worker[1], args.repeats))
 
     configs = [c for c in args.torch_configs.split(",") if c]
     for c in configs:

@@ -36,7 +36,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -219,14 +218,8 @@ def main(argv=None) -> int:
 
     if args.worker:
         name, size, inputs_path = args.worker
-        try:
-            result = builder_vs_eager.step_worker(_CorpusStep(size, inputs_path), name)
-        except Exception as e:  # noqa: BLE001
-            traceback.print_exc()
-            sys.stderr.write("\n%s: %s\n" % (type(e).__name__, str(e).replace("\n", " ")[:300]))
-            return 1
-        sys.stdout.write("\n" + json.dumps(result) + "\n")
-        return 0
+        return builder_vs_eager.pytorch_compare.worker_main(
+            lambda: builder_vs_eager.step_worker(_CorpusStep(size, inputs_path), name))
 
     import warnings
     warnings.filterwarnings("ignore")
