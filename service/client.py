@@ -32,7 +32,8 @@ Progress = Callable[[str, float], None]
 def make_options(options: OptimizeOptions | None = None, *, plan: bool = False, response_chunk_bytes: int = 0,
                  **fields) -> pb.OptimizeOptions:
     """The proto's options of the library's `OptimizeOptions` (or of its fields by name:
-    budget_bytes, strategy, input_dims, providers, verify, measure, loss, threads, tolerance),
+    budget_bytes, objective, max_overhead, strategy, input_dims, providers, verify, measure, loss,
+    threads, tolerance),
     with the service's own plan and response_chunk_bytes. The inputs' arrays and the progress
     callback do not travel (the server synthesizes inputs from input_dims)."""
     if options is None:
@@ -47,7 +48,9 @@ def make_options(options: OptimizeOptions | None = None, *, plan: bool = False, 
                                  response_chunk_bytes=response_chunk_bytes)
     if options.budget_bytes is not None:
         message.budget_bytes = options.budget_bytes
-    for name in ("verify", "measure", "tolerance"):   # sent when not the default
+    if options.max_overhead is not None:
+        message.max_overhead = options.max_overhead
+    for name in ("objective", "verify", "measure", "tolerance"):   # sent when not the default
         if getattr(options, name) != getattr(default, name):
             setattr(message, name, getattr(options, name))
     for name, dims in options.input_dims.items():

@@ -80,6 +80,12 @@ def job_options(options: pb.OptimizeOptions, max_threads: int) -> tuple[dict, di
         library["budget_bytes"] = options.budget_bytes
     if options.strategy:
         library["strategy"] = options.strategy
+    # objective and max_overhead as sent: the library's check (in the worker, before any work)
+    # names an unknown objective or a bad overhead, and that is INVALID_ARGUMENT
+    if options.HasField("objective"):
+        library["objective"] = options.objective
+    if options.HasField("max_overhead"):
+        library["max_overhead"] = options.max_overhead
     if options.loss:
         library["loss"] = options.loss
     if options.providers:
@@ -110,6 +116,15 @@ def report_message(report: Report) -> pb.Report:
         message.order_followed = report.order_followed
     if report.solver_exact is not None:
         message.solver_exact = report.solver_exact
+    objective = report.objective
+    if objective is not None:
+        message.objective = objective.name
+        if objective.max_overhead is not None:
+            message.max_overhead = objective.max_overhead
+        if objective.measured_overhead is not None:
+            message.measured_overhead = objective.measured_overhead
+        if objective.met is not None:
+            message.objective_met = objective.met
     return message
 
 

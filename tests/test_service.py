@@ -130,6 +130,39 @@ def test_report_message_carries_the_summary_and_headline_fields(client, models):
     assert message.HasField("solver_exact") == (report.solver_exact is not None)
 
 
+def test_objective_and_max_overhead_travel_under_the_library_names():
+    """make_options -> the proto -> the server's job options -> OptimizeOptions: the same values;
+    unset fields stay unset (the library's defaults apply on the server)."""
+    from graphopt.options import BOUNDED_OVERHEAD, LEAST_PEAK
+    from graphopt_service.server import job_options
+    for options in (OptimizeOptions(), OptimizeOptions(objective=LEAST_PEAK),
+                    OptimizeOptions(max_overhead=0.0), OptimizeOptions(objective=BOUNDED_OVERHEAD, max_overhead=0.35),
+                    OptimizeOptions(budget_bytes=1 << 20, max_overhead=0.5, strategy="chen-greedy")):
+        message = make_options(options)
+        assert message.HasField("objective") == (options.objective != BOUNDED_OVERHEAD)
+        assert message.HasField("max_overhead") == (options.max_overhead is not None)
+        library, _ = job_options(pb.OptimizeOptions.FromString(message.SerializeToString()), max_threads=1)
+        back = OptimizeOptions.from_dict(library)
+        assert (back.objective, back.max_overhead, back.budget_bytes) == \
+               (options.objective, options.max_overhead, options.budget_bytes)
+
+
+def test_objective_reaches_the_library_and_comes_back_in_the_report(client, models, tmp_path):
+    # unmeasured: the limit holds the plan's predicted step time (the baseline is predicted too,
+    # from timed annotations: the seconds differ from run to run, the objective does not)
+    local = optimize(load_model(models["mlp"]), OptimizeOptions(max_overhead=0.05, measure=False)).report.objective
+    message = list(client.optimize_call(models["mlp"], max_overhead=0.05, measure=False))[-1].report
+    report = Report.from_dict(json.loads(message.json))
+    assert (report.objective.name, report.objective.max_overhead, report.objective.baseline) == \
+           (local.name, local.max_overhead, local.baseline)
+    assert report.objective.name == message.objective == "bounded-overhead"
+    assert message.HasField("max_overhead") and message.max_overhead == report.objective.max_overhead == 0.05
+    assert not message.HasField("measured_overhead") and not message.HasField("objective_met")
+    assert "objective bounded-overhead: step time at most 1.05x" in message.summary
+    least = client.optimize(models["mlp"], tmp_path / "least.onnx", objective="least-peak", measure=False)
+    assert least.objective.name == "least-peak" and least.objective.max_overhead is None
+
+
 def test_external_data_travels_with_the_model(client, models, tmp_path):
     client.optimize(models["external"], tmp_path / "opt.onnx", strategy="feng-huang", measure=False)
     local = optimize(load_model(models["resnet"]), OptimizeOptions(strategy="feng-huang", measure=False))
@@ -245,6 +278,14 @@ def _bad_requests(models) -> dict[str, tuple[grpc.StatusCode, str, list]]:
                              list(_requests(None, [("m.onnx", good)]))),
         "unknown strategy": (grpc.StatusCode.INVALID_ARGUMENT, "strategy",
                              list(_requests(make_options(strategy="magic"), [("m.onnx", good)]))),
+        "unknown objective": (grpc.StatusCode.INVALID_ARGUMENT, "unknown objective 'fastest'",
+                              list(_requests(make_options(objective="fastest", measure=False), [("m.onnx", good)]))),
+        "negative max overhead": (grpc.StatusCode.INVALID_ARGUMENT, "max overhead",
+                                  list(_requests(make_options(max_overhead=-0.5, measure=False),
+                                                 [("m.onnx", good)]))),
+        "least-peak with a max overhead": (grpc.StatusCode.INVALID_ARGUMENT, "least-peak takes no max overhead",
+                                           list(_requests(make_options(objective="least-peak", max_overhead=0.1,
+                                                                       measure=False), [("m.onnx", good)]))),
         "unsupported operator": (grpc.StatusCode.UNIMPLEMENTED, "com.example.custom",
                                  list(_requests(opts, [("m.onnx", _unsupported_op_model())]))),
         "budget infeasible": (grpc.StatusCode.FAILED_PRECONDITION, "budget",
@@ -378,6 +419,24 @@ def test_cli_uses_the_server(server, models, tmp_path):
                              "--strategy", "feng-huang"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert f"server {server.target}" in result.stdout and (tmp_path / "opt.onnx").is_file()
+
+
+def test_cli_sends_objective_and_max_overhead_to_the_server(server, models, tmp_path):
+    report_path = tmp_path / "report.json"
+    result = subprocess.run([sys.executable, "-m", "graphopt.cli", "optimize", str(models["mlp"]), "-o",
+                             str(tmp_path / "opt.onnx"), "--server", server.target, "--no-measure",
+                             "--max-overhead", "0.3", "--report", str(report_path)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    objective = json.loads(report_path.read_text())["objective"]
+    assert objective["name"] == "bounded-overhead" and objective["max_overhead"] == 0.3
+    result = subprocess.run([sys.executable, "-m", "graphopt.cli", "optimize", str(models["mlp"]), "-o",
+                             str(tmp_path / "no.onnx"), "--server", server.target, "--no-measure",
+                             "--objective", "least-peak", "--max-overhead", "0.3"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "INVALID_ARGUMENT: objective least-peak takes no max overhead" in result.stderr, result.stderr
+    assert not (tmp_path / "no.onnx").exists()
 
 
 def test_cli_names_a_bad_model_sent_to_a_server(server, tmp_path):

@@ -16,8 +16,10 @@ class InputDims(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dims: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class OptimizeOptions(_message.Message):
-    __slots__ = ("budget_bytes", "strategy", "input_dims", "providers", "verify", "measure", "loss", "threads", "tolerance", "response_chunk_bytes", "plan")
+    __slots__ = ("budget_bytes", "objective", "max_overhead", "strategy", "input_dims", "providers", "verify", "measure", "loss", "threads", "tolerance", "response_chunk_bytes", "plan")
     BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OBJECTIVE_FIELD_NUMBER: _ClassVar[int]
+    MAX_OVERHEAD_FIELD_NUMBER: _ClassVar[int]
     STRATEGY_FIELD_NUMBER: _ClassVar[int]
     INPUT_DIMS_FIELD_NUMBER: _ClassVar[int]
     PROVIDERS_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +31,8 @@ class OptimizeOptions(_message.Message):
     RESPONSE_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
     budget_bytes: int
+    objective: str
+    max_overhead: float
     strategy: str
     input_dims: _containers.RepeatedCompositeFieldContainer[InputDims]
     providers: _containers.RepeatedScalarFieldContainer[str]
@@ -39,7 +43,7 @@ class OptimizeOptions(_message.Message):
     tolerance: float
     response_chunk_bytes: int
     plan: bool
-    def __init__(self, budget_bytes: _Optional[int] = ..., strategy: _Optional[str] = ..., input_dims: _Optional[_Iterable[_Union[InputDims, _Mapping]]] = ..., providers: _Optional[_Iterable[str]] = ..., verify: _Optional[bool] = ..., measure: _Optional[bool] = ..., loss: _Optional[str] = ..., threads: _Optional[int] = ..., tolerance: _Optional[float] = ..., response_chunk_bytes: _Optional[int] = ..., plan: _Optional[bool] = ...) -> None: ...
+    def __init__(self, budget_bytes: _Optional[int] = ..., objective: _Optional[str] = ..., max_overhead: _Optional[float] = ..., strategy: _Optional[str] = ..., input_dims: _Optional[_Iterable[_Union[InputDims, _Mapping]]] = ..., providers: _Optional[_Iterable[str]] = ..., verify: _Optional[bool] = ..., measure: _Optional[bool] = ..., loss: _Optional[str] = ..., threads: _Optional[int] = ..., tolerance: _Optional[float] = ..., response_chunk_bytes: _Optional[int] = ..., plan: _Optional[bool] = ...) -> None: ...
 
 class FileHeader(_message.Message):
     __slots__ = ("path", "size_bytes", "sha256")
@@ -90,7 +94,7 @@ class PeakBytes(_message.Message):
     def __init__(self, original_default_session: _Optional[int] = ..., original_optimizations_off: _Optional[int] = ..., optimized: _Optional[int] = ...) -> None: ...
 
 class Report(_message.Message):
-    __slots__ = ("strategy", "checkpoints", "recompute_nodes", "predicted_peak_bytes", "measured_peak_bytes", "outputs_match", "total_seconds", "json", "summary", "order_followed", "solver_exact", "measurement_method", "provider", "outcome", "outcome_reason")
+    __slots__ = ("strategy", "checkpoints", "recompute_nodes", "predicted_peak_bytes", "measured_peak_bytes", "outputs_match", "total_seconds", "json", "summary", "order_followed", "solver_exact", "measurement_method", "provider", "outcome", "outcome_reason", "objective", "max_overhead", "measured_overhead", "objective_met")
     STRATEGY_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
     RECOMPUTE_NODES_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +110,10 @@ class Report(_message.Message):
     PROVIDER_FIELD_NUMBER: _ClassVar[int]
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     OUTCOME_REASON_FIELD_NUMBER: _ClassVar[int]
+    OBJECTIVE_FIELD_NUMBER: _ClassVar[int]
+    MAX_OVERHEAD_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_OVERHEAD_FIELD_NUMBER: _ClassVar[int]
+    OBJECTIVE_MET_FIELD_NUMBER: _ClassVar[int]
     strategy: str
     checkpoints: int
     recompute_nodes: int
@@ -121,7 +129,11 @@ class Report(_message.Message):
     provider: str
     outcome: str
     outcome_reason: str
-    def __init__(self, strategy: _Optional[str] = ..., checkpoints: _Optional[int] = ..., recompute_nodes: _Optional[int] = ..., predicted_peak_bytes: _Optional[_Union[PeakBytes, _Mapping]] = ..., measured_peak_bytes: _Optional[_Union[PeakBytes, _Mapping]] = ..., outputs_match: _Optional[bool] = ..., total_seconds: _Optional[float] = ..., json: _Optional[str] = ..., summary: _Optional[str] = ..., order_followed: _Optional[bool] = ..., solver_exact: _Optional[bool] = ..., measurement_method: _Optional[str] = ..., provider: _Optional[str] = ..., outcome: _Optional[str] = ..., outcome_reason: _Optional[str] = ...) -> None: ...
+    objective: str
+    max_overhead: float
+    measured_overhead: float
+    objective_met: bool
+    def __init__(self, strategy: _Optional[str] = ..., checkpoints: _Optional[int] = ..., recompute_nodes: _Optional[int] = ..., predicted_peak_bytes: _Optional[_Union[PeakBytes, _Mapping]] = ..., measured_peak_bytes: _Optional[_Union[PeakBytes, _Mapping]] = ..., outputs_match: _Optional[bool] = ..., total_seconds: _Optional[float] = ..., json: _Optional[str] = ..., summary: _Optional[str] = ..., order_followed: _Optional[bool] = ..., solver_exact: _Optional[bool] = ..., measurement_method: _Optional[str] = ..., provider: _Optional[str] = ..., outcome: _Optional[str] = ..., outcome_reason: _Optional[str] = ..., objective: _Optional[str] = ..., max_overhead: _Optional[float] = ..., measured_overhead: _Optional[float] = ..., objective_met: _Optional[bool] = ...) -> None: ...
 
 class OptimizeResponse(_message.Message):
     __slots__ = ("progress", "file", "chunk", "report")
