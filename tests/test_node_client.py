@@ -266,6 +266,26 @@ def test_optimize_gives_the_library_graph(node, server, resnet, tmp_path):
     assert_same_graph(onnx.load(str(small)), want)
 
 
+def test_objective_and_max_overhead_reach_the_server(node, server, tmp_path):
+    model, _ = training_example("mlp", small=True)
+    model_path = tmp_path / "mlp.onnx"
+    onnx.save(model, str(model_path))
+    for flags, name, limit in ((["--max-overhead", "0.4"], "bounded-overhead", 0.4),
+                               (["--objective", "least-peak"], "least-peak", None)):
+        report_path = tmp_path / f"{name}.json"
+        done = run_cli(node, "optimize", model_path, "-o", tmp_path / f"{name}.onnx", "--server", server,
+                       "--no-measure", "--report", report_path, *flags)
+        objective = json.loads(report_path.read_text())["objective"]
+        assert (objective["name"], objective.get("max_overhead")) == (name, limit), objective
+        assert f"objective {name}" in done.stdout
+    # an unknown objective: the server's INVALID_ARGUMENT names it; nothing is written
+    done = run_cli(node, "optimize", model_path, "-o", tmp_path / "no" / "opt.onnx", "--server", server,
+                   "--objective", "fastest", "--no-measure", check=False)
+    assert done.returncode == 2, done.stderr
+    assert "error: INVALID_ARGUMENT: unknown objective 'fastest'" in done.stderr, done.stderr
+    assert not (tmp_path / "no").exists()
+
+
 def test_external_data_is_uploaded(node, server, tmp_path):
     model, _ = training_example("densenet", small=True)
     folder = tmp_path / "ext"

@@ -12,10 +12,11 @@ const { GraphoptClient, GraphoptError } = require('../src/client');
 
 const USAGE = `usage:
   graphopt-node optimize MODEL -o OUT --server HOST:PORT [--budget BYTES] [--strategy S]
+                [--objective O] [--max-overhead F]
                 [--input-dims NAME=D1,D2,...]... [--loss NAME] [--no-verify] [--no-measure]
                 [--report FILE] [--provider P] [--threads N]
   graphopt-node analyze MODEL --server HOST:PORT [--plan] [--budget BYTES] [--strategy S]
-                [--input-dims NAME=D1,D2,...]... [--loss NAME]
+                [--objective O] [--max-overhead F] [--input-dims NAME=D1,D2,...]... [--loss NAME]
   graphopt-node strategies --server HOST:PORT
   graphopt-node health --server HOST:PORT [--service NAME]
 
@@ -28,6 +29,12 @@ common options:
   --max-message-bytes N      largest gRPC message sent or received (default 64 MiB)
   --proto FILE               graphopt.proto (default: env GRAPHOPT_PROTO, else the repository's)
   -h, --help                 this help
+
+optimize and analyze:
+  --objective O              without --budget: bounded-overhead (the server's default: the least
+                             peak within --max-overhead) or least-peak (whatever it costs in time)
+  --max-overhead F           step time at most (1 + F) x the original's, measured in ONNX Runtime's
+                             default session (unset: the server's default, 0.2, without --budget)
 
 BYTES: 123, 500MB, 512MiB, 1.5GiB`;
 
@@ -45,6 +52,8 @@ const COMMON = {
 
 const MODEL_OPTIONS = {
   budget: { type: 'string' },
+  objective: { type: 'string' },
+  'max-overhead': { type: 'string' },
   strategy: { type: 'string' },
   'input-dims': { type: 'string', multiple: true },
   loss: { type: 'string' },
@@ -86,6 +95,14 @@ function parsePositiveInt(text, flag) {
     throw new UsageError(`${flag}: not a positive integer: ${JSON.stringify(text)}`);
   }
   return Number(text);
+}
+
+function parseFraction(text, flag) {
+  const value = Number(text);
+  if (text.trim() === '' || !Number.isFinite(value) || value < 0) {
+    throw new UsageError(`${flag}: not a number >= 0 (0.1: 10% slower at most): ${JSON.stringify(text)}`);
+  }
+  return value;
 }
 
 function parsePositiveNumber(text, flag) {
@@ -169,6 +186,8 @@ function parseCommandLine(argv) {
   const options = {};
   if (command === 'optimize' || command === 'analyze') {
     if (values.budget !== undefined) options.budgetBytes = parseBytes(values.budget);
+    if (values.objective !== undefined) options.objective = values.objective;
+    if (values['max-overhead'] !== undefined) options.maxOverhead = parseFraction(values['max-overhead'], '--max-overhead');
     if (values.strategy) options.strategy = values.strategy;
     if (values['input-dims']) options.inputDims = parseInputDims(values['input-dims']);
     if (values.loss) options.loss = values.loss;

@@ -74,8 +74,8 @@ async function sha256File(file) {
 
 // graphopt's OptimizeOptions (graphopt/options.py), each field under its camelCase name, and the
 // service's own responseChunkBytes and plan.
-const OPTION_KEYS = new Set(['budgetBytes', 'strategy', 'inputDims', 'providers', 'verify',
-  'measure', 'loss', 'threads', 'tolerance', 'responseChunkBytes', 'plan']);
+const OPTION_KEYS = new Set(['budgetBytes', 'objective', 'maxOverhead', 'strategy', 'inputDims', 'providers',
+  'verify', 'measure', 'loss', 'threads', 'tolerance', 'responseChunkBytes', 'plan']);
 
 function integerString(value, what) {
   if (typeof value === 'bigint') return value.toString();
@@ -86,8 +86,11 @@ function integerString(value, what) {
 
 /**
  * JS options -> graphopt.v1.OptimizeOptions:
- *   {budgetBytes, strategy, inputDims: {name: [d, ...]} | [{name, dims}], providers: [name, ...],
+ *   {budgetBytes, objective ('bounded-overhead' | 'least-peak'; the server checks the name),
+ *    maxOverhead (step time at most (1 + maxOverhead) x the original's), strategy,
+ *    inputDims: {name: [d, ...]} | [{name, dims}], providers: [name, ...],
  *    verify (default true), measure (default true), loss, threads, tolerance, responseChunkBytes, plan}
+ * objective and maxOverhead are sent only when given (unset: the server's library defaults).
  */
 function toProtoOptions(options = {}) {
   for (const key of Object.keys(options)) {
@@ -98,6 +101,14 @@ function toProtoOptions(options = {}) {
   const out = {};
   if (options.budgetBytes !== undefined && options.budgetBytes !== null) {
     out.budget_bytes = integerString(options.budgetBytes, 'budgetBytes');
+  }
+  if (options.objective !== undefined && options.objective !== null) out.objective = String(options.objective);
+  if (options.maxOverhead !== undefined && options.maxOverhead !== null) {
+    const maxOverhead = Number(options.maxOverhead);
+    if (typeof options.maxOverhead === 'boolean' || !Number.isFinite(maxOverhead) || maxOverhead < 0) {
+      throw new ClientError(`maxOverhead must be a finite number >= 0 (0.1: 10% slower at most), not ${JSON.stringify(options.maxOverhead)}`);
+    }
+    out.max_overhead = maxOverhead;
   }
   if (options.strategy) out.strategy = String(options.strategy);
   if (options.inputDims) {

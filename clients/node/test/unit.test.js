@@ -51,6 +51,20 @@ test('options map onto graphopt.v1.OptimizeOptions', () => {
   assert.deepStrictEqual(back.options.input_dims[0].dims, ['1']);
   const unset = pkg.graphopt.v1.Graphopt.service.Optimize.requestDeserialize(Request({ options: {} }));
   assert.strictEqual(unset.options.budget_bytes, undefined, 'an unset budget stays unset (proto3 optional)');
+  assert.strictEqual(unset.options.objective, undefined, 'an unset objective stays unset (proto3 optional)');
+  assert.strictEqual(unset.options.max_overhead, undefined, 'an unset max overhead stays unset');
+  // objective and maxOverhead: sent as given (a zero overhead too); the server checks the name
+  assert.deepStrictEqual(toProtoOptions({ objective: 'least-peak' }), { objective: 'least-peak' });
+  assert.deepStrictEqual(toProtoOptions({ objective: 'fastest' }), { objective: 'fastest' });
+  assert.deepStrictEqual(toProtoOptions({ maxOverhead: 0 }), { max_overhead: 0 });
+  assert.deepStrictEqual(toProtoOptions({ maxOverhead: '0.25' }), { max_overhead: 0.25 });
+  for (const bad of [-0.1, 'soon', Infinity, true]) {
+    assert.throws(() => toProtoOptions({ maxOverhead: bad }), /maxOverhead must be a finite number >= 0/, String(bad));
+  }
+  const zero = pkg.graphopt.v1.Graphopt.service.Optimize.requestDeserialize(
+    Request({ options: toProtoOptions({ objective: 'bounded-overhead', maxOverhead: 0 }) }));
+  assert.strictEqual(zero.options.objective, 'bounded-overhead');
+  assert.strictEqual(zero.options.max_overhead, 0, 'a zero max overhead is sent (presence)');
 });
 
 test('byte sizes and input dims read like graphopt\'s CLI', () => {
@@ -82,6 +96,10 @@ test('command lines', () => {
   assert.deepStrictEqual(p.clientOptions, { token: 't0k', tlsCaPath: 'ca.pem', protoPath: undefined,
     deadlineSeconds: 30 });
   assert.deepStrictEqual(parseCommandLine(['analyze', 'm.onnx', '--server', 'h:1', '--plan']).options, { plan: true });
+  assert.deepStrictEqual(parseCommandLine(['optimize', 'm.onnx', '-o', 'o.onnx', '--server', 'h:1',
+    '--objective', 'least-peak']).options, { objective: 'least-peak' });
+  assert.deepStrictEqual(parseCommandLine(['analyze', 'm.onnx', '--server', 'h:1', '--plan',
+    '--max-overhead', '0.1']).options, { maxOverhead: 0.1, plan: true });
   assert.strictEqual(parseCommandLine(['health', '--server', 'h:1']).command, 'health');
   assert.strictEqual(parseCommandLine(['strategies', '--help']).command, 'help');
   for (const [argv, message] of [
@@ -92,6 +110,8 @@ test('command lines', () => {
     [['strategies', '--bogus', '--server', 'h:1'], /bogus/],
     [['analyze', 'm.onnx', '--server', 'h:1', '--no-verify'], /no-verify/],
     [['optimize', 'm', '-o', 'x', '--server', 'h:1', '--deadline-seconds', 'soon'], /not a positive number/],
+    [['optimize', 'm', '-o', 'x', '--server', 'h:1', '--max-overhead=-1'], /--max-overhead: not a number >= 0/],
+    [['optimize', 'm', '-o', 'x', '--server', 'h:1', '--max-overhead', '10%'], /--max-overhead: not a number >= 0/],
   ]) {
     assert.throws(() => parseCommandLine(argv), message, argv.join(' '));
   }
