@@ -41,9 +41,20 @@ class BatchOptions:
     strategy: str | None = None
     measure: bool = True
     sweep: int | None = None              # points of the memory-time front (in-process only)
+    objective: str | None = None          # OptimizeOptions.objective (None: the library's default)
+    max_overhead: float | None = None     # OptimizeOptions.max_overhead (None: the library's default)
 
     def fingerprint(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
+
+    def check(self) -> None:
+        """Refuse an unknown objective or a bad max overhead once, before any model (the
+        library's own check, without the budget: each model's budget is known only once its
+        peak is predicted)."""
+        from .options import OptimizeOptions
+        from .search import DEFAULT_STRATEGY
+        OptimizeOptions(strategy=self.strategy or DEFAULT_STRATEGY, max_overhead=self.max_overhead,
+                        **({} if self.objective is None else {"objective": self.objective})).check()
 
 
 @dataclass
@@ -162,6 +173,10 @@ class LocalRunner:
                        "--report", str(report_path), "--threads", str(self.threads)]
             if options.strategy:
                 command += ["--strategy", options.strategy]
+            if options.objective is not None:
+                command += ["--objective", options.objective]
+            if options.max_overhead is not None:
+                command += ["--max-overhead", repr(float(options.max_overhead))]
             if not options.measure:
                 command.append("--no-measure")
             if options.sweep:

@@ -15,8 +15,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 from .report import Report  # noqa: E402
 
 COLUMNS = ["model", "kind", "status", "nodes", "peak_before_bytes", "peak_before_optimizations_off_bytes",
-           "peak_after_bytes", "peak_ratio", "step_time_ratio", "strategy", "outputs_match", "outcome", "seconds",
-           "error"]
+           "peak_after_bytes", "peak_ratio", "step_time_ratio", "objective", "max_overhead", "objective_met",
+           "strategy", "outputs_match", "outcome", "seconds", "error"]
 
 
 def figures(report: dict) -> dict:
@@ -38,6 +38,9 @@ def figures(report: dict) -> dict:
         typed = Report.from_dict({k: v for k, v in report.items() if k != "graphopt_batch"})
         row.update(nodes=typed.nodes.original, strategy=typed.strategy, outputs_match=typed.outputs_match,
                    outcome=typed.outcome)
+        if typed.objective is not None:   # its measured overhead is step_time_ratio - 1
+            row.update(objective=typed.objective.name, max_overhead=typed.objective.max_overhead,
+                       objective_met=typed.objective.met)
         if typed.measured is not None:
             row.update(peak_before_bytes=typed.measured.original_default_session.peak_bytes,
                        peak_before_optimizations_off_bytes=typed.measured.original_optimizations_off.peak_bytes,
@@ -58,16 +61,24 @@ def _ratio(x) -> str:
     return "" if x is None else f"{x:.2f}x"
 
 
+def _step_time(r: dict) -> str:
+    """The step time ratio, with the objective's limit when it had one: '1.12x (limit 1.20x)'."""
+    text = _ratio(r["step_time_ratio"])
+    if r.get("max_overhead") is not None:
+        text += f" (limit {1 + r['max_overhead']:.2f}x{', over' if r.get('objective_met') is False else ''})"
+    return text
+
+
 def markdown(rows: list[dict]) -> str:
     lines = ["| model | nodes | peak before (default session) | peak after | after / before | "
-             "step time ratio | strategy | status |", "|---|---|---|---|---|---|---|---|"]
+             "step time ratio | objective | strategy | status |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         status = r["status"] if r["status"] != "failed" else f"failed: {r['error']}"
         if r.get("outcome") == "original":
             status += " (not improved: the original is returned)"
         lines.append(f"| {r['model']} | {r['nodes'] or ''} | {_size(r['peak_before_bytes'])} | "
-                     f"{_size(r['peak_after_bytes'])} | {_ratio(r['peak_ratio'])} | {_ratio(r['step_time_ratio'])} | "
-                     f"{r['strategy'] or ''} | {status.replace('|', '/')} |")
+                     f"{_size(r['peak_after_bytes'])} | {_ratio(r['peak_ratio'])} | {_step_time(r)} | "
+                     f"{r.get('objective') or ''} | {r['strategy'] or ''} | {status.replace('|', '/')} |")
     return "\n".join(lines)
 
 

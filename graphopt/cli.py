@@ -200,7 +200,9 @@ def cmd_batch(args) -> int:
     from .batch import BatchOptions, LocalRunner, discover, run_batch
     from .batch_summary import write_summary
     options = BatchOptions(loss=args.loss, budget_fraction=args.budget_fraction, strategy=args.strategy,
-                           measure=not args.no_measure, sweep=args.sweep)
+                           measure=not args.no_measure, sweep=args.sweep, objective=args.objective,
+                           max_overhead=args.max_overhead)
+    options.check()
     if args.server:
         if args.sweep:
             raise GraphoptError("--sweep runs in-process only; drop --server or --sweep")
@@ -327,6 +329,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loss", default="cross_entropy", metavar="KIND",
                    help="loss for forward models (cross_entropy, mse, output:NAME); training graphs go straight in")
     p.add_argument("--strategy", choices=sorted(STRATEGIES))
+    from .options import OBJECTIVES
+    p.add_argument("--objective", choices=OBJECTIVES, help="each model's objective without --budget-fraction: "
+                   "bounded-overhead (default) or least-peak (see optimize --objective)")
+    p.add_argument("--max-overhead", type=float, metavar="F",
+                   help="each model's step time at most (1 + F) x its original's, measured (see optimize "
+                        "--max-overhead)")
     p.add_argument("--no-measure", action="store_true")
     p.add_argument("--sweep", type=int, metavar="N", help="each model's memory-time front too (in-process)")
     p.add_argument("--token-file", type=Path)

@@ -62,7 +62,8 @@ class RemoteRunner:
             budget = int(options.budget_fraction * analysis["predicted_peak_bytes"]["original_optimizations_off"])
         report = self._call(lambda: self.client.optimize(
             job.training_path, job.optimized_path, timeout_seconds=self.deadline_seconds, budget_bytes=budget,
-            strategy=options.strategy, measure=options.measure))
+            strategy=options.strategy, measure=options.measure, objective=options.objective,
+            max_overhead=options.max_overhead))
         return report.to_dict()
 
     def _call(self, call):

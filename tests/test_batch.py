@@ -160,3 +160,43 @@ def test_batch_with_sweep_plots_each_front(tmp_path):
     assert (out / "resnet" / "optimized.sweep.csv").is_file()
     assert (out / "fronts.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert _batch(zoo, "-o", out, "--sweep", "2", "--server", "127.0.0.1:1", check=False).returncode == 2
+
+
+def test_batch_passes_objective_and_max_overhead_to_each_model(tmp_path):
+    """In worker processes and on a server: each model's report has the objective asked for, the
+    summary shows it beside the step time ratio; a bad combination stops the batch before any model."""
+    from graphopt.batch import BatchOptions, content_key
+    zoo = tmp_path / "zoo"
+    zoo.mkdir()
+    model, _ = training_example("mlp", small=True)
+    save_model(model, zoo / "mlp.onnx")
+    onnx.save(_classifier(0), zoo / "classifier.onnx")
+
+    out = tmp_path / "local"
+    _batch(zoo, "-o", out, "--no-measure", "--max-overhead", "0.3")
+    summary = {row["model"]: row for row in json.loads((out / "summary.json").read_text())["models"]}
+    markdown = (out / "summary.md").read_text()
+    for name in ("mlp.onnx", "classifier.onnx"):
+        objective = json.loads((out / name[:-5] / "report.json").read_text())["objective"]
+        assert objective["name"] == "bounded-overhead" and objective["max_overhead"] == 0.3
+        assert summary[name]["objective"] == "bounded-overhead" and summary[name]["max_overhead"] == 0.3
+    assert markdown.count("(limit 1.30x) | bounded-overhead |") == 2, markdown
+
+    server = ServerProcess(tmp_path / "server", "--workers", "1")
+    try:
+        remote = tmp_path / "remote"
+        _batch(zoo, "-o", remote, "--no-measure", "--objective", "least-peak", "--server", server.target)
+        for name in ("mlp", "classifier"):
+            objective = json.loads((remote / name / "report.json").read_text())["objective"]
+            assert objective["name"] == "least-peak" and objective.get("max_overhead") is None
+    finally:
+        server.kill()
+
+    refused = _batch(zoo, "-o", tmp_path / "refused", "--objective", "least-peak", "--max-overhead", "0.3",
+                     check=False)
+    assert refused.returncode == 2 and "least-peak takes no max overhead" in refused.stderr, refused.stderr
+    assert not (tmp_path / "refused").exists()
+    # the options are part of each job's key: another objective is another job, not "done before"
+    keys = {content_key(zoo / "mlp.onnx", BatchOptions(**options))
+            for options in ({}, {"objective": "least-peak"}, {"max_overhead": 0.3}, {"max_overhead": 0.5})}
+    assert len(keys) == 4
