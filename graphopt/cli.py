@@ -65,6 +65,17 @@ def _server_options(parser: argparse.ArgumentParser, required: bool = False) -> 
     parser.add_argument("--deadline-seconds", type=float, help="give up (and stop the server's work) after this")
 
 
+def _objective_options(parser: argparse.ArgumentParser) -> None:
+    from .options import DEFAULT_MAX_OVERHEAD, OBJECTIVES
+    parser.add_argument("--objective", choices=OBJECTIVES,
+                        help=f"without --budget: bounded-overhead (default: the least peak whose step time is at "
+                             f"most (1 + --max-overhead) x the original's under ONNX Runtime's default session) "
+                             f"or least-peak (whatever it costs in time)")
+    parser.add_argument("--max-overhead", type=float, metavar="F",
+                        help=f"step time at most (1 + F) x the original's, measured (default "
+                             f"{DEFAULT_MAX_OVERHEAD} without --budget; with --budget, no limit unless given)")
+
+
 def options_from_args(args, **extra):
     """The `OptimizeOptions` of parsed flags: each flag names its field (--budget: budget_bytes;
     --no-verify, --no-measure: verify, measure); `extra` sets inputs and progress."""
@@ -72,7 +83,8 @@ def options_from_args(args, **extra):
     from .optimize import OptimizeOptions
     values = {"loss": args.loss, "strategy": args.strategy, "threads": args.threads,
               "input_dims": parse_input_dims(args.input_dims)}
-    for flag, name in (("budget", "budget_bytes"), ("tolerance", "tolerance")):
+    for flag, name in (("budget", "budget_bytes"), ("tolerance", "tolerance"), ("objective", "objective"),
+                       ("max_overhead", "max_overhead")):
         if getattr(args, flag, None) is not None:
             values[name] = getattr(args, flag)
     if getattr(args, "provider", None):
@@ -271,7 +283,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("optimize", help="plan checkpoints, rewrite with recomputation, verify, measure")
     p.add_argument("model", type=Path)
     p.add_argument("-o", "--output", type=Path, required=True)
-    p.add_argument("--budget", type=parse_bytes, help="peak-memory budget (bytes, or e.g. 512MiB)")
+    p.add_argument("--budget", type=parse_bytes, help="peak-memory budget (bytes, or e.g. 512MiB): the least "
+                   "step time whose measured peak fits")
+    _objective_options(p)
     p.add_argument("--strategy", default=DEFAULT_STRATEGY, choices=sorted(STRATEGIES))
     p.add_argument("--loss", help="name of the loss output (default: the first output)")
     p.add_argument("--report", type=Path, help="write the JSON report here")
@@ -290,6 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", type=Path)
     p.add_argument("--plan", action="store_true", help="also run the search and predict its peak")
     p.add_argument("--budget", type=parse_bytes, help="peak-memory budget for --plan")
+    _objective_options(p)
     p.add_argument("--strategy", default=DEFAULT_STRATEGY, choices=sorted(STRATEGIES))
     p.add_argument("--loss", help="name of the loss output (default: the first output)")
     p.add_argument("--input-dims", action="append", default=[], metavar="NAME=D1,D2,...")
