@@ -21,7 +21,7 @@ LEAST_PEAK = "least-peak"               # the least peak, whatever it costs in t
 OBJECTIVES = (BOUNDED_OVERHEAD, LEAST_PEAK)
 # The default objective's overhead: see README "Choices" (the fronts of the examples and the
 # corpus: what a 0.1-0.5 overhead buys).
-DEFAULT_MAX_OVERHEAD = 0.2
+DEFAULT_MAX_OVERHEAD = 0.25
 
 # fields that do not travel as JSON: the inputs' arrays (a file instead) and the callback
 NOT_JSON = ("inputs", "progress")
