@@ -8,6 +8,7 @@ original's is never returned. `analyze_model` annotates and predicts without rew
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import onnx
@@ -41,7 +42,9 @@ def analyze_model(model: onnx.ModelProto, options: OptimizeOptions | None = None
     options = options or OptimizeOptions()
     with_plan = plan
     progress = options.progress or (lambda stage, fraction: None)
-    with prepare(model, options, reference=False) as prepared:
+    # the step times (the time model's seconds, the baseline of max_overhead) only for a plan
+    timed = dataclasses.replace(options, measure=options.measure and with_plan)
+    with prepare(model, timed, reference=False) as prepared:
         training, annotations = prepared.training, prepared.annotations
         result = {
             "loss": training.loss,
@@ -62,6 +65,10 @@ def analyze_model(model: onnx.ModelProto, options: OptimizeOptions | None = None
             result["plan"] = {"strategy": chosen.strategy, "checkpoints": sorted(chosen.checkpoints),
                               "recompute_nodes": chosen.recompute_ops,
                               "recompute_seconds": chosen.recompute_seconds,
+                              "predicted_step_seconds": chosen.simulation.compute_seconds,
+                              "objective": options.effective_objective,
+                              "max_overhead": options.overhead_limit,
+                              "baseline_step_seconds": prepared.baseline_step_seconds,
                               "solver_exact": solver_exact(chosen)}
     progress("done", 1.0)
     return result
