@@ -82,7 +82,7 @@ class StepTiming:
     optimizations_off_seconds: float     # the original, graph optimizations off (ORT's order)
     store_all_seconds: float             # graphopt's order and settings, nothing recomputed
     seconds_scale: float                 # store_all_seconds / the sum of its nodes' profiled seconds
-    predicted_original_seconds: float    # the original's profiled nodes (optimizations off) x scale
+    predicted_original_seconds: float    # the cost model on ORT's order of the original (optimizations off)
     provider: str
 
     def to_dict(self) -> dict:
@@ -195,8 +195,8 @@ def _time_baseline(prepared: Prepared, options: OptimizeOptions) -> None:
     times = time_steps([(original, DEFAULT_SETTINGS), (original, ORIGINAL_UNOPTIMIZED),
                         (workspace.save(no_recompute, "store-all"), None)], workspace.inputs_path,
                        provider=options.provider, threads=options.threads, rounds=TIMING_ROUNDS,
-                       max_seconds=TIMING_MAX_SECONDS, profile=(1, 2))
-    off_nodes, ours = times.node_seconds
+                       max_seconds=TIMING_MAX_SECONDS, profile=(2,))
+    (ours,) = times.node_seconds
     default_seconds = times.step_seconds[0]
     # each session against the default one by the median of the rounds' ratios (the runs of one
     # round are next to each other in time: a load that comes and goes moves both)
@@ -218,7 +218,7 @@ def _time_baseline(prepared: Prepared, options: OptimizeOptions) -> None:
     prepared.timing = StepTiming(
         default_session_seconds=default_seconds, optimizations_off_seconds=off_seconds,
         store_all_seconds=store_all_seconds, seconds_scale=scale,
-        predicted_original_seconds=sum(off_nodes.values()) * scale, provider=times.provider)
+        predicted_original_seconds=prepared.predicted_original.compute_seconds, provider=times.provider)
 
 
 def _annotate(training: TrainingGraph, options: OptimizeOptions, workspace: Workspace, label: str) -> Annotations:
