@@ -31,7 +31,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
@@ -111,6 +112,7 @@ class Prepared:
     inputs: dict[str, np.ndarray]
     workspace: Workspace
     timing: StepTiming | None = None     # None: measurement off (seconds as annotated)
+    plans: dict = field(default_factory=dict)   # (graph id, strategy) -> {budget: plan} (`plan`)
 
     @property
     def baseline_step_seconds(self) -> float:
@@ -312,10 +314,10 @@ def plan(prepared: Prepared, options: OptimizeOptions, budget_bytes=_OPTIONS_BUD
     budget = options.budget_bytes if budget_bytes is _OPTIONS_BUDGET else budget_bytes
     limit = prepared.step_seconds_limit(options) if seconds_limit is _OPTIONS_LIMIT else seconds_limit
     strategy = strategy or options.strategy
-    solve = STRATEGIES[strategy]
     graph = prepared.graph
+    solve = _remembered(prepared, strategy)
     started = time.perf_counter()
-    if budget is None and limit is not None and solve.takes_budget:
+    if budget is None and limit is not None and STRATEGIES[strategy].takes_budget:
         chosen = least_peak_within(graph, solve, limit)
     else:
         chosen = solve(graph, budget_bytes=budget)
@@ -337,6 +339,21 @@ def plan(prepared: Prepared, options: OptimizeOptions, budget_bytes=_OPTIONS_BUD
             f"({within.simulation.compute_seconds / baseline:.2f}x)",
             least_feasible_peak_bytes=within.peak_bytes)
     return chosen
+
+
+def _remembered(prepared: Prepared, strategy: str):
+    """`strategy`'s solve, remembering its plan per budget for `prepared`'s graph: a plan for a
+    step-time limit is searched again (tighter) when it measures over the limit, and the
+    bisection revisits the least-peak plan and its first budgets."""
+    memo = prepared.plans.setdefault((id(prepared.graph), strategy), {})
+    solver = STRATEGIES[strategy]
+
+    def solve(graph, budget_bytes=None):
+        if budget_bytes not in memo:
+            memo[budget_bytes] = solver(graph, budget_bytes=budget_bytes)
+        remembered = memo[budget_bytes]
+        return dataclasses.replace(remembered, notes=dict(remembered.notes))
+    return solve
 
 
 def solver_exact(chosen: Plan) -> bool:

@@ -23,7 +23,7 @@ Solve = Callable[..., Plan]   # (graph, budget_bytes=None) -> Plan
 
 # Bisection steps between the least-peak plan's peak and store-all's: the budget found is
 # within (store-all - least peak) / 2**BISECTION_STEPS of the tightest that fits the limit.
-BISECTION_STEPS = 7
+BISECTION_STEPS = 6
 
 
 def _seconds(plan: Plan) -> float:
