@@ -697,6 +697,17 @@ def _measured_delivery(prepared: Prepared, chosen: Plan, rewritten: onnx.ModelPr
             attempts_t.append(OverheadAttempt(planned_for, chosen.simulation.compute_seconds, overhead - 1,
                                               chosen.peak_bytes, optimized.peak_bytes))
             measured.append((chosen, rewritten, optimized, overhead))
+        if all(m[3] > 1 + allowed for m in measured) and budget is None and chosen.recompute_ops:
+            # nothing recomputed costs least time, and often still less memory than the original
+            fallback = store_all(prepared.graph)
+            progress(f"no plan measured within {1 + allowed:.2f}x: trying store-all", 0.8)
+            found = checked_ok(fallback)
+            if found is not None:
+                m, m_overhead = measure_plan(prepared, found.model, options)
+                attempts_t.append(OverheadAttempt(None, fallback.simulation.compute_seconds, m_overhead - 1,
+                                                  fallback.peak_bytes, m.peak_bytes))
+                measured.append((fallback, found.model, m, m_overhead))
+                chosen, rewritten, optimized, overhead = measured[-1]
         report.overhead_attempts = attempts_t
         fits = [m for m in measured if m[3] <= 1 + allowed]
         if fits:

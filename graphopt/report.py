@@ -151,7 +151,7 @@ class Objective(_Json):
 @dataclass
 class OverheadAttempt(_Json):
     """A plan for a step-time limit, measured: planned again, tighter, when over the limit."""
-    planned_for_seconds: float
+    planned_for_seconds: float | None   # the predicted limit planned for (None: store-all, the last resort)
     predicted_step_seconds: float
     measured_overhead: float
     predicted_peak_bytes: int
