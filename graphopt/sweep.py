@@ -52,7 +52,6 @@ class SweepRow:
     measured_peak_bytes: int | None = None
     step_seconds: float | None = None
     recompute_seconds: float | None = None  # predicted (cost model)
-    predicted_step_seconds: float | None = None  # predicted (cost model, seconds as timed in prepare)
     checkpoints: int | None = None
     recompute_nodes: int | None = None
     outputs_identical: bool | None = None    # None: not verified
@@ -60,6 +59,7 @@ class SweepRow:
     on_front: bool = False                   # the least-peak plan or a budget's plan
     also: list[str] = field(default_factory=list)  # labels of the other plans that were this same plan
     note: str = ""
+    predicted_step_seconds: float | None = None  # predicted (cost model, seconds as timed in prepare)
 
     def stands_for(self, label: str) -> bool:
         """Whether this row is the `label` plan ("store-all", "chen-sqrt", ...), itself or merged."""
