@@ -370,6 +370,29 @@ def test_measure_sees_order_dependent_peak(tmp_path):
     assert default.peak_bytes > prio.peak_bytes + 4 * MiB
 
 
+def test_time_steps_times_sessions_in_turn_with_a_profiled_twin(tmp_path):
+    """`time_steps`: one median per session (in the order given) from at least MIN_ROUNDS runs
+    each, the ratio of two sessions as the median of the rounds' ratios, and the profiled
+    session's median seconds for every node it ran (no speed is asserted: that is a benchmark's)."""
+    from graphopt.runtime._timing_worker import MIN_ROUNDS
+    from graphopt.runtime.measure import time_steps
+    m = mlp_training_graph(layers=3, batch=256, width=64)
+    onnx.save(m, tmp_path / "mlp.onnx")
+    save_inputs(tmp_path / "mlp.npz", mlp_inputs(m))
+    prio = SessionSettings(graph_optimization_level="ORT_DISABLE_ALL", execution_order="PRIORITY_BASED")
+    times = time_steps([(tmp_path / "mlp.onnx", NO_OPT), (tmp_path / "mlp.onnx", prio)], tmp_path / "mlp.npz",
+                       rounds=4, profile=(1,))
+    assert len(times.step_seconds) == 2 and all(s > 0 for s in times.step_seconds)
+    assert all(len(r) >= MIN_ROUNDS and len(r) == len(times.runs[0]) for r in times.runs)
+    expected = float(np.median([a / b for a, b in zip(times.runs[1], times.runs[0])]))
+    assert times.ratio(1, 0) == pytest.approx(expected)
+    (nodes,) = times.node_seconds
+    assert set(nodes) == {n.name for n in m.graph.node if n.op_type != "Constant"}, set(nodes) ^ {
+        n.name for n in m.graph.node}
+    assert all(v >= 0 for v in nodes.values())
+    assert times.provider == "CPUExecutionProvider"
+
+
 def test_measure_failure_carries_stderr(tmp_path):
     (tmp_path / "bad.onnx").write_bytes(b"not a model")
     save_inputs(tmp_path / "in.npz", {"x": np.zeros(2, np.float32)})
