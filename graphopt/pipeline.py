@@ -474,14 +474,19 @@ def measure_original(prepared: Prepared, options: OptimizeOptions, settings: Ses
 def measure_plan(prepared: Prepared, model: onnx.ModelProto, options: OptimizeOptions) -> tuple[Measurement, float]:
     """`model`'s peak (a fresh process), and its step time timed against the original's under
     the default session in one process: (the measurement, step time / the original's, the
-    median of the rounds' ratios)."""
+    median of the rounds' ratios). The measurement's step seconds are that ratio times the
+    baseline's seconds (`StepTiming.default_session_seconds`)."""
     m = measure_model(prepared, model, options, timing=False)
     times = time_steps([(prepared.workspace.path("original"), DEFAULT_SETTINGS),
                         (prepared.workspace.path("measured"), None)], prepared.workspace.inputs_path,
                        provider=options.provider, threads=options.threads, rounds=TIMING_ROUNDS,
                        max_seconds=TIMING_MAX_SECONDS)
-    m.step_seconds = times.step_seconds[1]
-    return m, times.ratio(1, 0)
+    ratio = times.ratio(1, 0)
+    # in the baseline's seconds (the machine's speed moves between processes; the ratio is what
+    # was measured against the baseline), so that the report's step times divide as its ratios
+    baseline = prepared.timing.default_session_seconds if prepared.timing is not None else times.step_seconds[0]
+    m.step_seconds = ratio * baseline
+    return m, ratio
 
 
 def _run(m: Measurement) -> MeasuredRun:
