@@ -686,32 +686,32 @@ def _measured_delivery(prepared: Prepared, chosen: Plan, rewritten: onnx.ModelPr
         attempts_t = [OverheadAttempt(planned_for, chosen.simulation.compute_seconds, overhead - 1,
                                       chosen.peak_bytes, optimized.peak_bytes)]
         measured = [(chosen, rewritten, optimized, overhead)]
+
+        def measure_candidate(candidate: Plan, planned_for_seconds: float | None) -> bool:
+            """Check and measure `candidate`; recorded in attempts_t and measured (False: not accepted)."""
+            found = checked_ok(candidate)
+            if found is None:
+                return False
+            m, m_overhead = measure_plan(prepared, found.model, options)
+            attempts_t.append(OverheadAttempt(planned_for_seconds, candidate.simulation.compute_seconds,
+                                              m_overhead - 1, candidate.peak_bytes, m.peak_bytes))
+            measured.append((candidate, found.model, m, m_overhead))
+            return True
+
         while overhead > 1 + allowed and budget is None and len(attempts_t) <= TIME_RETRIES:
             # the runtime took longer than predicted: plan again for a limit lower by the excess
             planned_for = attempts_t[-1].predicted_step_seconds * (1 + allowed) / overhead
             progress(f"step time {overhead:.2f}x the original's by measurement, over {1 + allowed:.2f}x: "
                      f"planning for {planned_for:.4g} s", 0.78)
             retry = plan(prepared, options, seconds_limit=planned_for)
-            if retry.checkpoints == chosen.checkpoints and retry.refresh_gap == chosen.refresh_gap:
+            if (retry.checkpoints == chosen.checkpoints and retry.refresh_gap == chosen.refresh_gap
+                    or not measure_candidate(retry, planned_for)):
                 break
-            found = checked_ok(retry)
-            if found is None:
-                break
-            chosen, rewritten = retry, found.model
-            optimized, overhead = measure_plan(prepared, rewritten, options)
-            attempts_t.append(OverheadAttempt(planned_for, chosen.simulation.compute_seconds, overhead - 1,
-                                              chosen.peak_bytes, optimized.peak_bytes))
-            measured.append((chosen, rewritten, optimized, overhead))
+            chosen, rewritten, optimized, overhead = measured[-1]
         if all(m[3] > 1 + allowed for m in measured) and budget is None and chosen.recompute_ops:
             # nothing recomputed costs least time, and often still less memory than the original
-            fallback = store_all(prepared.graph)
             progress(f"no plan measured within {1 + allowed:.2f}x: trying store-all", 0.8)
-            found = checked_ok(fallback)
-            if found is not None:
-                m, m_overhead = measure_plan(prepared, found.model, options)
-                attempts_t.append(OverheadAttempt(None, fallback.simulation.compute_seconds, m_overhead - 1,
-                                                  fallback.peak_bytes, m.peak_bytes))
-                measured.append((fallback, found.model, m, m_overhead))
+            if measure_candidate(store_all(prepared.graph), None):
                 chosen, rewritten, optimized, overhead = measured[-1]
         report.overhead_attempts = attempts_t
         fits = [m for m in measured if m[3] <= 1 + allowed]
