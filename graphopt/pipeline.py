@@ -86,9 +86,6 @@ class StepTiming:
     predicted_original_seconds: float    # the cost model on ORT's order of the original (optimizations off)
     provider: str
 
-    def to_dict(self) -> dict:
-        return dict(vars(self))
-
 
 @dataclass
 class OptimizeResult:
