@@ -74,6 +74,11 @@ def _objective_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-overhead", type=float, metavar="F",
                         help=f"step time at most (1 + F) x the original's, measured (default "
                              f"{DEFAULT_MAX_OVERHEAD} without --budget; with --budget, no limit unless given)")
+    from .runtime.offline import DEFAULT_GRAPH_OPTIMIZATIONS, GRAPH_OPTIMIZATION_LEVELS
+    parser.add_argument("--graph-optimizations", choices=list(GRAPH_OPTIMIZATION_LEVELS),
+                        help=f"ONNX Runtime's graph optimizations applied before planning, so the plan keeps "
+                             f"their fused kernels (default {DEFAULT_GRAPH_OPTIMIZATIONS}; extended only on the "
+                             f"CPU provider, basic elsewhere; none: plan the file as given)")
 
 
 def options_from_args(args, **extra):
@@ -84,7 +89,7 @@ def options_from_args(args, **extra):
     values = {"loss": args.loss, "strategy": args.strategy, "threads": args.threads,
               "input_dims": parse_input_dims(args.input_dims)}
     for flag, name in (("budget", "budget_bytes"), ("tolerance", "tolerance"), ("objective", "objective"),
-                       ("max_overhead", "max_overhead")):
+                       ("max_overhead", "max_overhead"), ("graph_optimizations", "graph_optimizations")):
         if getattr(args, flag, None) is not None:
             values[name] = getattr(args, flag)
     if getattr(args, "provider", None):

@@ -123,12 +123,15 @@ def workspace_bytes(node: onnx.NodeProto, shapes: dict, tensor_bytes: dict[str, 
       (``ScatterND(zeros, indices, g, reduction="add")``) held up to 1 MiB of offsets, one of
       them at the original's peak).
     """
-    if node.domain not in ("", "ai.onnx"):
+    op_type = node.op_type
+    if node.domain == "com.microsoft" and op_type == "FusedConv":
+        op_type = "Conv"   # ORT's Conv+activation (runtime/offline.py): the same MLAS convolution
+    elif node.domain not in ("", "ai.onnx"):
         return 0
     outs = [t for t in node.output if t]
     if not outs:
         return 0
-    if node.op_type == "Sum":
+    if op_type == "Sum":
         return int(tensor_bytes.get(outs[0], 0)) if len([t for t in node.input if t]) >= 3 else 0
     if node.op_type == "Where" and len(node.input) == 3:
         return _where_selection_bytes(node, shapes, tensor_bytes)
@@ -136,7 +139,7 @@ def workspace_bytes(node: onnx.NodeProto, shapes: dict, tensor_bytes: dict[str, 
         indices = shapes.get(node.input[1])
         slices = _numel(indices[:-1]) if indices else None
         return SCATTER_ND_OFFSET_BYTES * slices if slices else 0
-    if node.op_type not in ("Conv", "ConvTranspose") or len(node.input) < 2:
+    if op_type not in ("Conv", "ConvTranspose") or len(node.input) < 2:
         return 0
     x, w, y = shapes.get(node.input[0]), shapes.get(node.input[1]), shapes.get(outs[0])
     if x is None or w is None or y is None or None in x or None in w or None in y or len(x) < 3:
@@ -147,7 +150,7 @@ def workspace_bytes(node: onnx.NodeProto, shapes: dict, tensor_bytes: dict[str, 
     elem = int(tensor_bytes.get(outs[0], 0)) // n_out or 4
     group = int(_ints(node, "group", 1)) or 1
     kernel = w[2:]
-    if node.op_type == "ConvTranspose":
+    if op_type == "ConvTranspose":
         c_out_per_group = w[1]  # weight: (C_in, C_out/group, k...)
         return elem * c_out_per_group * math.prod(kernel) * math.prod(x[2:])
     # Conv: weight (M, C/group, k...)

@@ -57,6 +57,7 @@ def analyze_model(model: onnx.ModelProto, options: OptimizeOptions | None = None
             "node_seconds": annotations.node_seconds,
             "execution_order": annotations.execution_order,
             "functions_expanded": prepared.functions_expanded,
+            "graph_optimizations": prepared.graph_optimizations,
         }
         if with_plan:
             progress("plan", 0.6)

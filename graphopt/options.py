@@ -11,6 +11,7 @@ from typing import Callable
 import numpy as np
 
 from .errors import InvalidOptionError
+from .runtime.offline import DEFAULT_GRAPH_OPTIMIZATIONS, GRAPH_OPTIMIZATION_LEVELS
 from .search import DEFAULT_STRATEGY, STRATEGIES
 
 Progress = Callable[[str, float], None]
@@ -42,6 +43,9 @@ class OptimizeOptions:
     verify: bool = True                     # compare outputs and check the order
     measure: bool = True                    # measure peaks in fresh processes
     threads: int = 1                        # ONNX Runtime intra-op threads
+    # ORT's graph optimizations applied offline before planning (runtime/offline.py): the plan
+    # keeps their fused kernels; "none" plans the file as given
+    graph_optimizations: str = DEFAULT_GRAPH_OPTIMIZATIONS
     tolerance: float = 1e-5                 # relative output difference accepted
     progress: Progress | None = None
 
@@ -71,6 +75,9 @@ class OptimizeOptions:
                                          f"bound the step time (max overhead {self.max_overhead})")
         if self.budget_bytes is not None and self.budget_bytes <= 0:
             raise InvalidOptionError(f"budget must be positive, got {self.budget_bytes} bytes")
+        if self.graph_optimizations not in GRAPH_OPTIMIZATION_LEVELS:
+            raise InvalidOptionError(f"unknown graph optimizations {self.graph_optimizations!r} "
+                                     f"(known: {list(GRAPH_OPTIMIZATION_LEVELS)})")
         if self.threads < 1:
             raise InvalidOptionError(f"threads must be at least 1, got {self.threads}")
         if not self.tolerance >= 0:

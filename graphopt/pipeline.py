@@ -40,7 +40,7 @@ import onnx
 from .analyze import TrainingGraph, analyze
 from .annotate import Annotations, write_annotations
 from .costmodel import Simulation, priority_order, simulate
-from .errors import BudgetInfeasibleError, VerificationError
+from .errors import BudgetInfeasibleError, GraphoptError, VerificationError
 from .ingest import name_nodes
 from .inputs import synthesize_inputs
 from .op_rules import FOLDED_AT_LOAD_OPS, build_cost_graph, opset_of
@@ -52,8 +52,8 @@ from .report import (OUTCOME_OPTIMIZED, OUTCOME_ORIGINAL, OUTCOME_UNMEASURED, An
 from .rewrite import PLANNED_SETTINGS, expand_functions, has_function, rewrite
 from .runtime.isolated import Workspace, run_task
 from .runtime.measure import Measurement, measure, time_steps
-from .runtime.session import (DEFAULT_SETTINGS, UNOPTIMIZED_SETTINGS, SessionSettings, read_settings,
-                              write_settings)
+from .runtime.session import (DEFAULT_SETTINGS, UNOPTIMIZED_SETTINGS, SessionSettings, default_providers,
+                              read_settings, write_settings)
 from .search import DEFAULT_STRATEGY, STRATEGIES, Plan, least_peak_within, store_all
 from .verify import OutputComparison, compare_order
 
@@ -109,6 +109,10 @@ class Prepared:
     inputs: dict[str, np.ndarray]
     workspace: Workspace
     timing: StepTiming | None = None     # None: measurement off (seconds as annotated)
+    # ORT's graph optimizations applied offline before planning (`_apply_graph_optimizations`):
+    # {"level", "nodes_before", "nodes_after", "op_types": {op type: count added (+) or removed (-)}},
+    # or {} when none were applied (option "none", nothing changed, or outputs differed)
+    graph_optimizations: dict = field(default_factory=dict)
     plans: dict = field(default_factory=dict)   # (graph id, strategy) -> {budget: plan} (`plan`)
 
     @property
@@ -157,13 +161,19 @@ def prepare(model: onnx.ModelProto, options: OptimizeOptions, *, reference: bool
     try:
         progress("annotate", 0.1)
         annotations = first = _annotate(training, options, workspace, "original")
+        graph_optimized: dict = {}
+        if options.graph_optimizations != "none":
+            progress("graph optimizations", 0.12)
+            training, annotations, graph_optimized = _apply_graph_optimizations(training, annotations, options,
+                                                                                workspace)
         expanded: dict[str, int] = {}
         if expand:
             training, annotations, expanded = _expand_inlined(training, annotations, options, workspace)
         graph = build_cost_graph(training, annotations.tensor_bytes, annotations.node_seconds,
                                  tensor_shapes=annotations.tensor_shapes, provider=annotations.provider)
         predicted = simulate(graph, [(name, 0) for name in annotations.execution_order if name in graph])
-        prepared = Prepared(working, training, annotations, first, graph, expanded, predicted, inputs, workspace)
+        prepared = Prepared(working, training, annotations, first, graph, expanded, predicted, inputs, workspace,
+                            graph_optimizations=graph_optimized)
         if options.measure:
             progress("time", 0.2)
             _time_baseline(prepared, options)
@@ -276,10 +286,75 @@ def _expand_inlined(training: TrainingGraph, annotations: Annotations, options: 
     return training, _annotate(training, options, workspace, "expanded"), op_types
 
 
+def _op_type_changes(before: onnx.ModelProto, after: onnx.ModelProto) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for node in before.graph.node:
+        counts[node.op_type] = counts.get(node.op_type, 0) - 1
+    for node in after.graph.node:
+        counts[node.op_type] = counts.get(node.op_type, 0) + 1
+    return {op: n for op, n in sorted(counts.items()) if n}
+
+
+def _apply_graph_optimizations(training: TrainingGraph, annotations: Annotations, options: OptimizeOptions,
+                               workspace: Workspace) -> tuple[TrainingGraph, Annotations, dict]:
+    """Plan the graph ONNX Runtime would run: its graph optimizations at
+    `options.graph_optimizations` applied offline (`runtime.offline`), in a child, to the original
+    saved in `workspace`. The result replaces `training` only if it is still the same training
+    graph (same outputs, analyzable) and, when verifying, computes the original's outputs within
+    the tolerance; otherwise a warning says why and the original is planned as given."""
+    original = workspace.path("original")
+    out = os.path.join(workspace.folder, "graph-optimized.onnx")
+    level = options.graph_optimizations
+    if level == "extended" and (options.providers or default_providers())[0] != "CPUExecutionProvider":
+        # EXTENDED's fused operators are assigned to the provider they were made for, and graphopt
+        # checks outputs on the CPU provider: elsewhere only BASIC's, which are standard operators
+        level = "basic"
+    try:
+        run_task("graph-optimize", {"model": original, "out": out, "level": level, "providers": options.providers,
+                                    "external_data": os.path.exists(original + ".data")})
+        model = onnx.load(out)
+    except Exception as exc:  # noqa: BLE001 - the plan can go on without ORT's fusions
+        log.warning("ONNX Runtime's %s graph optimizations could not be applied offline (%s): the graph is "
+                    "planned as given", level, exc)
+        return training, annotations, {}
+    changes = _op_type_changes(training.model, model)
+    if not changes:
+        return training, annotations, {}
+    name_nodes(model)
+    outputs = [o.name for o in training.model.graph.output]
+    why = None
+    if [o.name for o in model.graph.output] != outputs:
+        why = "its outputs are not the original's"
+    else:
+        try:
+            optimized = analyze(model, training.loss)
+        except GraphoptError as exc:
+            why = f"it is not a training graph graphopt can plan ({exc})"
+    if why is None and options.verify:
+        result = run_task("verify", {"model": out, "inputs": workspace.inputs_path,
+                                     "settings": ORIGINAL_UNOPTIMIZED.to_dict(), "threads": 1,
+                                     "reference": _reference_path(workspace), "tolerance": options.tolerance})
+        comparison = OutputComparison.from_dict(result["comparison"])
+        if not comparison.match:
+            why = (f"its output {comparison.worst_output()!r} differs from the original's (relative difference "
+                   f"{comparison.max_relative_difference:.3g} > {options.tolerance})")
+    if why is not None:
+        log.warning("ONNX Runtime's %s graph optimizations are not used: %s; the graph is planned as given",
+                    level, why)
+        return training, annotations, {}
+    del model
+    summary = {"level": level, "nodes_before": len(training.model.graph.node),
+               "nodes_after": len(optimized.model.graph.node), "op_types": changes}
+    return optimized, _annotate(optimized, options, workspace, "graph-optimized"), summary
+
+
 def _reference_outputs(prepared: Prepared) -> str:
     """The original's outputs (optimizations off, one thread), computed once per workspace in
     a fresh process and kept on disk: their path."""
-    workspace = prepared.workspace
+    return _reference_path(prepared.workspace)
+
+
+def _reference_path(workspace: Workspace) -> str:
     if workspace.reference_path is None:
         out = os.path.join(workspace.folder, "reference.npz")
         run_task("reference", {"model": workspace.path("original"), "inputs": workspace.inputs_path,
@@ -566,6 +641,7 @@ def _new_report(prepared: Prepared, chosen: Plan, rewritten: onnx.ModelProto, op
         stashed_tensors=len(training.stashed), checkpoints=[], recompute_nodes=0,
         search_seconds=float(chosen.notes.get("search_seconds", 0.0)),
         functions_expanded=dict(prepared.functions_expanded),
+        graph_optimizations=dict(prepared.graph_optimizations),
         predicted=Predicted(PredictedRun(predicted.peak_bytes, prepared.timing.predicted_original_seconds
                                          if prepared.timing is not None else predicted.compute_seconds),
                             PredictedRun(0, 0.0)),

@@ -256,6 +256,9 @@ class Report(_Json):
     budget_bytes: int | None = None
     solver_exact: bool | None = None    # the plan is optimal under its solver's model (None: not known)
     functions_expanded: dict[str, int] = field(default_factory=dict)
+    # ORT's graph optimizations applied offline before planning: level, node counts, op types
+    # added (+) or removed (-); {} when none were (see graphopt/runtime/offline.py)
+    graph_optimizations: dict = field(default_factory=dict)
     session: dict | None = None         # the session settings written in the returned model
     outputs_match: bool | None = None   # None: not verified
     max_relative_difference: float | None = None

@@ -4,6 +4,8 @@
 
 Tasks (paths are files of a :class:`~graphopt.runtime.isolated.Workspace`):
 
+* ``graph-optimize``: ORT's graph optimizations at ``level`` applied to ``model`` offline
+  (``runtime.offline.optimize_offline``), the optimized graph saved to ``out``.
 * ``annotate``: ``annotate(model, inputs, settings)``; the annotations' JSON written to ``out``.
 * ``reference``: every output of one deterministic run (``verify.run_outputs``), saved to
   ``out`` (``verify.save_outputs``).
@@ -29,6 +31,11 @@ def _settings(value):
 def run(task: str, args: dict) -> dict:
     import onnx
 
+    if task == "graph-optimize":
+        from graphopt.runtime.offline import optimize_offline
+        optimize_offline(args["model"], args["out"], args["level"], providers=args.get("providers"),
+                         external_data=bool(args.get("external_data")))
+        return {"out": args["out"]}
     from graphopt.inputs import load_inputs
     from graphopt.runtime.rss import malloc_trim
     inputs = load_inputs(args["inputs"])
