@@ -139,3 +139,68 @@ def subgraphs(node: onnx.NodeProto, with_attributes: bool = False) -> list:
         elif attribute.type == onnx.AttributeProto.GRAPHS:
             found.extend((attribute.name, g) for g in attribute.graphs)
     return found if with_attributes else [g for _, g in found]
+
+
+def follow_order(model: onnx.ModelProto, reference: onnx.ModelProto) -> onnx.ModelProto:
+    """Write `model`'s nodes (in place; returns it) in the topological order closest to the order
+    of `reference`, a model it was derived from (ONNX Runtime's offline graph optimizations save
+    nodes in an order of their own, and ORT's default execution order follows node positions:
+    measured on the resnet example's training graph, 63.7 MiB under optimizations off in the
+    saved order against 33.5 MiB in the file's).
+
+    A node takes the position in `reference` of the node that produced one of its outputs there
+    (the earliest), else of the latest producer of its inputs; among nodes whose inputs are all
+    ready, the lowest position goes first (ties: `model`'s own order)."""
+    import heapq
+    position: dict[str, int] = {}
+    for k, node in enumerate(reference.graph.node):
+        for t in node.output:
+            if t:
+                position.setdefault(t, k)
+    nodes = list(model.graph.node)
+    produced_by = {t: i for i, node in enumerate(nodes) for t in node.output if t}
+
+    def inputs_of(node: onnx.NodeProto) -> set[str]:
+        names = {t for t in node.input if t}
+        for g in subgraphs(node):   # outer-scope names a subgraph reads
+            names |= _outer_names(g)
+        return names
+
+    deps = [{produced_by[t] for t in inputs_of(node) if t in produced_by} - {i} for i, node in enumerate(nodes)]
+    key: list[float] = []
+    for i, node in enumerate(nodes):   # `model` is topologically sorted: producers come first
+        own = [position[t] for t in node.output if t in position]
+        # a node with no counterpart: just after the latest of its inputs' producers
+        key.append(min(own) if own else max((key[j] for j in deps[i] if j < i), default=-1) + 0.5)
+    readers: list[list[int]] = [[] for _ in nodes]
+    pending = [len(d) for d in deps]
+    for i, d in enumerate(deps):
+        for j in d:
+            readers[j].append(i)
+    ready = [(key[i], i) for i in range(len(nodes)) if pending[i] == 0]
+    heapq.heapify(ready)
+    out = []
+    while ready:
+        _, i = heapq.heappop(ready)
+        out.append(nodes[i])
+        for r in readers[i]:
+            pending[r] -= 1
+            if pending[r] == 0:
+                heapq.heappush(ready, (key[r], r))
+    if len(out) != len(nodes):
+        return model   # a cycle: leave the order as it is (analyze names it)
+    del model.graph.node[:]
+    model.graph.node.extend(out)
+    return model
+
+
+def _outer_names(graph: onnx.GraphProto) -> set[str]:
+    """Names a subgraph reads that it does not define itself."""
+    defined = {v.name for v in graph.input} | {t.name for t in graph.initializer}
+    read: set[str] = set()
+    for node in graph.node:
+        read |= {t for t in node.input if t}
+        for g in subgraphs(node):
+            read |= _outer_names(g)
+        defined |= {t for t in node.output if t}
+    return read - defined

@@ -41,7 +41,7 @@ from .analyze import TrainingGraph, analyze
 from .annotate import Annotations, write_annotations
 from .costmodel import Simulation, priority_order, simulate
 from .errors import BudgetInfeasibleError, GraphoptError, VerificationError
-from .ingest import name_nodes
+from .ingest import follow_order, name_nodes
 from .inputs import synthesize_inputs
 from .op_rules import FOLDED_AT_LOAD_OPS, build_cost_graph, opset_of
 from .options import OptimizeOptions
@@ -82,6 +82,9 @@ class StepTiming:
     default_session_seconds: float       # the original under ONNX Runtime's default session
     optimizations_off_seconds: float     # the original, graph optimizations off (ORT's order)
     store_all_seconds: float             # graphopt's order and settings, nothing recomputed
+    planned_graph_off_seconds: float     # the graph planned (after ORT's offline graph optimizations,
+                                         # when applied), ORT's order, optimizations off: what
+                                         # `predicted_original_seconds` predicts
     seconds_scale: float                 # store_all_seconds / the sum of its nodes' profiled seconds
     predicted_original_seconds: float    # the cost model on ORT's order of the original (optimizations off)
     provider: str
@@ -201,16 +204,19 @@ def _time_baseline(prepared: Prepared, options: OptimizeOptions) -> None:
     workspace = prepared.workspace
     no_recompute = rewrite_plan(prepared, store_all(prepared.graph))
     original = workspace.path("original")
-    times = time_steps([(original, DEFAULT_SETTINGS), (original, ORIGINAL_UNOPTIMIZED),
-                        (workspace.save(no_recompute, "store-all"), None)], workspace.inputs_path,
-                       provider=options.provider, threads=options.threads, rounds=TIMING_ROUNDS,
-                       max_seconds=TIMING_MAX_SECONDS, profile=(2,))
+    sessions = [(original, DEFAULT_SETTINGS), (original, ORIGINAL_UNOPTIMIZED),
+                (workspace.save(no_recompute, "store-all"), None)]
+    if prepared.graph_optimizations:
+        sessions.append((workspace.path("graph-optimized"), ORIGINAL_UNOPTIMIZED))
+    times = time_steps(sessions, workspace.inputs_path, provider=options.provider, threads=options.threads,
+                       rounds=TIMING_ROUNDS, max_seconds=TIMING_MAX_SECONDS, profile=(2,))
     (ours,) = times.node_seconds
     default_seconds = times.step_seconds[0]
     # each session against the default one by the median of the rounds' ratios (the runs of one
     # round are next to each other in time: a load that comes and goes moves both)
     off_seconds = default_seconds * times.ratio(1, 0)
     store_all_seconds = default_seconds * times.ratio(2, 0)
+    planned_off_seconds = default_seconds * times.ratio(3, 0) if prepared.graph_optimizations else off_seconds
     annotated = prepared.annotations.node_seconds
     common = [n for n in ours if n in annotated]
     annotated_scale = (sum(ours[n] for n in common) / sum(annotated[n] for n in common)
@@ -226,7 +232,7 @@ def _time_baseline(prepared: Prepared, options: OptimizeOptions) -> None:
         prepared.graph, [(name, 0) for name in annotations.execution_order if name in prepared.graph])
     prepared.timing = StepTiming(
         default_session_seconds=default_seconds, optimizations_off_seconds=off_seconds,
-        store_all_seconds=store_all_seconds, seconds_scale=scale,
+        store_all_seconds=store_all_seconds, planned_graph_off_seconds=planned_off_seconds, seconds_scale=scale,
         predicted_original_seconds=prepared.predicted_original.compute_seconds, provider=times.provider)
 
 
@@ -320,6 +326,7 @@ def _apply_graph_optimizations(training: TrainingGraph, annotations: Annotations
     changes = _op_type_changes(training.model, model)
     if not changes:
         return training, annotations, {}
+    follow_order(model, training.model)   # ORT saves its own topological order; keep the file's
     name_nodes(model)
     outputs = [o.name for o in training.model.graph.output]
     why = None
@@ -660,7 +667,9 @@ def _objective(prepared: Prepared, chosen: Plan, options: OptimizeOptions) -> Ob
         baseline_step_seconds=prepared.baseline_step_seconds,
         baseline=("the original, ONNX Runtime's default session, measured" if prepared.timing is not None else
                   "the original, optimizations off, predicted (measurement off)"),
-        step_seconds_limit=limit, predicted_step_seconds=chosen.simulation.compute_seconds)
+        step_seconds_limit=limit, predicted_step_seconds=chosen.simulation.compute_seconds,
+        store_all_vs_faster_original=(None if prepared.timing is None else prepared.timing.store_all_seconds / min(
+            prepared.timing.default_session_seconds, prepared.timing.optimizations_off_seconds)))
 
 
 def _describe(report: Report, chosen: Plan | None, model: onnx.ModelProto) -> None:
@@ -829,7 +838,7 @@ def _measured_delivery(prepared: Prepared, chosen: Plan, rewritten: onnx.ModelPr
         # step times as overheads over the default session timed in the same process (the
         # machine's speed moves between processes; the ratio does not)
         optimized_step_time=(chosen.simulation.compute_seconds / timing.default_session_seconds) / overhead - 1,
-        original_optimizations_off_step_time=timing.predicted_original_seconds / timing.optimizations_off_seconds - 1)
+        original_optimizations_off_step_time=timing.predicted_original_seconds / timing.planned_graph_off_seconds - 1)
     returned, returned_overhead = optimized, overhead
     if deliverable and within_limit and optimized.peak_bytes < bar:
         report.outcome = OUTCOME_OPTIMIZED

@@ -132,6 +132,8 @@ class PredictionError(_Json):
     optimized: float
     original_optimizations_off: float
     optimized_step_time: float | None = None
+    # the cost model on ORT's order of the graph planned (the original after ORT's offline graph
+    # optimizations, when applied), optimizations off, against that session measured
     original_optimizations_off_step_time: float | None = None
 
 
@@ -146,6 +148,10 @@ class Objective(_Json):
     predicted_step_seconds: float | None = None  # the returned plan's (cost model)
     measured_overhead: float | None = None       # the returned model's step time / baseline - 1
     met: bool | None = None             # measured_overhead <= max_overhead (None: no limit or not measured)
+    # graphopt's graph, order and settings with nothing recomputed, over the faster of the
+    # original's two sessions (measured in one process; None: not measured): what the session
+    # settings a plan needs cost in time before any recomputation
+    store_all_vs_faster_original: float | None = None
 
 
 @dataclass

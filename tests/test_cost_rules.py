@@ -95,3 +95,29 @@ def test_allocated_bytes_of_many_buffers(tmp_path, count, nbytes):
     assert abs(predicted / measured - 1) <= 0.2, (predicted, measured)
     # the bytes alone miss the per-buffer cost: by 4-90% here, more than the rule's error
     assert abs(predicted / measured - 1) < abs(count * nbytes / measured - 1)
+
+
+def test_fused_conv_expands_im2col_like_conv(tmp_path):
+    """ORT's FusedConv (Conv+Relu, made by its EXTENDED graph optimizations, which graphopt
+    applies before planning) runs the same MLAS convolution: with more filters than output
+    positions, the whole im2col matrix is expanded while it runs."""
+    x_shape, w_shape, y_shape = [1, 512, 16, 16], [512, 512, 3, 3], [1, 512, 16, 16]
+    node = h.make_node("FusedConv", ["x", "w"], ["y"], name="fused", domain="com.microsoft",
+                       activation="Relu", pads=[1, 1, 1, 1], kernel_shape=[3, 3])
+    inputs = [h.make_tensor_value_info("x", T.FLOAT, x_shape), h.make_tensor_value_info("w", T.FLOAT, w_shape)]
+    outputs = [h.make_tensor_value_info("y", T.FLOAT, y_shape)]
+    graph = h.make_graph([node], "g", inputs, outputs)
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 18), h.make_opsetid("com.microsoft", 1)])
+    onnx.save(model, tmp_path / "m.onnx")
+    rng = np.random.default_rng(0)
+    save_inputs(tmp_path / "in.npz", {"x": rng.random(x_shape, dtype=np.float32),
+                                      "w": rng.random(w_shape, dtype=np.float32)})
+    measured = measure(tmp_path / "m.onnx", tmp_path / "in.npz", UNOPTIMIZED_SETTINGS, repeats=1).peak_bytes
+    output_bytes = 4 * int(np.prod(y_shape))
+    work = workspace_bytes(node, static_shapes(model), {"y": output_bytes})
+    assert work == 4 * 16 * 16 * 512 * 9          # output positions x input channels x kernel
+    conv = h.make_node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1], kernel_shape=[3, 3])
+    assert work == workspace_bytes(conv, static_shapes(model), {"y": output_bytes})
+    predicted = allocated_bytes(output_bytes) + work
+    assert abs(predicted / measured - 1) <= 0.05, (predicted, measured)
+    assert abs(allocated_bytes(output_bytes) / measured - 1) > 0.5   # without the rule: far off

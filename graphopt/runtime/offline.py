@@ -21,9 +21,16 @@ ORT's ALL level (layout transformations, NCHWc on CPU) is not offered: its saved
 tied to the machine's vector width (ORT warns so itself), and the model graphopt returns may
 run elsewhere.
 
-Constant folding is disabled in every level: on a training graph it folds expressions of the
-parameters (the transposed weight a backward MatMul reads) into new constants, a second copy of
-each weight in the file and in memory, stale as soon as the parameters are fed new values.
+Two of ORT's optimizers are disabled in every level:
+
+- constant folding: on a training graph it folds expressions of the parameters (the transposed
+  weight a backward MatMul reads) into new constants, a second copy of each weight in the file
+  and in memory, stale as soon as the parameters are fed new values;
+- common-subexpression elimination: a training graph often computes a forward value again in
+  the backward pass (the unet example's MaxPool gradients, its Expands); merged into the
+  forward node, the value is held from the forward pass to its backward reader. Measured on
+  the unet example, graphopt's order with nothing recomputed: 43.2 MiB after BASIC with it,
+  38.0 MiB as given.
 """
 from __future__ import annotations
 
@@ -31,7 +38,7 @@ import os
 
 GRAPH_OPTIMIZATION_LEVELS = {"none": None, "basic": "ORT_ENABLE_BASIC", "extended": "ORT_ENABLE_EXTENDED"}
 DEFAULT_GRAPH_OPTIMIZATIONS = "extended"
-DISABLED_OFFLINE = ("ConstantFolding",)
+DISABLED_OFFLINE = ("ConstantFolding", "CommonSubexpressionElimination")
 
 # Initializers at or above this size go to an external data file when the optimized model is
 # saved (needed for models over protobuf's 2 GiB limit; harmless below it).
