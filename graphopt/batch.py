@@ -43,6 +43,7 @@ class BatchOptions:
     sweep: int | None = None              # points of the memory-time front (in-process only)
     objective: str | None = None          # OptimizeOptions.objective (None: the library's default)
     max_overhead: float | None = None     # OptimizeOptions.max_overhead (None: the library's default)
+    graph_optimizations: str | None = None   # OptimizeOptions.graph_optimizations (None: the library's default)
 
     def fingerprint(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -54,7 +55,9 @@ class BatchOptions:
         from .options import OptimizeOptions
         from .search import DEFAULT_STRATEGY
         OptimizeOptions(strategy=self.strategy or DEFAULT_STRATEGY, max_overhead=self.max_overhead,
-                        **({} if self.objective is None else {"objective": self.objective})).check()
+                        **({} if self.objective is None else {"objective": self.objective}),
+                        **({} if self.graph_optimizations is None else
+                           {"graph_optimizations": self.graph_optimizations})).check()
 
 
 @dataclass
@@ -177,6 +180,8 @@ class LocalRunner:
                 command += ["--objective", options.objective]
             if options.max_overhead is not None:
                 command += ["--max-overhead", repr(float(options.max_overhead))]
+            if options.graph_optimizations is not None:
+                command += ["--graph-optimizations", options.graph_optimizations]
             if not options.measure:
                 command.append("--no-measure")
             if options.sweep:

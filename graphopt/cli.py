@@ -218,7 +218,7 @@ def cmd_batch(args) -> int:
     from .batch_summary import write_summary
     options = BatchOptions(loss=args.loss, budget_fraction=args.budget_fraction, strategy=args.strategy,
                            measure=not args.no_measure, sweep=args.sweep, objective=args.objective,
-                           max_overhead=args.max_overhead)
+                           max_overhead=args.max_overhead, graph_optimizations=args.graph_optimizations)
     options.check()
     if args.server:
         if args.sweep:

@@ -63,7 +63,7 @@ class RemoteRunner:
         report = self._call(lambda: self.client.optimize(
             job.training_path, job.optimized_path, timeout_seconds=self.deadline_seconds, budget_bytes=budget,
             strategy=options.strategy, measure=options.measure, objective=options.objective,
-            max_overhead=options.max_overhead))
+            max_overhead=options.max_overhead, graph_optimizations=options.graph_optimizations))
         return report.to_dict()
 
     def _call(self, call):

@@ -33,7 +33,7 @@ def make_options(options: OptimizeOptions | None = None, *, plan: bool = False, 
                  **fields) -> pb.OptimizeOptions:
     """The proto's options of the library's `OptimizeOptions` (or of its fields by name:
     budget_bytes, objective, max_overhead, strategy, input_dims, providers, verify, measure, loss,
-    threads, tolerance),
+    threads, tolerance, graph_optimizations),
     with the service's own plan and response_chunk_bytes. The inputs' arrays and the progress
     callback do not travel (the server synthesizes inputs from input_dims)."""
     if options is None:
@@ -50,7 +50,7 @@ def make_options(options: OptimizeOptions | None = None, *, plan: bool = False, 
         message.budget_bytes = options.budget_bytes
     if options.max_overhead is not None:
         message.max_overhead = options.max_overhead
-    for name in ("objective", "verify", "measure", "tolerance"):   # sent when not the default
+    for name in ("objective", "verify", "measure", "tolerance", "graph_optimizations"):   # sent when not the default
         if getattr(options, name) != getattr(default, name):
             setattr(message, name, getattr(options, name))
     for name, dims in options.input_dims.items():

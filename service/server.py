@@ -86,6 +86,8 @@ def job_options(options: pb.OptimizeOptions, max_threads: int) -> tuple[dict, di
         library["objective"] = options.objective
     if options.HasField("max_overhead"):
         library["max_overhead"] = options.max_overhead
+    if options.HasField("graph_optimizations"):
+        library["graph_optimizations"] = options.graph_optimizations
     if options.loss:
         library["loss"] = options.loss
     if options.providers:

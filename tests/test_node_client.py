@@ -284,6 +284,16 @@ def test_objective_and_max_overhead_reach_the_server(node, server, tmp_path):
     assert done.returncode == 2, done.stderr
     assert "error: INVALID_ARGUMENT: unknown objective 'fastest'" in done.stderr, done.stderr
     assert not (tmp_path / "no").exists()
+    # the graph optimizations travel too: "none" plans the file as given; an unknown level is named
+    report_path = tmp_path / "none.json"
+    run_cli(node, "optimize", model_path, "-o", tmp_path / "none.onnx", "--server", server, "--no-measure",
+            "--graph-optimizations", "none", "--report", report_path)
+    assert json.loads(report_path.read_text())["graph_optimizations"] == {}
+    done = run_cli(node, "optimize", model_path, "-o", tmp_path / "no" / "opt.onnx", "--server", server,
+                   "--graph-optimizations", "all", "--no-measure", check=False)
+    assert done.returncode == 2, done.stderr
+    assert "error: INVALID_ARGUMENT: unknown graph optimizations 'all'" in done.stderr, done.stderr
+    assert not (tmp_path / "no").exists()
 
 
 def test_external_data_is_uploaded(node, server, tmp_path):

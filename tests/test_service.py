@@ -137,14 +137,16 @@ def test_objective_and_max_overhead_travel_under_the_library_names():
     from graphopt_service.server import job_options
     for options in (OptimizeOptions(), OptimizeOptions(objective=LEAST_PEAK),
                     OptimizeOptions(max_overhead=0.0), OptimizeOptions(objective=BOUNDED_OVERHEAD, max_overhead=0.35),
-                    OptimizeOptions(budget_bytes=1 << 20, max_overhead=0.5, strategy="chen-greedy")):
+                    OptimizeOptions(budget_bytes=1 << 20, max_overhead=0.5, strategy="chen-greedy"),
+                    OptimizeOptions(graph_optimizations="none"), OptimizeOptions(graph_optimizations="basic")):
         message = make_options(options)
         assert message.HasField("objective") == (options.objective != BOUNDED_OVERHEAD)
         assert message.HasField("max_overhead") == (options.max_overhead is not None)
+        assert message.HasField("graph_optimizations") == (options.graph_optimizations != "extended")
         library, _ = job_options(pb.OptimizeOptions.FromString(message.SerializeToString()), max_threads=1)
         back = OptimizeOptions.from_dict(library)
-        assert (back.objective, back.max_overhead, back.budget_bytes) == \
-               (options.objective, options.max_overhead, options.budget_bytes)
+        assert (back.objective, back.max_overhead, back.budget_bytes, back.graph_optimizations) == \
+               (options.objective, options.max_overhead, options.budget_bytes, options.graph_optimizations)
 
 
 def test_objective_reaches_the_library_and_comes_back_in_the_report(client, models, tmp_path):

@@ -12,7 +12,7 @@ const { GraphoptClient, GraphoptError } = require('../src/client');
 
 const USAGE = `usage:
   graphopt-node optimize MODEL -o OUT --server HOST:PORT [--budget BYTES] [--strategy S]
-                [--objective O] [--max-overhead F]
+                [--objective O] [--max-overhead F] [--graph-optimizations L]
                 [--input-dims NAME=D1,D2,...]... [--loss NAME] [--no-verify] [--no-measure]
                 [--report FILE] [--provider P] [--threads N]
   graphopt-node analyze MODEL --server HOST:PORT [--plan] [--budget BYTES] [--strategy S]
@@ -34,7 +34,9 @@ optimize and analyze:
   --objective O              without --budget: bounded-overhead (the server's default: the least
                              peak within --max-overhead) or least-peak (whatever it costs in time)
   --max-overhead F           step time at most (1 + F) x the original's, measured in ONNX Runtime's
-                             default session (unset: the server's default, 0.2, without --budget)
+                             default session (unset: the server's default, 0.25, without --budget)
+  --graph-optimizations L    ONNX Runtime's graph optimizations applied before planning: none, basic
+                             or extended (unset: the server's default, extended on the CPU provider)
 
 BYTES: 123, 500MB, 512MiB, 1.5GiB`;
 
@@ -54,6 +56,7 @@ const MODEL_OPTIONS = {
   budget: { type: 'string' },
   objective: { type: 'string' },
   'max-overhead': { type: 'string' },
+  'graph-optimizations': { type: 'string' },
   strategy: { type: 'string' },
   'input-dims': { type: 'string', multiple: true },
   loss: { type: 'string' },
@@ -188,6 +191,7 @@ function parseCommandLine(argv) {
     if (values.budget !== undefined) options.budgetBytes = parseBytes(values.budget);
     if (values.objective !== undefined) options.objective = values.objective;
     if (values['max-overhead'] !== undefined) options.maxOverhead = parseFraction(values['max-overhead'], '--max-overhead');
+    if (values['graph-optimizations'] !== undefined) options.graphOptimizations = values['graph-optimizations'];
     if (values.strategy) options.strategy = values.strategy;
     if (values['input-dims']) options.inputDims = parseInputDims(values['input-dims']);
     if (values.loss) options.loss = values.loss;

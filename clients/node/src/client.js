@@ -75,7 +75,7 @@ async function sha256File(file) {
 // graphopt's OptimizeOptions (graphopt/options.py), each field under its camelCase name, and the
 // service's own responseChunkBytes and plan.
 const OPTION_KEYS = new Set(['budgetBytes', 'objective', 'maxOverhead', 'strategy', 'inputDims', 'providers',
-  'verify', 'measure', 'loss', 'threads', 'tolerance', 'responseChunkBytes', 'plan']);
+  'verify', 'measure', 'loss', 'threads', 'tolerance', 'graphOptimizations', 'responseChunkBytes', 'plan']);
 
 function integerString(value, what) {
   if (typeof value === 'bigint') return value.toString();
@@ -89,7 +89,9 @@ function integerString(value, what) {
  *   {budgetBytes, objective ('bounded-overhead' | 'least-peak'; the server checks the name),
  *    maxOverhead (step time at most (1 + maxOverhead) x the original's), strategy,
  *    inputDims: {name: [d, ...]} | [{name, dims}], providers: [name, ...],
- *    verify (default true), measure (default true), loss, threads, tolerance, responseChunkBytes, plan}
+ *    verify (default true), measure (default true), loss, threads, tolerance,
+ *    graphOptimizations ("none", "basic" or "extended": ONNX Runtime's graph optimizations applied
+ *    before planning; unset: the server's default), responseChunkBytes, plan}
  * objective and maxOverhead are sent only when given (unset: the server's library defaults).
  */
 function toProtoOptions(options = {}) {
@@ -109,6 +111,9 @@ function toProtoOptions(options = {}) {
       throw new ClientError(`maxOverhead must be a finite number >= 0 (0.1: 10% slower at most), not ${JSON.stringify(options.maxOverhead)}`);
     }
     out.max_overhead = maxOverhead;
+  }
+  if (options.graphOptimizations !== undefined && options.graphOptimizations !== null) {
+    out.graph_optimizations = String(options.graphOptimizations);
   }
   if (options.strategy) out.strategy = String(options.strategy);
   if (options.inputDims) {
