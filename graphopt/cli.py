@@ -74,6 +74,10 @@ def _objective_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-overhead", type=float, metavar="F",
                         help=f"step time at most (1 + F) x the original's, measured (default "
                              f"{DEFAULT_MAX_OVERHEAD} without --budget; with --budget, no limit unless given)")
+    _graph_optimizations_option(parser)
+
+
+def _graph_optimizations_option(parser: argparse.ArgumentParser) -> None:
     from .runtime.offline import DEFAULT_GRAPH_OPTIMIZATIONS, GRAPH_OPTIMIZATION_LEVELS
     parser.add_argument("--graph-optimizations", choices=list(GRAPH_OPTIMIZATION_LEVELS),
                         help=f"ONNX Runtime's graph optimizations applied before planning, so the plan keeps "
@@ -355,6 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-overhead", type=float, metavar="F",
                    help="each model's step time at most (1 + F) x its original's, measured (see optimize "
                         "--max-overhead)")
+    _graph_optimizations_option(p)
     p.add_argument("--no-measure", action="store_true")
     p.add_argument("--sweep", type=int, metavar="N", help="each model's memory-time front too (in-process)")
     p.add_argument("--token-file", type=Path)

@@ -299,6 +299,11 @@ def summary_text(report: Report) -> str:
              f"{report.recompute_nodes} recompute nodes, search {report.search_seconds:.2f} s"
              + ("" if report.solver_exact is None else
                 f" ({'exact' if report.solver_exact else 'not proven optimal'} under its solver's model)")]
+    applied = report.graph_optimizations
+    if applied:
+        ops = ", ".join(f"{op} {n:+d}" for op, n in applied.get("op_types", {}).items())
+        lines.append(f"planned on ONNX Runtime's {applied.get('level')} graph optimizations: "
+                     f"{applied.get('nodes_before')} -> {applied.get('nodes_after')} nodes ({ops})")
     predicted = report.predicted
     lines.append(f"predicted peak: original (optimizations off) "
                  f"{_mib(predicted.original_optimizations_off.peak_bytes)}, "
