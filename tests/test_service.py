@@ -213,7 +213,13 @@ def test_a_200_mb_model_streams_through(client, tmp_path):
     report = client.optimize(tmp_path / "big" / "model.onnx", tmp_path / "out" / "opt.onnx",
                              strategy="chen-sqrt", measure=False)
     assert report.outputs_match
-    assert digest(load_model(tmp_path / "out" / "opt.onnx")) == expected
+    returned = digest(load_model(tmp_path / "out" / "opt.onnx"))
+    # every weight comes back bit for bit; only small constants ORT's graph optimizations left
+    # unused (e.g. a Reshape's shape) may be gone
+    parameters = {o.name[:-len("_grad")] for o in model.graph.output if o.name.endswith("_grad")}
+    assert parameters and parameters <= set(returned)
+    assert all(expected[name] == value for name, value in returned.items() if name in expected)
+    assert all(name in expected for name in returned), set(returned) - set(expected)
 
 
 # -- bad input: each gets its status, nothing is left behind, the server goes on ---------------
