@@ -4,9 +4,8 @@ graph ORT would run rather than the file it was given.
 A rewritten graph must run with ORT's graph optimizations off (they would merge recomputed
 nodes back and change the planned order; docs/ort-facts.md section 3), and so, planned on the
 user's file, it loses what the default session gains from them: fused Conv+activation, fused
-Gemm+activation, MatMul+Transpose, ... Measured on the examples (one process, rounds in turn,
-quiet machine), the resnet example's training graph under graphopt's settings took 1.10x its
-default session's step and 1.01x once ORT's EXTENDED optimizations were applied offline first.
+Gemm+activation, MatMul+Transpose, ... (`benchmarks/overhead_table.py` prints, per model, the
+plan without recomputation against the faster of the original's two sessions).
 
 The levels graphopt applies (``GRAPH_OPTIMIZATION_LEVELS``):
 
