@@ -133,9 +133,9 @@ def workspace_bytes(node: onnx.NodeProto, shapes: dict, tensor_bytes: dict[str, 
         return 0
     if op_type == "Sum":
         return int(tensor_bytes.get(outs[0], 0)) if len([t for t in node.input if t]) >= 3 else 0
-    if node.op_type == "Where" and len(node.input) == 3:
+    if op_type == "Where" and len(node.input) == 3:
         return _where_selection_bytes(node, shapes, tensor_bytes)
-    if node.op_type == "ScatterND" and len(node.input) >= 2:
+    if op_type == "ScatterND" and len(node.input) >= 2:
         indices = shapes.get(node.input[1])
         slices = _numel(indices[:-1]) if indices else None
         return SCATTER_ND_OFFSET_BYTES * slices if slices else 0
