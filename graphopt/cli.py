@@ -179,17 +179,65 @@ def cmd_measure(args) -> int:
     return 0
 
 
+def _optimizer_spec(args):
+    """The --optimizer options as an OptimizerSpec (None without --optimizer)."""
+    from .build.optimizer import OptimizerSpec
+    given = {k: getattr(args, k) for k in ("lr", "momentum", "weight_decay", "betas", "eps")
+             if getattr(args, k) is not None}
+    if args.optimizer is None:
+        if given:
+            raise GraphoptError(f"--{next(iter(given)).replace('_', '-')} needs --optimizer")
+        return None
+    if "lr" not in given:
+        raise GraphoptError("--optimizer needs --lr")
+    if args.optimizer == "sgd" and ("betas" in given or "eps" in given):
+        raise GraphoptError("--betas and --eps are AdamW's: sgd takes --momentum and --weight-decay")
+    if "betas" in given:
+        try:
+            betas = tuple(float(b) for b in given["betas"].split(","))
+        except ValueError:
+            raise GraphoptError(f"--betas takes two numbers B1,B2, got {given['betas']!r}") from None
+        if len(betas) != 2:
+            raise GraphoptError(f"--betas takes two numbers B1,B2, got {given['betas']!r}")
+        given["betas"] = betas
+    spec = OptimizerSpec(args.optimizer, **given)
+    spec.check()
+    return spec
+
+
 def cmd_train_graph(args) -> int:
     from .build.train_graph import build_training_graph
     from .ingest import load_model
     from .optimize import save_model
+    optimizer = _optimizer_spec(args)
     forward = load_model(args.model)
     train = build_training_graph(forward, loss=args.loss, labels=args.labels, freeze=args.freeze or (),
-                                 class_axis=args.class_axis)
+                                 class_axis=args.class_axis, optimizer=optimizer)
     save_model(train, args.output)
-    grads = [o.name for o in train.graph.output][1:]
-    print(f"wrote {args.output}: loss {train.graph.output[0].name!r}, {len(grads)} gradients, "
-          f"{len(train.graph.node)} nodes")
+    rest = [o.name for o in train.graph.output][1:]
+    if optimizer is None:
+        what = f"{len(rest)} gradients"
+    else:
+        what = f"{optimizer.kind} step inside, {len(rest)} updated inputs"
+    print(f"wrote {args.output}: loss {train.graph.output[0].name!r}, {what}, {len(train.graph.node)} nodes")
+    return 0
+
+
+def cmd_train(args) -> int:
+    from .ingest import load_model
+    from .inputs import load_inputs
+    from .optimize import save_model
+    from .train import train, with_state
+    data = load_inputs(args.data)
+    providers = [args.provider] if args.provider else None
+    result = train(str(args.model), data, args.steps, batch_size=args.batch_size, log=args.log,
+                   providers=providers, threads=args.threads, progress=not args.quiet)
+    if result.losses:
+        print(f"{result.steps} steps of batch {result.batch_size}: loss {result.losses[0]:.6g} -> "
+              f"{result.losses[-1]:.6g}")
+    if args.out:
+        save_model(with_state(load_model(args.model), result.state), args.out)
+        print(f"wrote {args.out}: the training graph with the trained parameters and state as its defaults")
     return 0
 
 
@@ -340,7 +388,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--labels", default="labels", help="name of the label input the loss adds (default labels)")
     p.add_argument("--class-axis", type=int, help="cross_entropy: the class axis (default 1 for rank 2, else last)")
     p.add_argument("--freeze", nargs="*", help="initializers that are not trained")
+    from .build.optimizer import OPTIMIZERS
+    p.add_argument("--optimizer", choices=OPTIMIZERS,
+                   help="put the optimizer step in the graph: inputs the parameters and optimizer state, "
+                        "outputs loss then <input>_updated (torch.optim.SGD / AdamW semantics)")
+    p.add_argument("--lr", type=float, help="learning rate (required with --optimizer)")
+    p.add_argument("--momentum", type=float, help="sgd: momentum (default 0)")
+    p.add_argument("--weight-decay", type=float, help="default 0 for sgd, 0.01 for adamw (decoupled)")
+    p.add_argument("--betas", metavar="B1,B2", help="adamw: the moments' decay rates (default 0.9,0.999)")
+    p.add_argument("--eps", type=float, help="adamw: added to the denominator (default 1e-8)")
     p.set_defaults(func=cmd_train_graph)
+
+    p = sub.add_parser("train", help="train a graph made by train-graph --optimizer on ONNX Runtime")
+    p.add_argument("model", type=Path)
+    p.add_argument("--data", type=Path, required=True,
+                   help=".npz with arrays named like the graph's data inputs, first axis the samples")
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--batch-size", type=int, help="samples per step (default: the graph's batch dimension)")
+    p.add_argument("--log", type=Path, help="CSV of step,loss")
+    p.add_argument("--out", type=Path, help="write the graph with the trained parameters and state as defaults")
+    p.add_argument("--provider", help="ONNX Runtime execution provider (default: CUDA when present, else CPU)")
+    p.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads (default: ONNX Runtime's)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("batch", help="optimize every .onnx under a folder (resumable; a summary and plots)")
     p.add_argument("zoo", type=Path)

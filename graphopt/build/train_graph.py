@@ -39,6 +39,7 @@ from .embedding_grad import lean_embedding_gradients
 from .lean import (gradients_early, loss_first, outputs_written_in_place, pads_sum_to_concat,
                    recompute_gelu_intermediates, transposed_products,
                    transposed_weights_into_gemm)
+from .optimizer import OptimizerSpec, fuse_optimizer
 from .losses import LOSS_NAME, attach_loss_parts, cross_entropy_seed, parse_loss
 from .training_mode import batchnorm_training, copy_statistics_inputs, dropout_training
 
@@ -327,7 +328,8 @@ def _check_ops(model, reaching):
 def build_training_graph(forward: onnx.ModelProto, loss: str | None = None,
                          parameters: list[str] | None = None,
                          freeze: list[str] = (), labels: str = "labels",
-                         class_axis: int | None = None) -> onnx.ModelProto:
+                         class_axis: int | None = None,
+                         optimizer: OptimizerSpec | None = None) -> onnx.ModelProto:
     """The training graph of `forward`: outputs ``loss``, then ``<param>_grad`` per parameter,
     then the extra outputs of training-mode layers (updated BatchNormalization statistics
     ``<stat>_updated``, Dropout masks).
@@ -339,6 +341,10 @@ def build_training_graph(forward: onnx.ModelProto, loss: str | None = None,
     the loss, minus `freeze`. BatchNormalization and Dropout run in training mode
     (graphopt/build/training_mode.py).
 
+    `optimizer`: the update of each parameter in the graph instead of its gradient as an output
+    (graphopt/build/optimizer.py): inputs the parameters and optimizer state, outputs ``loss``
+    then every ``<input>_updated``.
+
     Raises UnsupportedOpError for an operator without a gradient rule and InvalidModelError
     when the loss is not found, is not scalar-like, or no parameter reaches it.
     """
@@ -349,6 +355,8 @@ def build_training_graph(forward: onnx.ModelProto, loss: str | None = None,
     if not isinstance(forward, onnx.ModelProto):
         raise InvalidModelError("forward must be an onnx.ModelProto")
 
+    if optimizer is not None:
+        optimizer.check()
     rules.register()
     kind, loss = parse_loss(loss)
     model = onnx.ModelProto()
@@ -444,8 +452,16 @@ def build_training_graph(forward: onnx.ModelProto, loss: str | None = None,
     except ValueError as exc:
         raise InvalidModelError("onnx-ad rejected the model: %s" % exc) from exc
 
-    return _finish(reversed_model, loss, loss_shape, types.get(loss, TensorProto.FLOAT),
-                   params, initializers, extras, types, parts)
+    model = _finish(reversed_model, loss, loss_shape, types.get(loss, TensorProto.FLOAT),
+                    params, initializers, extras, types, parts)
+    if optimizer is not None:
+        fuse_optimizer(model, params, optimizer)
+        name_nodes(model)
+        try:
+            onnx.checker.check_model(model)
+        except onnx.checker.ValidationError as exc:  # pragma: no cover - a bug if it happens
+            raise InvalidModelError("the training graph with its optimizer fails onnx.checker: %s" % exc) from exc
+    return model
 
 
 def _backward_names(model, loss):

@@ -1,0 +1,199 @@
+"""The optimizer step inside the training graph (graphopt/build/optimizer.py) and the training
+loop on ONNX Runtime (graphopt/train.py), against torch.optim on the same model, data and
+initial weights; the graph graphopt optimizes trains exactly like the one it was given."""
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper
+
+torch = pytest.importorskip("torch")
+import onnxruntime as ort  # noqa: E402
+
+ort.set_default_logger_severity(3)
+pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+              pytest.mark.filterwarnings("ignore::UserWarning"),
+              pytest.mark.filterwarnings("ignore::FutureWarning")]
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from torch_zoo import ZOO, export  # noqa: E402
+
+from graphopt.build.optimizer import OptimizerSpec, updated_inputs  # noqa: E402
+from graphopt.build.train_graph import build_training_graph  # noqa: E402
+from graphopt.errors import GraphoptError, InvalidModelError, InvalidOptionError  # noqa: E402
+from graphopt.examples import example_inputs, forward_example  # noqa: E402
+from graphopt.optimize import OptimizeOptions, optimize  # noqa: E402
+from graphopt.train import train, with_state  # noqa: E402
+
+STEPS = 12
+BATCHES = 3
+
+
+def _dataset(entry, seed=7):
+    """BATCHES batches shaped like the entry's inputs (its own first), as torch tensors."""
+    g = torch.Generator().manual_seed(seed)
+
+    def more(t):
+        if t.dtype.is_floating_point:
+            return torch.randn(t.shape, generator=g, dtype=t.dtype)
+        return torch.randint(0, int(t.max()) + 1, t.shape, generator=g, dtype=t.dtype)
+
+    inputs = {k: torch.cat([v] + [more(v) for _ in range(BATCHES - 1)]) for k, v in entry.inputs.items()}
+    labels = torch.cat([entry.labels] + [more(entry.labels) for _ in range(BATCHES - 1)])
+    return inputs, labels
+
+
+def _torch_losses(entry, inputs, labels, make_optimizer):
+    module = entry.module
+    module.train()
+    optimizer = make_optimizer(module.parameters())
+    batch = next(iter(entry.inputs.values())).shape[0]
+    losses = []
+    for i in range(STEPS):
+        start = (i % BATCHES) * batch
+        out = module(*[v[start:start + batch] for v in inputs.values()])
+        target = labels[start:start + batch]
+        if entry.loss == "cross_entropy":
+            axis = entry.class_axis if entry.class_axis is not None else (1 if out.dim() == 2 else out.dim() - 1)
+            loss = torch.nn.functional.cross_entropy(out.movedim(axis, 1), target)
+        else:
+            loss = torch.nn.functional.mse_loss(out, target)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+CASES = {
+    # BatchNorm in training mode, SGD with momentum and weight decay
+    "resnet-sgd": ("resnet", OptimizerSpec("sgd", lr=0.05, momentum=0.9, weight_decay=1e-3),
+                   lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=1e-3)),
+    "resnet-adamw": ("resnet", OptimizerSpec("adamw", lr=1e-2),
+                     lambda p: torch.optim.AdamW(p, lr=1e-2)),
+    # attention (a GPT with tied embeddings; a BERT-like encoder)
+    "gpt-adamw": ("gpt", OptimizerSpec("adamw", lr=3e-3, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1),
+                  lambda p: torch.optim.AdamW(p, lr=3e-3, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1)),
+    "bert-sgd": ("bert", OptimizerSpec("sgd", lr=0.1),
+                 lambda p: torch.optim.SGD(p, lr=0.1)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_fused_step_trains_like_torch_optim(case):
+    name, spec, make_optimizer = CASES[case]
+    entry = ZOO[name]()
+    forward = export(entry)
+    kwargs = {"loss": entry.loss}
+    if entry.class_axis is not None:
+        kwargs["class_axis"] = entry.class_axis
+    model = build_training_graph(forward, optimizer=spec, **kwargs)
+    onnx.checker.check_model(model)
+    feedback = updated_inputs(model)
+    outputs = [o.name for o in model.graph.output]
+    assert outputs[0] == "loss" and not any(o.endswith("_grad") for o in outputs)
+    assert set(outputs[1:]) == set(feedback), "every output after the loss is fed back"
+    inputs, labels = _dataset(entry)
+    data = {k: v.numpy() for k, v in inputs.items()}
+    data["labels"] = labels.numpy()
+    result = train(model, data, STEPS, threads=1)
+    expected = _torch_losses(entry, inputs, labels, make_optimizer)
+    relative = [abs(a - b) / abs(b) for a, b in zip(result.losses, expected)]
+    assert len(result.losses) == STEPS and max(relative) <= 1e-3, list(zip(result.losses, expected))
+    assert len(set(np.round(expected, 4))) > STEPS // 2, "the loss should move"
+    # the parameters the exporter kept under torch's names end where torch's do
+    torch_params = {k: v.detach().numpy() for k, v in entry.module.named_parameters()}
+    compared = 0
+    for key, value in result.state.items():
+        if key in torch_params and torch_params[key].shape == value.shape:
+            scale = max(float(np.abs(torch_params[key]).max()), 1e-6)
+            assert float(np.abs(value - torch_params[key]).max()) / scale <= 1e-3, key
+            compared += 1
+    assert compared >= 4
+    if spec.kind == "adamw":
+        assert float(result.state["optimizer.step"]) == STEPS
+
+
+def _example(name="resnet", optimizer=OptimizerSpec("adamw", lr=1e-3)):
+    forward = forward_example(name, small=True)
+    batches = [example_inputs(forward, seed=s) for s in range(BATCHES)]
+    data = {k: np.concatenate([b[k] for b in batches]) for k in batches[0]}
+    return build_training_graph(forward, optimizer=optimizer), data, batches[0]
+
+
+def test_the_graph_graphopt_optimizes_trains_identically():
+    model, data, first = _example("densenet", OptimizerSpec("sgd", lr=0.05, momentum=0.9))
+    result = optimize(model, OptimizeOptions(inputs=first, objective="least-peak", measure=False))
+    assert result.report.outputs_match and result.report.recompute_nodes > 0
+    given = train(model, data, STEPS, threads=1)
+    optimized = train(result.model, data, STEPS, threads=1)
+    assert optimized.losses == given.losses
+    assert all(np.array_equal(optimized.state[k], given.state[k]) for k in given.state)
+
+
+def test_cli_trains_logs_and_resumes(tmp_path):
+    forward = forward_example("mlp", small=True)
+    onnx.save(forward, tmp_path / "forward.onnx")
+    batches = [example_inputs(forward, seed=s) for s in range(BATCHES)]
+    np.savez(tmp_path / "data.npz", **{k: np.concatenate([b[k] for b in batches]) for k in batches[0]})
+
+    def cli(*args):
+        done = subprocess.run([sys.executable, "-m", "graphopt.cli", *map(str, args)], capture_output=True,
+                              text=True, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    out = cli("train-graph", "forward.onnx", "-o", "train.onnx", "--optimizer", "adamw", "--lr", "1e-3",
+              "--betas", "0.85,0.995", "--weight-decay", "0.05")
+    assert "adamw step inside" in out
+    cli("train", "train.onnx", "--data", "data.npz", "--steps", 9, "--log", "nine.csv", "-q")
+    cli("train", "train.onnx", "--data", "data.npz", "--steps", 6, "--log", "six.csv", "--out", "six.onnx", "-q")
+    cli("train", "six.onnx", "--data", "data.npz", "--steps", 3, "--log", "resumed.csv", "-q")
+    rows = {name: list(csv.reader(open(tmp_path / f"{name}.csv"))) for name in ("nine", "six", "resumed")}
+    assert rows["nine"][0] == ["step", "loss"] and [r[0] for r in rows["nine"][1:]] == [str(i) for i in range(1, 10)]
+    nine = [float(r[1]) for r in rows["nine"][1:]]
+    assert [float(r[1]) for r in rows["six"][1:]] == nine[:6]
+    # resumed from --out: steps 7-9 exactly (the step count came back with the weights, so
+    # the bias corrections go on; its batches start again at row 0, which step 7 also reads)
+    assert [float(r[1]) for r in rows["resumed"][1:]] == nine[6:]
+    trained = {t.name: numpy_helper.to_array(t) for t in onnx.load(tmp_path / "six.onnx").graph.initializer}
+    assert float(trained["optimizer.step"]) == 6
+
+
+def test_training_refuses_what_it_cannot_do(tmp_path):
+    model, data, _ = _example("mlp")
+    with pytest.raises(InvalidOptionError, match="not a multiple of the batch size"):
+        train(model, {k: v[:-1] for k, v in data.items()}, 1)
+    with pytest.raises(InvalidOptionError, match="no arrays for the graph's inputs"):
+        train(model, {k: v for k, v in data.items() if k != "labels"}, 1)
+    plain = build_training_graph(forward_example("mlp", small=True))
+    with pytest.raises(InvalidModelError, match="train-graph --optimizer"):
+        train(plain, data, 1)
+    for spec, message in [(OptimizerSpec("adam", lr=1), "unknown optimizer"),
+                          (OptimizerSpec("sgd", lr=0), "learning rate"),
+                          (OptimizerSpec("sgd", lr=1, momentum=1.5), "momentum"),
+                          (OptimizerSpec("adamw", lr=1, betas=(0.9, 1.0)), "betas")]:
+        with pytest.raises(InvalidOptionError, match=message):
+            build_training_graph(forward_example("mlp", small=True), optimizer=spec)
+    done = subprocess.run([sys.executable, "-m", "graphopt.cli", "train-graph", "x.onnx", "-o", "y.onnx",
+                           "--momentum", "0.9"], capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode != 0 and "--momentum needs --optimizer" in done.stderr
+    assert issubclass(InvalidOptionError, GraphoptError)
+
+
+def test_trained_defaults_replace_only_the_state():
+    model, data, _ = _example("mlp", OptimizerSpec("sgd", lr=0.1))
+    result = train(model, data, 2, threads=1)
+    resumed = with_state(model, result.state)
+    before = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    after = {t.name: numpy_helper.to_array(t) for t in resumed.graph.initializer}
+    changed = {k for k in before if not np.array_equal(before[k], after[k])}
+    assert changed and changed <= set(result.state)
+    assert [n.name for n in resumed.graph.node] == [n.name for n in model.graph.node]
