@@ -33,6 +33,19 @@ class TrainingGraph:
         return {n.name: n for n in self.model.graph.node}
 
 
+UPDATED_SUFFIX = "_updated"
+
+
+def fed_back_outputs(model: onnx.ModelProto) -> dict[str, str]:
+    """output name -> input name for every output ``<name>_updated`` whose ``<name>`` is a graph
+    input: the state a training step returns (updated parameters, optimizer state, running
+    statistics), which a trainer feeds back at the next step. A trainer writes these outputs
+    into buffers it provides (graphopt.train), so they take no memory during the step."""
+    inputs = {v.name for v in model.graph.input}
+    return {o.name: o.name[:-len(UPDATED_SUFFIX)] for o in model.graph.output
+            if o.name.endswith(UPDATED_SUFFIX) and o.name[:-len(UPDATED_SUFFIX)] in inputs}
+
+
 def producers(model: onnx.ModelProto) -> dict[str, onnx.NodeProto]:
     out: dict[str, onnx.NodeProto] = {}
     for node in model.graph.node:

@@ -3,8 +3,10 @@
 Ops and tensors, each with a name and an integer id; measured seconds per op and bytes per
 tensor; the forward and backward orders; which tensors exist before the step (``resident``:
 graph inputs, initializers, folded constants), which are kept to its end (``kept``: graph
-outputs), which the rewrite may drop (``droppable``: unused optional outputs) and which an op
-overwrites in place (``clobbered``). Derived facts (producers, readers, the forward tensors,
+outputs), which of those are written into buffers the caller provides (``bound``: the state a
+training step returns and a trainer feeds back, see analyze.fed_back_outputs), which the
+rewrite may drop (``droppable``: unused optional outputs) and which an op overwrites in place
+(``clobbered``). Derived facts (producers, readers, the forward tensors,
 the forced and candidate checkpoints, the tensors the backward reads) are computed once when
 the graph is made; the graph never changes after that.
 
@@ -45,7 +47,7 @@ class CostGraph:
 
     def __init__(self, forward: Sequence[Op], backward: Sequence[Op], tensor_bytes: Mapping[str, int],
                  resident: Iterable[str] = (), kept: Iterable[str] = (), droppable: Iterable[str] = (),
-                 recompute_factor: float = 1.0):
+                 recompute_factor: float = 1.0, bound: Iterable[str] = ()):
         ops: dict[str, Op] = {}
         for op in list(forward) + list(backward):
             if op.name in ops:
@@ -60,6 +62,9 @@ class CostGraph:
         folded_outputs = {t for op in ops.values() if op.folded for t in op.outputs}
         self.resident: frozenset[str] = frozenset(resident) | frozenset(folded_outputs)
         self.kept: frozenset[str] = frozenset(kept)
+        self.bound: frozenset[str] = frozenset(bound)
+        if not self.bound <= self.kept:
+            raise ValueError(f"bound tensors must be kept (graph outputs): {sorted(self.bound - self.kept)[:5]}")
         self.droppable: frozenset[str] = frozenset(droppable)
         self.clobbered: frozenset[str] = frozenset(t for op in ops.values() for t in op.clobbers)
         self.tensor_bytes: Mapping[str, int] = MappingProxyType({t: int(b) for t, b in tensor_bytes.items()})
@@ -92,6 +97,7 @@ class CostGraph:
                                                      np.int64)
         self.tensor_resident: np.ndarray = _array([t in self.resident for t in self.tensor_names], bool)
         self.tensor_kept: np.ndarray = _array([t in self.kept for t in self.tensor_names], bool)
+        self.tensor_bound: np.ndarray = _array([t in self.bound for t in self.tensor_names], bool)
         self.tensor_droppable: np.ndarray = _array([t in self.droppable for t in self.tensor_names], bool)
 
         producer: dict[str, str] = {}
@@ -157,7 +163,7 @@ class CostGraph:
                 "backward": [op_dict(self.ops[n]) for n in self.backward_order],
                 "tensor_bytes": dict(self.tensor_bytes), "resident": sorted(self.resident),
                 "kept": sorted(self.kept), "droppable": sorted(self.droppable),
-                "recompute_factor": self.recompute_factor}
+                "recompute_factor": self.recompute_factor, "bound": sorted(self.bound)}
 
     @classmethod
     def from_dict(cls, d: dict) -> "CostGraph":
@@ -166,7 +172,7 @@ class CostGraph:
                          "clobbers": tuple(o.get("clobbers", ()))})
         return cls([op(o) for o in d["forward"]], [op(o) for o in d["backward"]], d["tensor_bytes"],
                    d.get("resident", ()), d.get("kept", ()), d.get("droppable", ()),
-                   d.get("recompute_factor", 1.0))
+                   d.get("recompute_factor", 1.0), d.get("bound", ()))
 
 
 def _array(values, dtype) -> np.ndarray:

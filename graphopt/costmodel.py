@@ -10,6 +10,9 @@ Memory rules (those of ONNX Runtime's allocation planner, see shared/docs/ort-fa
 - a buffer is allocated when its producer runs and freed after its last reader;
 - graph outputs (copy 0 only) are kept to the end; an output nobody reads is never freed,
   unless the rewrite may drop it ("droppable": an unused optional output) — then it costs 0;
+- an output written into a buffer the caller provides ("bound": the state a training step
+  returns, bound with IOBinding by a trainer) costs 0 when its copy 0 is written: the
+  buffer exists before the step, like a resident;
 - an aliasing op (Reshape, Identity, ...) shares its input's buffer: the buffer is freed at
   the last read of any alias;
 - an op ONNX Runtime folds at load (``folded``: a Constant node becomes an initializer) never
@@ -136,9 +139,9 @@ def simulate(graph: CostGraph, schedule: list[Step], tensor_bytes_by_id: np.ndar
     r_write = np.full(len(r_step), -1, dtype=np.int64)
     r_write[r_found] = w_order[r_at[r_found]]
 
-    # storages: RESIDENT (-1) for folded outputs, shared for alias outputs, else new
+    # storages: RESIDENT (-1) for folded and bound outputs, shared for alias outputs, else new
     RESIDENT = -1
-    w_folded = graph.op_folded[ops][w_step]
+    w_folded = graph.op_folded[ops][w_step] | (graph.tensor_bound[w_tensor] & (copies[w_step] == 0))
     w_alias = graph.op_alias[ops][w_step] & (w_position == 0)
     w_storage = np.full(len(w_step), RESIDENT, dtype=np.int64)
     creates = ~w_folded & ~w_alias

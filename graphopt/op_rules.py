@@ -10,7 +10,7 @@ import math
 import onnx
 from onnx import defs, shape_inference
 
-from .analyze import TrainingGraph, implicit_inputs
+from .analyze import TrainingGraph, fed_back_outputs, implicit_inputs
 from .costgraph import CostGraph, Op
 from .runtime.measure import MMAP_THRESHOLD_BYTES
 
@@ -318,4 +318,4 @@ def build_cost_graph(training: TrainingGraph, tensor_bytes: dict[str, int],
     allocated = {t: allocated_bytes(int(b), provider) for t, b in tensor_bytes.items()}
     return CostGraph([ops[n] for n in training.forward], [ops[n] for n in training.backward],
                      allocated, resident=training.resident, kept=outputs, droppable=droppable,
-                     recompute_factor=recompute_factor)
+                     recompute_factor=recompute_factor, bound=fed_back_outputs(model))

@@ -19,7 +19,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from .build.optimizer import updated_inputs
+from .analyze import fed_back_outputs
 from .errors import InvalidModelError, InvalidOptionError
 
 
@@ -40,7 +40,7 @@ def _static_dims(value: onnx.ValueInfoProto) -> list[int | None]:
 def plan_inputs(model: onnx.ModelProto) -> tuple[list[str], dict[str, str]]:
     """(data inputs: graph inputs without a default that are not fed back, {output: input fed
     back}). Raises InvalidModelError when the graph has nothing to feed back (no optimizer)."""
-    feedback = updated_inputs(model)
+    feedback = fed_back_outputs(model)
     if not feedback:
         raise InvalidModelError("the model has no <input>_updated outputs: build it with graphopt train-graph "
                                 "--optimizer so that it updates its parameters")

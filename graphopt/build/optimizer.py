@@ -33,13 +33,14 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from graphopt.analyze import UPDATED_SUFFIX
 from graphopt.errors import InvalidModelError, InvalidOptionError
 
 from .graph_util import Names
 
 OPTIMIZERS = ("sgd", "adamw")
 STEP_NAME = "optimizer.step"
-UPDATED = "_updated"
+UPDATED = UPDATED_SUFFIX
 GRAD = "_grad"
 
 
@@ -250,11 +251,3 @@ def fuse_optimizer(model: onnx.ModelProto, params: list[str], spec: OptimizerSpe
     graph.output.extend([outputs[0]] + param_outputs + state_outputs + outputs[1 + len(params):])
     onnx.helper.set_model_props(model, {**{p.key: p.value for p in model.metadata_props},
                                         METADATA_KEY: spec.to_metadata()})
-
-
-def updated_inputs(model: onnx.ModelProto) -> dict[str, str]:
-    """output name -> input name for every output ``<name>_updated`` whose ``<name>`` is a graph
-    input: what a trainer feeds back at the next step."""
-    inputs = {v.name for v in model.graph.input}
-    return {o.name: o.name[:-len(UPDATED)] for o in model.graph.output
-            if o.name.endswith(UPDATED) and o.name[:-len(UPDATED)] in inputs}

@@ -14,6 +14,11 @@ outputs stay ORT tensors, not copied into numpy), and peak = VmHWM − VmRSS_bef
 Without a writable clear_refs the fallback is ru_maxrss − RSS_before, which is only
 right when this run's peak is above every earlier one (method "ru_maxrss").
 
+A training step that returns its state (outputs ``<input>_updated``, analyze.fed_back_outputs)
+runs as a trainer runs it (graphopt.train): those outputs are bound with IOBinding to buffers
+allocated before the baseline is read, so they are not part of the step's peak; the other
+outputs are allocated by ONNX Runtime as usual.
+
 CUDA peak: the CUDA EP's arena with ``arena_extend_strategy=kSameAsRequested`` grows by
 exactly what is requested and does not shrink on its own. The warm-up run asks the
 arena to shrink at its end (run config ``memory.enable_memory_arena_shrinkage``; a
@@ -88,6 +93,45 @@ def _nvml_index(device_id: int) -> int:
     return device_id
 
 
+def _step_runner(sess, model, feeds: dict, out_names: list[str], device: str, device_id: int):
+    """(run(run_options=None), release()): one step, and dropping what it returned. A step that
+    returns state to feed back writes those outputs into buffers allocated here, once."""
+    import onnxruntime as ort
+    from onnx import helper
+
+    from graphopt.analyze import fed_back_outputs
+
+    declared = {o.name: o.type.tensor_type for o in model.graph.output}
+    bound = {}
+    for name in fed_back_outputs(model):
+        dims = declared[name].shape.dim
+        if all(d.HasField("dim_value") for d in dims):
+            bound[name] = ort.OrtValue.ortvalue_from_shape_and_type(
+                [d.dim_value for d in dims], helper.tensor_dtype_to_np_dtype(declared[name].elem_type),
+                device, device_id)
+    if not bound:
+        held = []
+
+        def run(options=None):
+            held.append(sess.run_with_ort_values(out_names, feeds, options))
+
+        return run, held.clear
+    binding = sess.io_binding()
+    for k, v in feeds.items():
+        binding.bind_ortvalue_input(k, v)
+
+    def run(options=None):
+        binding.clear_binding_outputs()
+        for name in out_names:
+            if name in bound:
+                binding.bind_ortvalue_output(name, bound[name])
+            else:
+                binding.bind_output(name, device, device_id)
+        sess.run_with_iobinding(binding, options)
+
+    return run, binding.clear_binding_outputs
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -136,14 +180,16 @@ def main(argv: list[str] | None = None) -> int:
     else:
         feeds = {k: ort.OrtValue.ortvalue_from_numpy(v) for k, v in feeds_np.items()}
     out_names = [o.name for o in sess.get_outputs()]
+    run, release = _step_runner(sess, onnx.load(args.model, load_external_data=False), feeds, out_names,
+                                "cuda" if cuda else "cpu", args.device_id)
 
     result: dict = {"provider": provider, "settings": settings.to_dict()}
     if cuda:
         nvml = _Nvml(_nvml_index(args.device_id))
         shrink = ort.RunOptions()
         shrink.add_run_config_entry("memory.enable_memory_arena_shrinkage", f"gpu:{args.device_id}")
-        outs = sess.run_with_ort_values(out_names, feeds, shrink)  # warm-up
-        del outs
+        run(shrink)  # warm-up
+        release()
         gc.collect()
         # Arena back to its start: outputs bound to host memory, so that no device
         # output buffer outlives the run and keeps an arena region from shrinking.
@@ -159,14 +205,14 @@ def main(argv: list[str] | None = None) -> int:
             sess.run_with_ort_values(out_names, feeds, shrink)
         gc.collect()
         before = nvml.used()
-        outs = sess.run_with_ort_values(out_names, feeds)
+        run()
         after = nvml.used()
-        del outs
+        release()
         result["peak_bytes"] = max(0, after - before)
         result["method"] = f"nvml ({nvml.source})"
     else:
-        outs = sess.run_with_ort_values(out_names, feeds)  # warm-up
-        del outs
+        run()  # warm-up
+        release()
         gc.collect()
         _malloc_trim()
         have_hwm = _reset_hwm()
@@ -174,23 +220,23 @@ def main(argv: list[str] | None = None) -> int:
         if rss_before is None:  # no /proc: growth of the lifetime maximum (a lower bound)
             have_hwm = False
             rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        outs = sess.run_with_ort_values(out_names, feeds)
+        run()
         if have_hwm:
             peak_kb = _status_kb("VmHWM")
             result["method"] = "VmHWM"
         else:
             peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
             result["method"] = "ru_maxrss"
-        del outs
+        release()
         result["peak_bytes"] = max(0, (peak_kb - rss_before) * 1024)
         result["rss_before_bytes"] = rss_before * 1024
 
     times = []
     for _ in range(max(1, args.repeats)):
         t0 = time.perf_counter()
-        outs = sess.run_with_ort_values(out_names, feeds)
+        run()
         times.append(time.perf_counter() - t0)  # Run synchronizes the device at its end
-        del outs
+        release()
     result["step_seconds"] = statistics.median(times)
     sys.stdout.write("\n" + json.dumps(result) + "\n")
     sys.stdout.flush()
