@@ -73,15 +73,26 @@ def parse_config(config: str) -> tuple[str, float | None]:
     raise ValueError("unknown torch configuration %r (eager, compile, compile-budget[=B])" % config)
 
 
+# the optimizers a configuration may end with ("eager+adamw": the full training step,
+# optimizer.step() included; benchmarks/fused_step.py builds the same ones into the graph)
+OPTIMIZERS = {"sgd": lambda params, torch: torch.optim.SGD(params, lr=1e-3, momentum=0.9),
+              "adamw": lambda params, torch: torch.optim.AdamW(params, lr=1e-4)}
+
+
 def worker(name: str, config: str, repeats: int) -> dict:
-    """One configuration, in this (fresh) process: peak (repeats == 1) or step time."""
+    """One configuration, in this (fresh) process: peak (repeats == 1) or step time. A
+    configuration ending in +sgd or +adamw runs that optimizer's step after the backward (its
+    state exists before the measured step: the warm-up steps made it)."""
     import torch
 
     torch.set_num_threads(1)
     sys.path.insert(0, HERE)
     from torch_twins import torch_inputs, twin_example
 
-    mode, budget = parse_config(config)
+    config_base, _, optimizer_kind = config.partition("+")
+    if optimizer_kind and optimizer_kind not in OPTIMIZERS:
+        raise ValueError("unknown optimizer %r in configuration %r" % (optimizer_kind, config))
+    mode, budget = parse_config(config_base)
     module, _, inputs = twin_example(name)
     args = torch_inputs(module, inputs)
     params = list(module.parameters())
@@ -93,11 +104,15 @@ def worker(name: str, config: str, repeats: int) -> dict:
             functorch_config.activation_memory_budget = budget
         step_fn = torch.compile(module)
 
+    optimizer = OPTIMIZERS[optimizer_kind](params, torch) if optimizer_kind else None
+
     def step():
         for p in params:
             p.grad = None
         loss = step_fn(*args)
         loss.backward()
+        if optimizer is not None:
+            optimizer.step()
         return loss
 
     started = time.perf_counter()
