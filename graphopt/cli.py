@@ -312,6 +312,28 @@ def cmd_strategies(args) -> int:
     return 0
 
 
+def cmd_example(args) -> int:
+    import numpy as np
+
+    from .examples import EXAMPLES, example_inputs, forward_example
+    from .inputs import save_inputs
+    from .optimize import save_model
+    if args.name not in EXAMPLES:
+        raise GraphoptError(f"unknown example {args.name!r} (known: {EXAMPLES})")
+    if args.batches < 1:
+        raise GraphoptError(f"--batches must be at least 1, got {args.batches}")
+    forward = forward_example(args.name, small=args.small)
+    batches = [example_inputs(forward, seed=k) for k in range(args.batches)]
+    args.output.mkdir(parents=True, exist_ok=True)
+    model_path, data_path = args.output / f"{args.name}.onnx", args.output / f"{args.name}.data.npz"
+    save_model(forward, model_path)
+    save_inputs(data_path, {k: np.concatenate([b[k] for b in batches]) for k in batches[0]})
+    shapes = ", ".join(f"{k} {list(v.shape)}" for k, v in batches[0].items())
+    print(f"wrote {model_path} (forward model; its loss is the output 'loss') and {data_path} "
+          f"({args.batches} batches of {shapes}, seeded)")
+    return 0
+
+
 def cmd_demo(args) -> int:
     from .examples import EXAMPLES, training_example
     from .optimize import OptimizeOptions, optimize, save_model
@@ -469,6 +491,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token-file", type=Path)
     p.add_argument("--tls-ca")
     p.set_defaults(func=cmd_health)
+
+    p = sub.add_parser("example", help="write a bundled example's forward model and seeded batches of data")
+    p.add_argument("name", help="mlp, resnet, densenet, unet, transformer or randwire")
+    p.add_argument("-o", "--output", type=Path, required=True, help="folder for NAME.onnx and NAME.data.npz")
+    p.add_argument("--batches", type=int, default=4, help="batches of data (default 4)")
+    p.add_argument("--small", action="store_true", help="the small variant (seconds, not minutes)")
+    p.set_defaults(func=cmd_example)
 
     p = sub.add_parser("demo", help="build a bundled example, optimize it, print the measured saving")
     p.add_argument("--example", default="mlp")
