@@ -140,18 +140,20 @@ def test_the_graph_graphopt_optimizes_trains_identically():
 
 
 def test_cli_trains_logs_and_resumes(tmp_path):
-    forward = forward_example("mlp", small=True)
-    onnx.save(forward, tmp_path / "forward.onnx")
-    batches = [example_inputs(forward, seed=s) for s in range(BATCHES)]
-    np.savez(tmp_path / "data.npz", **{k: np.concatenate([b[k] for b in batches]) for k in batches[0]})
-
     def cli(*args):
         done = subprocess.run([sys.executable, "-m", "graphopt.cli", *map(str, args)], capture_output=True,
                               text=True, cwd=tmp_path)
         assert done.returncode == 0, done.stderr
         return done.stdout
 
-    out = cli("train-graph", "forward.onnx", "-o", "train.onnx", "--optimizer", "adamw", "--lr", "1e-3",
+    cli("example", "mlp", "--small", "--batches", BATCHES, "-o", ".")
+    forward = forward_example("mlp", small=True)
+    from graphopt.inputs import load_inputs
+    data = load_inputs(tmp_path / "mlp.data.npz")
+    batch = example_inputs(forward, seed=1)     # the example's batch 1 is rows B..2B of its data
+    assert all(np.array_equal(data[k][len(v):2 * len(v)], v) for k, v in batch.items())
+    np.savez(tmp_path / "data.npz", **{k: data[k] for k in batch})   # the plain-npz form
+    out = cli("train-graph", "mlp.onnx", "-o", "train.onnx", "--optimizer", "adamw", "--lr", "1e-3",
               "--betas", "0.85,0.995", "--weight-decay", "0.05")
     assert "adamw step inside" in out
     cli("train", "train.onnx", "--data", "data.npz", "--steps", 9, "--log", "nine.csv", "-q")
