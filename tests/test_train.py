@@ -122,6 +122,32 @@ def test_fused_step_trains_like_torch_optim(case):
         assert float(result.state["optimizer.step"]) == STEPS
 
 
+@pytest.mark.parametrize("name", ["gpt2", "bert"])
+def test_a_transformers_model_trains_like_torch_optim(name):
+    """A real transformers architecture (tests/real_zoo.py, tiny), exported as users export it:
+    12 AdamW steps on its batch equal torch's on the same module."""
+    import real_zoo
+    model = real_zoo.CORPUS[name]("tiny")
+    forward = real_zoo.export(model, "legacy")
+    graph = build_training_graph(forward, loss="cross_entropy", class_axis=model.class_axis,
+                                 optimizer=OptimizerSpec("adamw", lr=2e-3))
+    result = train(graph, real_zoo.model_feeds(model), STEPS, threads=1)
+    module = real_zoo._train_mode(model.module)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=2e-3)
+    expected = []
+    for _ in range(STEPS):
+        out = module(*model.inputs.values())
+        axis = model.class_axis if model.class_axis is not None else (1 if out.dim() == 2 else out.dim() - 1)
+        loss = torch.nn.functional.cross_entropy(out.movedim(axis, 1), model.labels)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        expected.append(float(loss.detach()))
+    relative = [abs(a - b) / abs(b) for a, b in zip(result.losses, expected)]
+    assert max(relative) <= 1e-3, list(zip(result.losses, expected))
+    assert expected[-1] < 0.9 * expected[0], "12 steps on one batch should lower the loss"
+
+
 def _example(name="resnet", optimizer=OptimizerSpec("adamw", lr=1e-3)):
     forward = forward_example(name, small=True)
     batches = [example_inputs(forward, seed=s) for s in range(BATCHES)]
@@ -129,8 +155,10 @@ def _example(name="resnet", optimizer=OptimizerSpec("adamw", lr=1e-3)):
     return build_training_graph(forward, optimizer=optimizer), data, batches[0]
 
 
-def test_the_graph_graphopt_optimizes_trains_identically():
-    model, data, first = _example("densenet", OptimizerSpec("sgd", lr=0.05, momentum=0.9))
+@pytest.mark.parametrize("spec", [OptimizerSpec("sgd", lr=0.05, momentum=0.9), OptimizerSpec("adamw", lr=1e-3)],
+                         ids=["sgd", "adamw"])
+def test_the_graph_graphopt_optimizes_trains_identically(spec):
+    model, data, first = _example("densenet", spec)
     result = optimize(model, OptimizeOptions(inputs=first, objective="least-peak", measure=False))
     assert result.report.outputs_match and result.report.recompute_nodes > 0
     given = train(model, data, STEPS, threads=1)
