@@ -113,12 +113,13 @@ def train(model: onnx.ModelProto | str | os.PathLike, data: dict[str, np.ndarray
     session = open_session(model, None, providers=providers or default_providers(), threads=threads)
     provider = session.get_providers()[0]
     device = "cuda" if provider == "CUDAExecutionProvider" else "cpu"
-    initial = {t.name: t for t in proto.graph.initializer if t.name in set(feedback.values())}
-    current = {name: ort.OrtValue.ortvalue_from_numpy(numpy_helper.to_array(initial[name]), device, 0)
-               for name in feedback.values()}
-    spare = {name: ort.OrtValue.ortvalue_from_shape_and_type(list(v.shape()), numpy_helper.to_array(
-        initial[name]).dtype, device, 0) for name, v in current.items()}
-    del initial
+    fed_back = set(feedback.values())
+    current, spare = {}, {}     # this step's state, and the buffers its outputs are written into
+    for t in proto.graph.initializer:
+        if t.name in fed_back:
+            value = numpy_helper.to_array(t)
+            current[t.name] = ort.OrtValue.ortvalue_from_numpy(value, device, 0)
+            spare[t.name] = ort.OrtValue.ortvalue_from_shape_and_type(list(value.shape), value.dtype, device, 0)
     binding = session.io_binding()
     losses: list[float] = []
     writer, handle = None, None

@@ -151,7 +151,7 @@ def fuse_optimizer(model: onnx.ModelProto, params: list[str], spec: OptimizerSpe
             np.array(value, dtype=helper.tensor_dtype_to_np_dtype(elem_type)), name))
         return name
 
-    def node(op, inputs, stem, **attrs) -> str:
+    def node(op, inputs, stem, **attrs) -> tuple[str, onnx.NodeProto]:
         out = names.fresh(stem)
         return out, helper.make_node(op, inputs, [out], name=names.fresh(stem + "/" + op), **attrs)
 
