@@ -214,17 +214,24 @@ def fuse_optimizer(model: onnx.ModelProto, params: list[str], spec: OptimizerSpe
             emit("Add", [p, emit("Mul", [d, minus_lr], "step")], "update", out=p + UPDATED)
         else:
             m, v = states[p]
+            # File order for ONNX Runtime's DEFAULT execution order (a depth-first walk back from
+            # the outputs that visits a node's producers from the highest file position to the
+            # lowest): a producer placed earlier in the file runs later, right before its consumer.
+            # So the nodes that read only the parameter and its state come first, and the
+            # first-moment chain after the second moment's: the walk then runs the first moment,
+            # the second, the denominator, and the parameter's decay last, keeping at most the
+            # gradient and two parameter-sized temporaries alive at once.
             start = emit("Mul", [p, decay], "decayed") if decay else p      # param.mul_(1 - lr * wd)
-            # exp_avg.lerp_(grad, 1 - beta1) = m + (1 - beta1) * (g - m)
-            m_new = emit("Add", [m, emit("Mul", [emit("Sub", [g, m], "grad_minus_avg"), one_minus_b1], "lerp")],
-                         "exp_avg", out=m + UPDATED)
+            decayed_avg_sq = emit("Mul", [v, b2_const], "avg_sq_decayed")
             # exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
             scaled = emit("Mul", [emit("Mul", [g, one_minus_b2], "grad_scaled"), g], "grad_sq")
-            v_new = emit("Add", [emit("Mul", [v, b2_const], "avg_sq_decayed"), scaled], "exp_avg_sq",
-                         out=v + UPDATED)
+            v_new = emit("Add", [decayed_avg_sq, scaled], "exp_avg_sq", out=v + UPDATED)
             # denom = exp_avg_sq.sqrt() / bias_correction2_sqrt + eps
             denom = emit("Add", [emit("Div", [emit("Sqrt", [v_new], "root"), correction2_sqrt], "root_corrected"),
                                  eps], "denom")
+            # exp_avg.lerp_(grad, 1 - beta1) = m + (1 - beta1) * (g - m)
+            m_new = emit("Add", [m, emit("Mul", [emit("Sub", [g, m], "grad_minus_avg"), one_minus_b1], "lerp")],
+                         "exp_avg", out=m + UPDATED)
             # param.addcdiv_(exp_avg, denom, value=-step_size)
             emit("Add", [start, emit("Mul", [emit("Div", [m_new, denom], "ratio"), minus_step_size], "step")],
                  "update", out=p + UPDATED)
