@@ -204,13 +204,13 @@ def fuse_optimizer(model: onnx.ModelProto, params: list[str], spec: OptimizerSpe
             return out
 
         if spec.kind == "sgd":
+            # (the state-only node first in the file: see AdamW's below)
+            kept_momentum = emit("Mul", [states[p][0], momentum], "momentum") if momentum else None
             d = g
             if decay:                                   # grad.add(param, alpha=wd)
                 d = emit("Add", [g, emit("Mul", [p, decay], "decayed")], "decayed_grad")
             if momentum:                                # buf.mul_(momentum).add_(grad)
-                buf = states[p][0]
-                d = emit("Add", [emit("Mul", [buf, momentum], "momentum"), d], "buffer",
-                         out=buf + UPDATED)
+                d = emit("Add", [kept_momentum, d], "buffer", out=states[p][0] + UPDATED)
             emit("Add", [p, emit("Mul", [d, minus_lr], "step")], "update", out=p + UPDATED)
         else:
             m, v = states[p]
