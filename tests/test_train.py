@@ -242,7 +242,7 @@ def test_fused_step_frees_each_gradient_measured(tmp_path):
     from graphopt.op_rules import build_cost_graph
     from graphopt.runtime.measure import measure
     from graphopt.annotate import annotate
-    from graphopt.runtime.session import UNOPTIMIZED_SETTINGS
+    from graphopt.runtime.session import read_settings
 
     forward = forward_example("mlp", batch=8, width=1024, depth=6, d_in=1024)
     feeds = example_inputs(forward)
@@ -256,7 +256,7 @@ def test_fused_step_frees_each_gradient_measured(tmp_path):
         onnx.save(model, tmp_path / f"{label}.onnx")
         peaks[label] = measure(tmp_path / f"{label}.onnx", tmp_path / "inputs.npz", timing=False).peak_bytes
         training = analyze(model)
-        annotations = annotate(model, feeds, UNOPTIMIZED_SETTINGS)
+        annotations = annotate(model, feeds, read_settings(model))
         graph = build_cost_graph(training, annotations.tensor_bytes, annotations.node_seconds)
         predicted[label] = simulate(graph, [(n, 0) for n in annotations.execution_order if n in graph]).peak_bytes
     assert peaks["plain"] >= gradient_bytes                    # the gradients are all there

@@ -98,10 +98,20 @@ class OptimizerSpec:
 METADATA_KEY = "graphopt.optimizer"
 
 
-def fuse_optimizer(model: onnx.ModelProto, params: list[str], spec: OptimizerSpec) -> None:
+@dataclass(frozen=True)
+class FusedUpdates:
+    """Where `fuse_optimizer` wrote its nodes: `head` (the step count and bias corrections,
+    first in the file) and, by the name of the node that completes a gradient, the update
+    nodes written right after it, in their order."""
+    head: list[str]
+    after: dict[str, list[str]]
+
+
+def fuse_optimizer(model: onnx.ModelProto, params: list[str], spec: OptimizerSpec) -> FusedUpdates:
     """In place, on a finished training graph whose outputs are ``loss``, ``<p>_grad`` for each of
     `params` (in that order) and extras: the update of each parameter in the graph (see the
-    module docstring). Raises InvalidModelError when a name it needs is taken."""
+    module docstring), each right after the node that completes its gradient, in the order
+    it should run. Raises InvalidModelError when a name it needs is taken."""
     spec.check()
     graph = model.graph
     outputs = list(graph.output)
@@ -204,37 +214,33 @@ def fuse_optimizer(model: onnx.ModelProto, params: list[str], spec: OptimizerSpe
             return out
 
         if spec.kind == "sgd":
-            # (the state-only node first in the file: see AdamW's below)
-            kept_momentum = emit("Mul", [states[p][0], momentum], "momentum") if momentum else None
             d = g
             if decay:                                   # grad.add(param, alpha=wd)
                 d = emit("Add", [g, emit("Mul", [p, decay], "decayed")], "decayed_grad")
             if momentum:                                # buf.mul_(momentum).add_(grad)
+                kept_momentum = emit("Mul", [states[p][0], momentum], "momentum")
                 d = emit("Add", [kept_momentum, d], "buffer", out=states[p][0] + UPDATED)
             emit("Add", [p, emit("Mul", [d, minus_lr], "step")], "update", out=p + UPDATED)
         else:
             m, v = states[p]
-            # File order for ONNX Runtime's DEFAULT execution order (a depth-first walk back from
-            # the outputs that visits a node's producers from the highest file position to the
-            # lowest): a producer placed earlier in the file runs later, right before its consumer.
-            # So the nodes that read only the parameter and its state come first, and the
-            # first-moment chain after the second moment's: the walk then runs the first moment,
-            # the second, the denominator, and the parameter's decay last, keeping at most the
-            # gradient and two parameter-sized temporaries alive at once.
-            start = emit("Mul", [p, decay], "decayed") if decay else p      # param.mul_(1 - lr * wd)
-            decayed_avg_sq = emit("Mul", [v, b2_const], "avg_sq_decayed")
-            # exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-            scaled = emit("Mul", [emit("Mul", [g, one_minus_b2], "grad_scaled"), g], "grad_sq")
-            v_new = emit("Add", [decayed_avg_sq, scaled], "exp_avg_sq", out=v + UPDATED)
-            # denom = exp_avg_sq.sqrt() / bias_correction2_sqrt + eps
-            denom = emit("Add", [emit("Div", [emit("Sqrt", [v_new], "root"), correction2_sqrt], "root_corrected"),
-                                 eps], "denom")
+            # In the order it runs (the graph runs in file order: PRIORITY_BASED), each node as
+            # late as its inputs allow, so that at most the gradient and two parameter-sized
+            # temporaries are alive at once: the first moment, then the second (the gradient's
+            # last reader), the denominator, the step, and the parameter's decay last.
             # exp_avg.lerp_(grad, 1 - beta1) = m + (1 - beta1) * (g - m)
             m_new = emit("Add", [m, emit("Mul", [emit("Sub", [g, m], "grad_minus_avg"), one_minus_b1], "lerp")],
                          "exp_avg", out=m + UPDATED)
-            # param.addcdiv_(exp_avg, denom, value=-step_size)
-            emit("Add", [start, emit("Mul", [emit("Div", [m_new, denom], "ratio"), minus_step_size], "step")],
-                 "update", out=p + UPDATED)
+            # exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            scaled = emit("Mul", [emit("Mul", [g, one_minus_b2], "grad_scaled"), g], "grad_sq")
+            v_new = emit("Add", [emit("Mul", [v, b2_const], "avg_sq_decayed"), scaled], "exp_avg_sq",
+                         out=v + UPDATED)
+            # denom = exp_avg_sq.sqrt() / bias_correction2_sqrt + eps
+            denom = emit("Add", [emit("Div", [emit("Sqrt", [v_new], "root"), correction2_sqrt], "root_corrected"),
+                                 eps], "denom")
+            # param.mul_(1 - lr * wd); param.addcdiv_(exp_avg, denom, value=-step_size)
+            step = emit("Mul", [emit("Div", [m_new, denom], "ratio"), minus_step_size], "step")
+            start = emit("Mul", [p, decay], "decayed") if decay else p
+            emit("Add", [start, step], "update", out=p + UPDATED)
         return nodes
 
     # each update right after the node that completes its gradient
@@ -248,6 +254,8 @@ def fuse_optimizer(model: onnx.ModelProto, params: list[str], spec: OptimizerSpe
     for k, n in enumerate(graph.node):
         nodes.append(n)
         nodes.extend(after.get(k, ()))
+    written = FusedUpdates(head=[n.name for n in head],
+                           after={graph.node[k].name: [n.name for n in chain] for k, chain in after.items()})
     graph.ClearField("node")
     graph.node.extend(nodes)
     graph.initializer.extend(new_initializers)
@@ -258,3 +266,4 @@ def fuse_optimizer(model: onnx.ModelProto, params: list[str], spec: OptimizerSpe
     graph.output.extend([outputs[0]] + param_outputs + state_outputs + outputs[1 + len(params):])
     onnx.helper.set_model_props(model, {**{p.key: p.value for p in model.metadata_props},
                                         METADATA_KEY: spec.to_metadata()})
+    return written

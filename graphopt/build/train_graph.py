@@ -21,6 +21,8 @@ differentiates graph *inputs* and works with a trailing seed axis, so this modul
 """
 from __future__ import annotations
 
+import dataclasses
+
 import re
 
 import numpy as np
@@ -39,6 +41,7 @@ from .embedding_grad import lean_embedding_gradients
 from .lean import (gradients_early, loss_first, outputs_written_in_place, pads_sum_to_concat,
                    recompute_gelu_intermediates, transposed_products,
                    transposed_weights_into_gemm)
+from .file_order import default_order, leanest_file_order
 from .optimizer import OptimizerSpec, fuse_optimizer
 from .losses import LOSS_NAME, attach_loss_parts, cross_entropy_seed, parse_loss
 from .training_mode import batchnorm_training, copy_statistics_inputs, dropout_training
@@ -455,8 +458,20 @@ def build_training_graph(forward: onnx.ModelProto, loss: str | None = None,
     model = _finish(reversed_model, loss, loss_shape, types.get(loss, TensorProto.FLOAT),
                     params, initializers, extras, types, parts)
     if optimizer is not None:
-        fuse_optimizer(model, params, optimizer)
+        # The fused graph runs in file order (PRIORITY_BASED), so that each update runs where it
+        # is written. Three candidate orders; the cost model keeps the leanest: the training
+        # graph's file order and the order ORT's DEFAULT walk runs it in (each gradient late,
+        # right before the walk needs it), each with the updates right after their gradients;
+        # and the order ORT's DEFAULT walk would run the fused graph in (what it ran before).
+        constants = [n.name for n in model.graph.node if n.op_type == "Constant"]
+        walked = [model.graph.node[k].name for k in default_order(model)]
+        fused = fuse_optimizer(model, params, optimizer)
         name_nodes(model)
+        in_file = [n.name for n in model.graph.node]
+        in_walk = constants + fused.head + [x for name in walked for x in [name] + fused.after.get(name, [])]
+        fused_walk = [model.graph.node[k].name for k in default_order(model)]
+        leanest_file_order(model, [in_file, in_walk, constants + fused_walk])
+        write_settings(model, dataclasses.replace(UNOPTIMIZED_SETTINGS, execution_order="PRIORITY_BASED"))
         try:
             onnx.checker.check_model(model)
         except onnx.checker.ValidationError as exc:  # pragma: no cover - a bug if it happens
