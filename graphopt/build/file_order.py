@@ -1,11 +1,13 @@
 """The builder's node order for a graph that runs in file order (``PRIORITY_BASED``).
 
 A training graph with its optimizer step runs in the order of its file (graphopt/build/
-optimizer.py writes each update where it should run). The file order autodiff gives keeps
-some tensors alive long before they are read: a tied embedding's gradient from the output
-projection is computed at the start of the backward pass and read only at its end, where the
-embedding's own contribution is added to it. `sink_to_readers` moves such nodes down to right
-before their first reader whenever that can only lower the memory in between.
+optimizer.py writes each update where it should run), so the builder picks that order:
+`leanest_file_order` keeps the candidate order the cost model gives the least peak, after
+`sink_to_readers` has moved each node whose outputs outweigh the inputs it keeps alive down to
+right before its first reader (autodiff computes a tied embedding's gradient from the output
+projection at the start of the backward pass, and it is read only at the end, where the
+embedding's own contribution is added). `default_order` is the order ONNX Runtime's DEFAULT
+walk runs a graph in, one of the candidates.
 """
 from __future__ import annotations
 
