@@ -264,3 +264,19 @@ def test_fused_step_frees_each_gradient_measured(tmp_path):
     assert peaks["adamw"] <= peaks["plain"] + 0.5 * gradient_bytes and peaks["adamw"] < peaks["plain"], peaks
     for label in peaks:
         assert abs(predicted[label] - peaks[label]) <= max(0.05 * peaks[label], 512 * 1024), (label, predicted, peaks)
+
+
+def test_dropout_draws_a_new_mask_every_step_of_a_run():
+    """ONNX Runtime's random kernels advance their generator on every run of a session, so the
+    Dropout masks of one `train` run differ from step to step (the parameters barely move:
+    lr 1e-9, one batch, so the loss changes with the mask alone), and a new run (a new
+    session) draws the same sequence again."""
+    entry = ZOO["dropout_mlp"]()
+    forward = export(entry)
+    model = build_training_graph(forward, loss=entry.loss, optimizer=OptimizerSpec("sgd", lr=1e-9))
+    data = {k: v.numpy() for k, v in entry.inputs.items()}
+    data["labels"] = entry.labels.numpy()
+    first = train(model, data, 6, threads=1).losses
+    again = train(model, data, 6, threads=1).losses
+    assert len(set(np.round(first, 6))) >= 5, first
+    assert first == again
