@@ -79,6 +79,7 @@ class Worker:
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      start_new_session=True, env=env)
         self._buffer = bytearray()
+        self.ready = False   # it said so (its imports are done)
         # what the libraries print in the worker becomes structured log lines of the server
         threading.Thread(target=self._forward_stderr, name=f"worker-{self.proc.pid}-stderr", daemon=True).start()
 
@@ -221,7 +222,11 @@ class WorkerPool:
                     code = worker.proc.wait()
                     raise WorkerFailedError(f"the worker process died (exit code {code}) while working "
                                             "on this model (out of memory?)") from None
-                if event is None or "ready" in event:
+                if event is not None and "ready" in event:
+                    worker.ready = True
+                    started = time.monotonic()   # a fresh worker's imports are not the job's time
+                    continue
+                if event is None:
                     continue
                 if "progress" in event:
                     yield event
