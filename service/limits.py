@@ -134,8 +134,9 @@ def refusing_handler(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, mess
 
 class StreamLimitInterceptor(grpc.ServerInterceptor):
     """At most `limits[kind]` streaming calls of each kind at once, more refused at once.
-    `kind_of(method)` names a method's kind (None: not limited). Streams of every kind but
-    `self_watched_kinds` (the Graphopt calls watch their own waits) are idle-watched here.
+    `kind_of(method)` names a method's kind (None: not limited, as the Graphopt calls, which
+    count their own uploads and admissions and watch their own waits). Streams of every kind
+    but `self_watched_kinds` are idle-watched here.
 
     The count is taken on the call's pool thread, when its handler starts (a call the server
     refuses before that, over its maximum of concurrent calls, never counts)."""
