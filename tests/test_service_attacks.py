@@ -261,10 +261,15 @@ def test_idle_reflection_streams_do_not_starve_health(tmp_path, models):
         with Client(server.target) as client:
             assert client.list_strategies(timeout_seconds=5)
         _served(server, models, tmp_path)
-        codes = [_error(lambda c=c: c).code() for c in calls]
-        # at most a few held a thread, until the idle timeout; the others were refused at once
-        assert set(codes) <= {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED}
-        assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 20
+        errors = [_error(lambda c=c: c) for c in calls]
+        codes = [e.code() for e in errors]
+        seen = [(e.code().name, e.details()) for e in errors]
+        # at most a few held a thread, until the idle timeout ended them (CANCELLED; once seen on
+        # a loaded machine as UNAVAILABLE); the others were refused at once
+        assert set(codes) <= {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED,
+                              grpc.StatusCode.UNAVAILABLE}, seen
+        assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 20, seen
+        assert len([e for e in server.logs() if e.get("message") == "idle call ended"]) <= 4
         assert _health(server.target) == "SERVING"
     finally:
         release.set()
