@@ -463,7 +463,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_strategies)
 
     p = sub.add_parser("serve", help="run the gRPC service (health, reflection, worker processes)")
-    p.add_argument("--host", default=env_default("HOST", "[::]"), help="address to listen on ($GRAPHOPT_HOST)")
+    p.add_argument("--host", default=env_default("HOST", "127.0.0.1"),
+                   help="address to listen on ($GRAPHOPT_HOST, default 127.0.0.1: this machine only; "
+                        "'[::]' or 0.0.0.0 for every interface)")
     p.add_argument("--port", type=int, default=env_default("PORT", 50051),
                    help="port ($GRAPHOPT_PORT, default 50051; 0 picks a free one)")
     p.add_argument("--workers", type=int, default=env_default("WORKERS", 2),
@@ -481,6 +483,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-key", default=env_default("TLS_KEY", None), help="TLS private key (PEM; $GRAPHOPT_TLS_KEY)")
     p.add_argument("--drain-seconds", type=float, default=env_default("DRAIN_SECONDS", 25.0),
                    help="on SIGTERM, how long calls in flight may finish ($GRAPHOPT_DRAIN_SECONDS, default 25)")
+    p.add_argument("--idle-timeout", type=float, default=env_default("IDLE_TIMEOUT", 60.0), metavar="SECONDS",
+                   help="end a call whose client neither sends nor reads for this long, uploads and unread "
+                        "responses alike ($GRAPHOPT_IDLE_TIMEOUT, default 60)")
+    p.add_argument("--job-timeout", type=float, default=env_default("JOB_TIMEOUT", 1800.0), metavar="SECONDS",
+                   help="limit on one call's work on a worker (and on its upload), whatever the client's "
+                        "deadline: DEADLINE_EXCEEDED and the worker replaced ($GRAPHOPT_JOB_TIMEOUT, default 1800)")
+    p.add_argument("--job-memory", type=parse_bytes, default=env_default("JOB_MEMORY", None), metavar="BYTES",
+                   help="limit on the memory of a worker and its measuring processes during a job, e.g. 4GiB: "
+                        "over it the job ends RESOURCE_EXHAUSTED ($GRAPHOPT_JOB_MEMORY, default 80%% of the "
+                        "machine's or container's memory divided by the workers)")
+    p.add_argument("--max-files", type=int, default=env_default("MAX_FILES", 4096), metavar="N",
+                   help="limit on the files of one upload, the model and its external data "
+                        "($GRAPHOPT_MAX_FILES, default 4096)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("health", help="ask a server's grpc.health.v1 service; exit 0 when SERVING")

@@ -14,7 +14,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper, shape_inference
 
-from graphopt.errors import InvalidModelError
+from graphopt.errors import InvalidModelError, LimitExceededError
 
 
 class InputSpecError(InvalidModelError, ValueError):
@@ -265,6 +265,53 @@ def _index_bounds(model: onnx.ModelProto, name: str, shapes: dict[str, list]) ->
     return min(scalars), is_index
 
 
+def memory_bytes() -> int | None:
+    """This machine's physical memory, or None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _human_bytes(n: int) -> str:
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} bytes"
+
+
+def _check_input_bytes(model: onnx.ModelProto, input_shapes: dict[str, list[int]], init_names: set[str]) -> None:
+    """LimitExceededError naming the input when the synthesized inputs could not fit in this
+    machine's memory (a declared shape of [1000000, 1000000, 10] would otherwise be numpy's
+    allocation error, or the OOM killer)."""
+    limit = memory_bytes()
+    if limit is None:
+        return
+    total = 0
+    for inp in model.graph.input:
+        if inp.name in init_names or not inp.type.HasField("tensor_type"):
+            continue
+        try:
+            itemsize = np.dtype(helper.tensor_dtype_to_np_dtype(inp.type.tensor_type.elem_type)).itemsize
+        except Exception:
+            continue   # the loop below names an unsupported element type
+        shape = [int(d) for d in input_shapes[inp.name]]
+        count = 1
+        for d in shape:
+            count *= d
+        nbytes = count * itemsize
+        total += nbytes
+        if nbytes > limit:
+            raise LimitExceededError(
+                f"input {inp.name!r} of shape {shape} would need {_human_bytes(nbytes)} ({nbytes} bytes), more "
+                f"than this machine's memory ({_human_bytes(limit)}); give smaller dimensions with input_dims "
+                "(--input-dims NAME=D1,D2,...)")
+    if total > limit:
+        raise LimitExceededError(
+            f"the model's inputs would need {_human_bytes(total)} ({total} bytes) in all, more than this "
+            f"machine's memory ({_human_bytes(limit)}); give smaller dimensions with input_dims")
+
+
 def synthesize_inputs(
     model: onnx.ModelProto,
     input_dims: dict[str, list[int]] | None = None,
@@ -288,6 +335,7 @@ def synthesize_inputs(
     input_shapes = _resolve_shapes(model, input_dims)
     shapes: dict[str, list] | None = None
     init_names = {t.name for t in model.graph.initializer}
+    _check_input_bytes(model, input_shapes, init_names)
     feeds: dict[str, np.ndarray] = {}
     for inp in model.graph.input:
         if inp.name in init_names:

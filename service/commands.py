@@ -14,8 +14,17 @@ ENV_PREFIX = "GRAPHOPT_"
 
 
 def token_from(args) -> str | None:
+    """The bearer token of --token-file or $GRAPHOPT_TOKEN. A token file that is empty (or only
+    white space) is an error, not "no token": a server would otherwise run open."""
+    from graphopt.errors import InvalidOptionError
     if getattr(args, "token_file", None):
-        return args.token_file.read_text().strip()
+        try:
+            token = args.token_file.read_text().strip()
+        except OSError as exc:
+            raise InvalidOptionError(f"cannot read the token file {str(args.token_file)!r}: {exc.strerror}") from None
+        if not token:
+            raise InvalidOptionError(f"the token file {str(args.token_file)!r} is empty")
+        return token
     return os.environ.get(ENV_PREFIX + "TOKEN") or None
 
 
@@ -33,10 +42,21 @@ def serve(args) -> int:
     from .logs import configure
     from .server import ServerConfig, serve as run
     configure(logging.DEBUG if args.verbose else logging.INFO)
+    from graphopt.errors import InvalidOptionError
+    token = token_from(args)
+    if token is None and ENV_PREFIX + "TOKEN" in os.environ and not getattr(args, "token_file", None):
+        # set but empty: someone meant to require a token (say, from a Secret that is empty)
+        raise InvalidOptionError(f"${ENV_PREFIX}TOKEN is set but empty; unset it to serve without a token")
     config = ServerConfig(host=args.host, port=args.port, workers=args.workers, queue_limit=args.queue,
                           max_model_bytes=args.max_model_bytes, max_message_bytes=args.max_message_bytes,
-                          work_dir=args.work_dir, token=token_from(args), tls_cert_path=args.tls_cert,
-                          tls_key_path=args.tls_key, drain_seconds=args.drain_seconds)
+                          work_dir=args.work_dir, token=token, tls_cert_path=args.tls_cert,
+                          tls_key_path=args.tls_key, drain_seconds=args.drain_seconds,
+                          idle_timeout_seconds=args.idle_timeout, job_timeout_seconds=args.job_timeout,
+                          job_memory_bytes=args.job_memory, max_files=args.max_files)
+    try:
+        config.check()
+    except ValueError as exc:
+        raise InvalidOptionError(str(exc)) from None
     return run(config)
 
 

@@ -24,6 +24,18 @@ class WorkerFailedError(Exception):
     """A worker process died, or failed in a way the library does not type."""
 
 
+class JobTimeoutError(Exception):
+    """A job ran past the server's time limit per job (--job-timeout); its worker was replaced."""
+
+
+class JobMemoryError(Exception):
+    """A job's processes used more memory than the server's limit per job (--job-memory)."""
+
+
+class IdleTimeoutError(Exception):
+    """The client neither sent nor read for longer than the server's idle timeout."""
+
+
 # First match wins: subclasses before their bases.
 STATUS_BY_ERROR: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (ProtocolError, grpc.StatusCode.INVALID_ARGUMENT),
@@ -31,6 +43,9 @@ STATUS_BY_ERROR: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (errors.InvalidOptionError, grpc.StatusCode.INVALID_ARGUMENT),
     (errors.LimitExceededError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (QueueFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (JobMemoryError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (JobTimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (IdleTimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
     (errors.UnsupportedOpError, grpc.StatusCode.UNIMPLEMENTED),
     (errors.BudgetInfeasibleError, grpc.StatusCode.FAILED_PRECONDITION),
     (ShuttingDownError, grpc.StatusCode.UNAVAILABLE),

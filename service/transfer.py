@@ -7,6 +7,7 @@ SHA-256. A problem raises ProtocolError (the stream is malformed) or LimitExceed
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import posixpath
@@ -20,6 +21,8 @@ from graphopt.errors import LimitExceededError
 from ._proto import graphopt_pb2 as pb
 
 DEFAULT_CHUNK_BYTES = 1 << 20
+MAX_NAME_BYTES = 255        # one path component (NAME_MAX of Linux file systems)
+MAX_PATH_BYTES = 1024       # a whole relative path
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
@@ -39,6 +42,8 @@ def safe_relative_path(text: str) -> PurePosixPath:
     """A relative path that stays inside its folder, or ProtocolError naming the path."""
     if not text:
         raise ProtocolError("a file header has an empty path")
+    if len(text.encode(errors="surrogatepass")) > MAX_PATH_BYTES:
+        raise ProtocolError(f"file path {_shown(text)} is longer than {MAX_PATH_BYTES} bytes")
     if "\\" in text or "\x00" in text:
         raise ProtocolError(f"file path {text!r} must use '/' and no NUL characters")
     if PurePosixPath(text).is_absolute():
@@ -46,7 +51,16 @@ def safe_relative_path(text: str) -> PurePosixPath:
     path = PurePosixPath(posixpath.normpath(text))   # 'a/../w.bin' is 'w.bin'
     if path == PurePosixPath(".") or path.parts[0] == "..":
         raise ProtocolError(f"file path {text!r} points outside the model's folder")
+    for part in path.parts:
+        if len(part.encode(errors="surrogatepass")) > MAX_NAME_BYTES:
+            raise ProtocolError(f"file path {_shown(text)}: the name {_shown(part)} is longer than "
+                                f"{MAX_NAME_BYTES} bytes")
     return path
+
+
+def _shown(text: str, keep: int = 60) -> str:
+    """A path as a message shows it: cut when long."""
+    return repr(text) if len(text) <= keep else repr(text[:keep]) + f"... ({len(text)} characters)"
 
 
 def file_messages(path: str | os.PathLike, relative_path: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
@@ -78,11 +92,18 @@ class FileReceiver:
     """Feed it FileHeader and FileChunk messages in stream order; call finish() at the end.
 
     `max_total_bytes` bounds the sum of the declared sizes (checked at each header, before
-    any byte of that file is written)."""
+    any byte of that file is written), `max_files` their number; `reserve(size_bytes, path)`,
+    when given, is asked for each file's declared size first (it raises when there is no room).
+    A file may not be where another file's folder is, nor the reverse."""
 
-    def __init__(self, folder: str | os.PathLike, max_total_bytes: int | None = None):
+    def __init__(self, folder: str | os.PathLike, max_total_bytes: int | None = None, max_files: int | None = None,
+                 reserve=None):
         self.result = ReceivedFiles(Path(folder))
         self.max_total_bytes = max_total_bytes
+        self.max_files = max_files
+        self._reserve = reserve
+        self._files: set[str] = set()
+        self._folders: set[str] = set()
         self._header: pb.FileHeader | None = None
         self._file = None
         self._received = 0
@@ -94,8 +115,17 @@ class FileReceiver:
         first = not self.result.paths
         if first and len(relative.parts) != 1:
             raise ProtocolError(f"the model's path {header.path!r} must be a plain file name")
-        if str(relative) in self.result.paths:
-            raise ProtocolError(f"file {header.path!r} was sent twice")
+        name = str(relative)
+        if name in self._files:
+            raise ProtocolError(f"file {_shown(header.path)} was sent twice")
+        if name in self._folders:
+            raise ProtocolError(f"file {_shown(header.path)} clashes with a folder of an earlier file's path")
+        parents = [str(p) for p in relative.parents if str(p) != "."]
+        for parent in parents:
+            if parent in self._files:
+                raise ProtocolError(f"file {_shown(header.path)} would be inside {_shown(parent)}, which is a file")
+        if self.max_files is not None and len(self._files) >= self.max_files:
+            raise LimitExceededError(f"the upload has more than {self.max_files} files, this server's limit")
         if header.size_bytes < 0:
             raise ProtocolError(f"file {header.path!r} declares a negative size")
         if not _HEX64.fullmatch(header.sha256):
@@ -105,12 +135,19 @@ class FileReceiver:
             raise LimitExceededError(
                 f"the model's files total {total} bytes with {header.path!r}, over this server's limit "
                 f"of {self.max_total_bytes} bytes")
+        if self._reserve is not None:
+            self._reserve(header.size_bytes, header.path)
         self.result.total_bytes = total
         target = self.result.folder / relative
-        target.parent.mkdir(parents=True, exist_ok=True)
-        self.result.paths.append(str(relative))
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(target, "wb")
+        except OSError as exc:
+            raise _storage_error(exc, header.path) from None
+        self._files.add(name)
+        self._folders.update(parents)
+        self.result.paths.append(name)
         self._header, self._received, self._digest = header, 0, hashlib.sha256()
-        self._file = open(target, "wb")
 
     def chunk(self, chunk: pb.FileChunk) -> None:
         if self._header is None:
@@ -122,7 +159,10 @@ class FileReceiver:
         if end > self._header.size_bytes:
             raise ProtocolError(f"file {self._header.path!r}: chunks run to byte {end}, past its declared "
                                 f"size of {self._header.size_bytes} bytes")
-        self._file.write(chunk.data)
+        try:
+            self._file.write(chunk.data)
+        except OSError as exc:
+            raise _storage_error(exc, self._header.path) from None
         self._digest.update(chunk.data)
         self._received = end
 
@@ -140,8 +180,12 @@ class FileReceiver:
     def _close_current(self) -> None:
         if self._header is None:
             return
-        self._file.close()
-        self._file = None
+        try:
+            self._file.close()
+        except OSError as exc:
+            raise _storage_error(exc, self._header.path) from None
+        finally:
+            self._file = None
         header, self._header = self._header, None
         if self._received != header.size_bytes:
             raise ProtocolError(f"the stream ended after {self._received} of {header.size_bytes} bytes of "
@@ -149,6 +193,13 @@ class FileReceiver:
         if self._digest.hexdigest() != header.sha256:
             raise ProtocolError(f"file {header.path!r}: checksum mismatch (sent sha256 {header.sha256}, "
                                 f"received data hashes to {self._digest.hexdigest()})")
+
+
+def _storage_error(exc: OSError, path: str) -> Exception:
+    """What a failure to store a received file means to the sender, without this side's paths."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return LimitExceededError(f"no space left to store file {_shown(path)}: the disk is full; try again later")
+    return ProtocolError(f"file {_shown(path)} cannot be stored: {exc.strerror or type(exc).__name__}")
 
 
 def folder_messages(folder: Path, relative_paths: Iterable[str], chunk_bytes: int, wrap) -> Iterator:

@@ -5,13 +5,22 @@ Protocol: one JSON object per line. The server writes jobs to stdin (the options
 {"progress": stage, "fraction": f} events, then one {"result": {...}} (an optimize's report as
 `Report.to_dict()`) or {"error": class name, "message": ...}. Anything else the libraries
 print goes to stderr. The server kills the whole process group to stop a job.
+
+The worker dies with its server: a thread reads the jobs from stdin, and its end (nobody holds
+the pipe's write end any more: the server is gone, even killed with SIGKILL) kills the worker's
+process group, the measuring processes of a job in progress included.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
+import queue
+import shutil
+import signal
 import sys
 import tempfile
+import threading
 import traceback
 from pathlib import Path
 
@@ -50,6 +59,36 @@ def error_class_name(exc: BaseException) -> str:
     return type(exc).__name__
 
 
+def _disk_full(exc: BaseException, job: dict) -> bool:
+    """Whether `exc` is (or was caused by) the work disk running full: ENOSPC anywhere in its
+    chain, or a failure while the disk has less than 1 MiB free (a truncated file read back, say)."""
+    seen = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    try:
+        return shutil.disk_usage(job.get("tmp_dir") or tempfile.gettempdir()).free < (1 << 20)
+    except OSError:
+        return False
+
+
+def error_message(exc: BaseException, job: dict) -> tuple[str, str]:
+    """(error class name, message without server paths) of a failed job."""
+    if _disk_full(exc, job):
+        return "LimitExceededError", "the server's work disk is full; try again later"
+    if isinstance(exc, MemoryError):
+        return "LimitExceededError", f"the job ran out of memory ({type(exc).__name__}: {exc})"
+    return error_class_name(exc), without_server_paths(str(exc), job)
+
+
+def _read_jobs(jobs: queue.Queue) -> None:
+    for line in sys.stdin.buffer:
+        jobs.put(line)
+    # end of input: the server is gone. Nothing of ours may outlive it.
+    os.killpg(os.getpgrp(), signal.SIGKILL)
+
+
 def main() -> int:
     answers = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # stray prints must not corrupt the protocol
@@ -60,17 +99,19 @@ def main() -> int:
         answers.flush()
 
     import graphopt.optimize  # noqa: F401  (warm: the first job should not pay the imports)
+    jobs: queue.Queue = queue.Queue()
+    threading.Thread(target=_read_jobs, args=(jobs,), name="jobs", daemon=True).start()
     send({"ready": os.getpid()})
-    for line in sys.stdin:
-        job = json.loads(line)
+    while True:
+        job = json.loads(jobs.get())
         try:
             result = run_job(job, lambda stage, fraction: send({"progress": stage, "fraction": fraction}))
             send({"result": result})
         except Exception as exc:  # noqa: BLE001 - every failure goes back to the server, typed
-            send({"error": error_class_name(exc), "message": without_server_paths(str(exc), job),
+            name, message = error_message(exc, job)
+            send({"error": name, "message": message,
                   "least_feasible_peak_bytes": getattr(exc, "least_feasible_peak_bytes", None),
                   "traceback": traceback.format_exc()})
-    return 0
 
 
 if __name__ == "__main__":

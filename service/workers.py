@@ -2,8 +2,11 @@
 health checks and new calls; admission with a bounded queue; stopping work by killing.
 
 Each worker is a `python -m graphopt_service.worker` process in its own process group (the
-measuring subprocesses it starts are in that group too). A job whose call is cancelled, or
-whose deadline passes, kills the group; a fresh worker takes its place.
+measuring subprocesses it starts are in that group too). A job whose call is cancelled, whose
+deadline passes, that runs past the server's job time limit or whose processes use more memory
+than the server's limit per job, kills the group; a fresh worker takes its place. A worker
+found dead while idle is replaced before it is handed a call. A worker kills its own group when
+its server dies (worker.py: the end of its stdin).
 """
 from __future__ import annotations
 
@@ -19,18 +22,64 @@ import threading
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
-from .status import CallCancelledError, QueueFullError, ShuttingDownError, WorkerFailedError
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from .status import (CallCancelledError, JobMemoryError, JobTimeoutError, QueueFullError, ShuttingDownError,
+                     WorkerFailedError)
 
 log = logging.getLogger(__name__)
 POLL_SECONDS = 0.1
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
+
+
+def human_bytes(n: float) -> str:
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} bytes"
+
+
+def _descendants(pid: int) -> list[int]:
+    """`pid` and every process below it (from /proc/PID/task/TID/children)."""
+    found, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        found.append(current)
+        try:
+            tasks = os.listdir(f"/proc/{current}/task")
+        except OSError:
+            continue
+        for tid in tasks:
+            try:
+                with open(f"/proc/{current}/task/{tid}/children") as f:
+                    todo.extend(int(child) for child in f.read().split())
+            except OSError:
+                pass
+    return found
+
+
+def resident_bytes(pid: int) -> int:
+    """The resident memory of `pid` and all its descendants (a worker and its measuring processes)."""
+    total = 0
+    for process in _descendants(pid):
+        try:
+            with open(f"/proc/{process}/statm") as f:
+                total += int(f.read().split()[1]) * PAGE_BYTES
+        except (OSError, ValueError, IndexError):
+            pass   # it ended meanwhile
+    return total
 
 
 class Worker:
     def __init__(self, env: dict[str, str] | None = None):
+        # the end of its stdin (this process gone: no one holds the pipe's write end) makes the
+        # worker kill its process group, measuring processes included (worker.py)
         self.proc = subprocess.Popen([sys.executable, "-m", "graphopt_service.worker"],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      start_new_session=True, env=env)
         self._buffer = bytearray()
+        self.ready = False   # it said so (its imports are done)
         # what the libraries print in the worker becomes structured log lines of the server
         threading.Thread(target=self._forward_stderr, name=f"worker-{self.proc.pid}-stderr", daemon=True).start()
 
@@ -43,6 +92,9 @@ class Worker:
     @property
     def pid(self) -> int:
         return self.proc.pid
+
+    def is_alive(self) -> bool:
+        return self.proc.poll() is None
 
     def send(self, job: dict) -> None:
         self.proc.stdin.write((json.dumps(job) + "\n").encode())
@@ -78,16 +130,28 @@ class Worker:
 
 
 class WorkerPool:
-    """`size` workers; at most `size + queue_limit` calls admitted at once (uploading,
-    waiting, working or sending back); more are refused with QueueFullError."""
+    """`size` workers; at most `size + queue_limit` calls admitted at once (waiting, working or
+    sending back; a call is admitted once its upload is complete); more are refused with
+    QueueFullError. Uploads in progress are counted apart (`uploading`), up to `upload_limit`.
 
-    def __init__(self, size: int, queue_limit: int, env: dict[str, str] | None = None):
+    `job_seconds` bounds one job's time on a worker, `job_memory_bytes` the resident memory of a
+    worker and its measuring processes while it works on a job (None: no limit)."""
+
+    def __init__(self, size: int, queue_limit: int, env: dict[str, str] | None = None, *,
+                 upload_limit: int | None = None, job_seconds: float | None = None,
+                 job_memory_bytes: int | None = None):
         if size < 1 or queue_limit < 0:
             raise ValueError("a pool needs at least one worker and a queue limit of at least 0")
         self.size, self.queue_limit, self._env = size, queue_limit, env
+        self.upload_limit = upload_limit if upload_limit is not None else size + queue_limit
+        self.job_seconds, self.job_memory_bytes = job_seconds, job_memory_bytes
         self._cond = threading.Condition()
-        self._idle = [Worker(env) for _ in range(size)]
+        # Every worker is started by this one long-lived thread (a process's parent-death signal
+        # follows the thread that forked it, not the process).
+        self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="worker-spawner")
+        self._idle = [self._spawner.submit(Worker, env).result() for _ in range(size)]
         self._all = set(self._idle)   # idle and busy
+        self._uploading = 0
         self._line: collections.deque = collections.deque()   # calls waiting for a worker, in order
         self._admitted = 0
         self._closed = False
@@ -95,6 +159,27 @@ class WorkerPool:
     @property
     def admitted(self) -> int:
         return self._admitted
+
+    @property
+    def uploading(self) -> int:
+        return self._uploading
+
+    @contextmanager
+    def upload_slot(self):
+        """One upload in progress; QueueFullError when `upload_limit` are."""
+        with self._cond:
+            if self._closed:
+                raise ShuttingDownError("the server is shutting down and takes no new work")
+            if self._uploading >= self.upload_limit:
+                raise QueueFullError(f"{self.upload_limit} uploads are in progress, the most this server "
+                                     "takes at once; try again later")
+            self._uploading += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._uploading -= 1
+                self._cond.notify_all()
 
     @contextmanager
     def admit(self):
@@ -116,18 +201,32 @@ class WorkerPool:
         """Run `job` on a worker: yields its progress events, then its final message."""
         worker = self._acquire(is_cancelled)
         finished = False
+        started = time.monotonic()
         try:
             worker.send(job)
             while True:
                 if is_cancelled():
                     raise CallCancelledError("the call was cancelled or its deadline passed; the work was stopped")
+                if self.job_seconds is not None and time.monotonic() - started > self.job_seconds:
+                    raise JobTimeoutError(f"the job ran past this server's limit of {self.job_seconds:g} s a job "
+                                          "(--job-timeout); the work was stopped")
+                if self.job_memory_bytes is not None:
+                    used = resident_bytes(worker.pid)
+                    if used > self.job_memory_bytes:
+                        raise JobMemoryError(
+                            f"the job used {human_bytes(used)} of memory, over this server's limit of "
+                            f"{human_bytes(self.job_memory_bytes)} a job (--job-memory); the work was stopped")
                 try:
                     event = worker.read_event(POLL_SECONDS)
                 except EOFError:
                     code = worker.proc.wait()
                     raise WorkerFailedError(f"the worker process died (exit code {code}) while working "
                                             "on this model (out of memory?)") from None
-                if event is None or "ready" in event:
+                if event is not None and "ready" in event:
+                    worker.ready = True
+                    started = time.monotonic()   # a fresh worker's imports are not the job's time
+                    continue
+                if event is None:
                     continue
                 if "progress" in event:
                     yield event
@@ -146,12 +245,37 @@ class WorkerPool:
                 self._release(None if self._closed else self._spawn())
 
     def _spawn(self) -> Worker:
-        worker = Worker(self._env)
+        worker = self._spawner.submit(Worker, self._env).result()
         with self._cond:
             self._all.add(worker)
         return worker
 
     def _acquire(self, is_cancelled: Callable[[], bool]) -> Worker:
+        """A live free worker, first come first served. A worker that died while idle is reaped
+        and replaced, never handed out."""
+        while True:
+            worker = self._take_idle(is_cancelled)
+            if worker.is_alive():
+                return worker
+            code = worker.proc.poll()
+            log.warning("an idle worker had died; replacing it", extra={"fields": {"worker_pid": worker.pid,
+                                                                                   "exit_code": code}})
+            worker.kill()
+            with self._cond:
+                self._all.discard(worker)
+            try:
+                replacement = self._spawn()
+            except BaseException:
+                self._release(None)
+                raise
+            with self._cond:
+                if self._closed:
+                    replacement.kill()
+                    raise ShuttingDownError("the server is shutting down")
+                # the replacement goes to the head of the line's own hands: this call is first
+                return replacement
+
+    def _take_idle(self, is_cancelled: Callable[[], bool]) -> Worker:
         """A free worker, first come first served: a call takes one only at the head of the line."""
         ticket = object()
         with self._cond:
@@ -178,9 +302,9 @@ class WorkerPool:
             self._cond.notify_all()
 
     def wait_idle(self, timeout_seconds: float) -> bool:
-        """Wait until no call is admitted; False when the time ran out first."""
+        """Wait until no call is admitted or uploading; False when the time ran out first."""
         with self._cond:
-            return self._cond.wait_for(lambda: self._admitted == 0, timeout_seconds)
+            return self._cond.wait_for(lambda: self._admitted == 0 and self._uploading == 0, timeout_seconds)
 
     def close(self) -> None:
         with self._cond:
@@ -189,7 +313,12 @@ class WorkerPool:
             self._cond.notify_all()
         for worker in list(self._all):
             worker.kill()
+        self._spawner.shutdown(wait=False)
 
     def worker_pids(self) -> list[int]:
         with self._cond:
             return [w.pid for w in self._idle]
+
+    def all_worker_pids(self) -> list[int]:
+        with self._cond:
+            return [w.pid for w in self._all]

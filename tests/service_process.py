@@ -34,11 +34,13 @@ class ServerProcess:
         return [json.loads(line) for line in self.log_path.read_text().splitlines() if line.startswith("{")]
 
     def leftover_files(self) -> list[str]:
-        """Everything under the work dir (the server's root folder itself aside). The server
-        may be removing a call's folder while it is walked: then it is walked again."""
+        """Everything under the work dir (the server's root folder and the lock file it holds
+        there aside). The server may be removing a call's folder while it is walked: then it is
+        walked again."""
         while True:
             try:
-                return [str(p) for p in self.work_dir.rglob("*") if p.is_file() or
+                return [str(p) for p in self.work_dir.rglob("*")
+                        if (p.is_file() and not (p.name == ".lock" and p.parent.parent == self.work_dir)) or
                         (p.is_dir() and p.parent != self.work_dir)]
             except FileNotFoundError:
                 time.sleep(0.05)

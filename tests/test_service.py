@@ -378,7 +378,7 @@ def test_a_full_queue_is_refused_and_sigterm_drains(tmp_path, models):
             busy = threading.Thread(target=lambda: results.update(report=client.optimize(
                 models["slow"], tmp_path / "slow.onnx", strategy="feng-huang")))
             busy.start()
-            server.wait_for_log("call started")
+            server.wait_for_log("call admitted")   # its upload is complete: it holds the one slot
             error = _code(client.optimize, models["mlp"], tmp_path / "refused.onnx", measure=False)
             assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue" in error.details()
 

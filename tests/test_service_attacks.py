@@ -1,0 +1,395 @@
+"""The service under attack and faults, each against a real `graphopt serve` on a loopback port:
+silent and stalled streams, jobs that spin or eat memory, idle streams against the thread pool,
+authentication that fails closed, workers that die or outlive their server, stale folders,
+malformed uploads. Each: the legitimate client is served, the server stays healthy, nothing is
+left behind."""
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import onnx
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from onnx import TensorProto, helper, numpy_helper
+
+from graphopt.examples import training_example
+from graphopt.optimize import save_model
+from graphopt_service._proto import graphopt_pb2 as pb
+from graphopt_service._proto import graphopt_pb2_grpc as pb_grpc
+from graphopt_service.client import Client, make_options
+from service_process import ServerProcess
+
+IDLE_SECONDS = 2.0
+
+
+# -- models ------------------------------------------------------------------------------------
+def _training_graph(forward: list, initializers: list, name: str) -> onnx.ModelProto:
+    """A training graph around `forward` (x -> y, both [1]): loss = sum(y * w), w_grad = y."""
+    nodes = forward + [helper.make_node("Mul", ["y", "w"], ["yw"], name="mulw"),
+                       helper.make_node("ReduceSum", ["yw"], ["loss"], keepdims=0, name="loss"),
+                       helper.make_node("Identity", ["y"], ["w_grad"], name="grad")]
+    graph = helper.make_graph(nodes, name, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+                              [helper.make_tensor_value_info("loss", TensorProto.FLOAT, []),
+                               helper.make_tensor_value_info("w_grad", TensorProto.FLOAT, [1])],
+                              initializers + [numpy_helper.from_array(np.ones(1, np.float32), "w")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def spinning_model() -> onnx.ModelProto:
+    """A Loop of 10^12 iterations: a few hundred bytes that would pin a worker for days."""
+    body = helper.make_graph(
+        [helper.make_node("Identity", ["cond_in"], ["cond_out"]), helper.make_node("Add", ["v_in", "one"], ["v_out"])],
+        "body", [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+                 helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+                 helper.make_tensor_value_info("v_in", TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("v_out", TensorProto.FLOAT, [1])],
+        [numpy_helper.from_array(np.ones(1, np.float32), "one")])
+    return _training_graph([helper.make_node("Loop", ["trips", "cond", "x"], ["y"], body=body, name="loop")],
+                           [numpy_helper.from_array(np.array(10**12, np.int64), "trips"),
+                            numpy_helper.from_array(np.array(True), "cond")], "spin")
+
+
+def memory_hog_model(elements: int = 1 << 28) -> onnx.ModelProto:
+    """A ConstantOfShape of 2^28 floats: a few hundred bytes that make ONNX Runtime take 1 GiB."""
+    return _training_graph(
+        [helper.make_node("ConstantOfShape", ["shape"], ["big"], name="big",
+                          value=numpy_helper.from_array(np.ones(1, np.float32))),
+         helper.make_node("ReduceSum", ["big"], ["s"], keepdims=1, name="sum"),
+         helper.make_node("Mul", ["s", "x"], ["y"], name="y")],
+        [numpy_helper.from_array(np.array([elements], np.int64), "shape")], "hog")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("attack-models")
+    paths = {}
+    model, _ = training_example("mlp", small=True)
+    save_model(model, folder / "mlp.onnx")
+    paths["mlp"] = folder / "mlp.onnx"
+    # big enough that its result (about 32 MB) outruns any flow-control window
+    model, _ = training_example("mlp", batch=2, width=1024, depth=8, d_in=1024)
+    save_model(model, folder / "wide.onnx")
+    paths["wide"] = folder / "wide.onnx"
+    for name, make in (("spin", spinning_model), ("hog", memory_hog_model)):
+        onnx.save(make(), folder / f"{name}.onnx")
+        paths[name] = folder / f"{name}.onnx"
+    return paths
+
+
+# -- helpers -----------------------------------------------------------------------------------
+def _health(target: str, timeout_seconds: float = 5.0) -> str:
+    with grpc.insecure_channel(target) as channel:
+        response = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_seconds)
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+
+
+def _served(server: ServerProcess, models, tmp_path: Path, name: str = "legit") -> None:
+    """The legitimate client: a real optimize call that succeeds."""
+    with Client(server.target) as client:
+        report = client.optimize(models["mlp"], tmp_path / f"{name}.onnx", measure=False, timeout_seconds=120)
+    assert report.outputs_match and (tmp_path / f"{name}.onnx").is_file()
+
+
+def _error(call) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as info:
+        result = call()
+        if hasattr(result, "__iter__"):
+            list(result)
+    return info.value
+
+
+def _file_requests(name: str, data: bytes, chunk_bytes: int = 1 << 16):
+    yield pb.OptimizeRequest(file=pb.FileHeader(path=name, size_bytes=len(data), sha256=hashlib.sha256(data).hexdigest()))
+    for offset in range(0, len(data), chunk_bytes):
+        yield pb.OptimizeRequest(chunk=pb.FileChunk(offset=offset, data=data[offset:offset + chunk_bytes]))
+
+
+def _stalled(first_messages: list, release: threading.Event):
+    """A request stream that sends `first_messages`, then nothing until `release`."""
+    yield from first_messages
+    release.wait(120)
+
+
+def _processes_below(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        for children in Path(f"/proc/{current}/task").glob("*/children"):
+            try:
+                kids = [int(k) for k in children.read_text().split()]
+            except OSError:
+                continue
+            found.extend(kids)
+            todo.extend(kids)
+    return found
+
+
+def _state(pid: int) -> str | None:
+    """The process's state letter (Z: a zombie), None when it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def _finished(server: ServerProcess) -> list[dict]:
+    return [e for e in server.logs() if e.get("message") == "call finished"]
+
+
+# -- stalled streams ---------------------------------------------------------------------------
+def test_silent_uploads_neither_hold_the_queue_nor_stay(tmp_path, models):
+    """10 streams that send the options and then nothing, against workers 2 + queue 8: the
+    legitimate client is served meanwhile, the silent ones are ended after the idle timeout."""
+    server = ServerProcess(tmp_path / "work", "--workers", "2", "--queue", "8", "--idle-timeout", str(IDLE_SECONDS))
+    release = threading.Event()
+    try:
+        with grpc.insecure_channel(server.target) as channel:
+            stub = pb_grpc.GraphoptStub(channel)
+            silent = [stub.Optimize(_stalled([pb.OptimizeRequest(options=make_options(measure=False))], release))
+                      for _ in range(10)]
+            deadline = time.monotonic() + 30
+            while len([e for e in server.logs() if e.get("message") == "call started"]) < 10:
+                assert time.monotonic() < deadline, "the silent calls never started"
+                time.sleep(0.05)
+            _served(server, models, tmp_path)
+            assert _health(server.target) == "SERVING"
+            for call in silent:
+                error = _error(lambda: call)
+                assert error.code() == grpc.StatusCode.CANCELLED
+        ended = [e for e in server.logs() if e.get("message") == "idle call ended"]
+        assert len(ended) == 10 and {e["waiting_for"] for e in ended} == {"the next request message"}
+        assert len([e for e in _finished(server) if e["status"] == "DEADLINE_EXCEEDED"]) == 10
+        assert server.wait_no_leftovers() == []
+        _served(server, models, tmp_path, "after")
+    finally:
+        release.set()
+        server.kill()
+
+
+def test_a_partial_upload_is_ended_and_its_file_removed(tmp_path, models):
+    server = ServerProcess(tmp_path / "work", "--workers", "1", "--idle-timeout", str(IDLE_SECONDS))
+    release = threading.Event()
+    try:
+        data = models["wide"].read_bytes()
+        first = [pb.OptimizeRequest(options=make_options(measure=False)), *list(_file_requests("m.onnx", data))[:5]]
+        with grpc.insecure_channel(server.target) as channel:
+            call = pb_grpc.GraphoptStub(channel).Optimize(_stalled(first, release))
+            server.wait_for_log("call started")
+            assert _error(lambda: call).code() == grpc.StatusCode.CANCELLED
+        assert server.wait_for_log("idle call ended")["waiting_for"] == "the next request message"
+        assert server.wait_no_leftovers() == []
+        _served(server, models, tmp_path)
+    finally:
+        release.set()
+        server.kill()
+
+
+def test_an_unread_response_is_ended(tmp_path, models):
+    """A client that starts an Optimize call and never reads the result holds neither its slot
+    nor its folder past the idle timeout."""
+    server = ServerProcess(tmp_path / "work", "--workers", "1", "--queue", "0", "--idle-timeout", str(IDLE_SECONDS))
+    try:
+        with Client(server.target) as client:
+            call = client.optimize_call(models["wide"], strategy="chen-sqrt", measure=False, verify=False,
+                                        response_chunk_bytes=64 << 10)
+            assert next(call).progress.stage == "queued"   # then it stops reading
+            entry = server.wait_for_log("idle call ended", timeout_seconds=120)
+            assert entry["waiting_for"] == "the client to read a response"
+            server.wait_for_log("call finished", status="DEADLINE_EXCEEDED")
+            call.cancel()
+        assert server.wait_no_leftovers() == []
+        _served(server, models, tmp_path)   # the one slot is free again
+    finally:
+        server.kill()
+
+
+# -- jobs that spin or eat memory --------------------------------------------------------------
+def test_a_job_past_the_job_timeout_is_stopped_whatever_the_client_deadline(tmp_path, models):
+    server = ServerProcess(tmp_path / "work", "--workers", "1", "--job-timeout", "5")
+    try:
+        with Client(server.target) as client:   # no client deadline
+            error = _error(lambda: client.optimize(models["spin"], tmp_path / "never.onnx", measure=False))
+        assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "--job-timeout" in error.details()
+        assert server.wait_for_log("stopping a worker")["worker_pid"] > 0
+        assert not (tmp_path / "never.onnx").exists()
+        assert _health(server.target) == "SERVING"
+        _served(server, models, tmp_path)   # on the replacement worker
+        assert server.wait_no_leftovers() == []
+    finally:
+        server.kill()
+
+
+def test_a_job_over_the_memory_limit_is_stopped(tmp_path, models):
+    server = ServerProcess(tmp_path / "work", "--workers", "1", "--job-memory", "512MiB")
+    try:
+        with Client(server.target) as client:
+            error = _error(lambda: client.optimize(models["hog"], tmp_path / "never.onnx", measure=False))
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error.details()
+        assert "512.0 MiB" in error.details() and "--job-memory" in error.details()
+        assert _health(server.target) == "SERVING"
+        _served(server, models, tmp_path)
+        assert server.wait_no_leftovers() == []
+    finally:
+        server.kill()
+
+
+# -- idle streams against the thread pool --------------------------------------------------------
+def test_idle_reflection_streams_do_not_starve_health(tmp_path, models):
+    server = ServerProcess(tmp_path / "work", "--workers", "1", "--queue", "0", "--idle-timeout", str(IDLE_SECONDS))
+    release = threading.Event()
+    channels = []
+    try:
+        calls = []
+        for _ in range(30):   # each on its own connection, as separate clients would
+            channel = grpc.insecure_channel(server.target)
+            channels.append(channel)
+            calls.append(reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+                _stalled([], release)))
+        time.sleep(0.5)
+        assert _health(server.target, timeout_seconds=5) == "SERVING"
+        with Client(server.target) as client:
+            assert client.list_strategies(timeout_seconds=5)
+        _served(server, models, tmp_path)
+        errors = [_error(lambda c=c: c) for c in calls]
+        codes = [e.code() for e in errors]
+        seen = [(e.code().name, e.details()) for e in errors]
+        # at most a few held a thread, until the idle timeout ended them (CANCELLED; once seen on
+        # a loaded machine as UNAVAILABLE); the others were refused at once
+        assert set(codes) <= {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED,
+                              grpc.StatusCode.UNAVAILABLE}, seen
+        assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 20, seen
+        assert len([e for e in server.logs() if e.get("message") == "idle call ended"]) <= 4
+        assert _health(server.target) == "SERVING"
+    finally:
+        release.set()
+        for channel in channels:
+            channel.close()
+        server.kill()
+
+
+def test_serve_listens_on_loopback_by_default():
+    from graphopt.cli import build_parser
+    environment = {k: v for k, v in os.environ.items() if k != "GRAPHOPT_HOST"}
+    code = "from graphopt.cli import build_parser; print(build_parser().parse_args(['serve']).host)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=environment, timeout=60)
+    assert result.stdout.strip() == "127.0.0.1", result.stderr
+    assert build_parser().parse_args(["serve", "--host", "[::]"]).host == "[::]"
+
+
+# -- authentication fails closed -----------------------------------------------------------------
+@pytest.mark.parametrize("content", ["", "  \n\t\n"])
+def test_an_empty_token_file_is_an_error_at_start(tmp_path, content):
+    (tmp_path / "token").write_text(content)
+    result = subprocess.run([sys.executable, "-m", "graphopt.cli", "serve", "--host", "127.0.0.1", "--port", "0",
+                             "--token-file", str(tmp_path / "token"), "--work-dir", str(tmp_path / "work")],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "token file" in result.stderr and "is empty" in result.stderr, result.stderr
+    assert "listening" not in result.stdout
+
+
+def test_an_empty_token_variable_is_an_error_at_start(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "graphopt.cli", "serve", "--host", "127.0.0.1", "--port", "0",
+                             "--work-dir", str(tmp_path / "work")], capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "GRAPHOPT_TOKEN": ""})
+    assert result.returncode == 2 and "GRAPHOPT_TOKEN is set but empty" in result.stderr, result.stderr
+
+
+def test_failed_tokens_are_logged_and_throttled_per_address(tmp_path):
+    (tmp_path / "token").write_text("s3cret\n")
+    server = ServerProcess(tmp_path / "work", "--workers", "1", "--token-file", str(tmp_path / "token"))
+    try:
+        with Client(server.target, token="wrong") as wrong, Client(server.target, token="s3cret") as right:
+            messages = [_error(lambda: wrong.list_strategies(timeout_seconds=5)).details() for _ in range(40)]
+            assert all("wrong bearer token" in m or "too many failed" in m for m in messages)
+            assert sum("too many failed" in m for m in messages) >= 25   # refused without a look at the token
+            # while throttled, the right token from this address is refused too (guessing gains nothing)
+            error = _error(lambda: right.list_strategies(timeout_seconds=5))
+            assert error.code() == grpc.StatusCode.UNAUTHENTICATED and "too many failed" in error.details()
+            assert right.health() == "SERVING"     # probes are never throttled
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    assert right.list_strategies(timeout_seconds=5)
+                    break
+                except grpc.RpcError as exc:
+                    assert "too many failed" in exc.details() and time.monotonic() < deadline
+                    time.sleep(0.2)
+        failures = [e for e in server.logs() if e.get("message") == "authentication failed"]
+        assert 10 <= len(failures) < 40 and all(e["peer"].startswith("ipv4:127.0.0.1:") for e in failures)
+        assert failures[-1]["attempts_left"] == 0
+        assert any(e.get("message") == "authentication throttled" for e in server.logs())
+    finally:
+        server.kill()
+
+
+# -- workers -------------------------------------------------------------------------------------
+def test_a_worker_that_died_while_idle_is_replaced_before_a_call(tmp_path, models):
+    server = ServerProcess(tmp_path / "work", "--workers", "1")
+    try:
+        workers = [p for p in _processes_below(server.proc.pid) if _state(p) not in (None, "Z")]
+        assert len(workers) == 1
+        os.kill(workers[0], signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while _state(workers[0]) not in ("Z", None):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        _served(server, models, tmp_path)
+        entry = server.wait_for_log("an idle worker had died; replacing it")
+        assert entry["worker_pid"] == workers[0] and entry["exit_code"] == -signal.SIGKILL
+        assert _state(workers[0]) is None, "the dead worker was left a zombie"
+        _served(server, models, tmp_path, "second")   # the full capacity is back
+    finally:
+        server.kill()
+
+
+def test_workers_and_their_measuring_processes_die_with_the_server(tmp_path, models):
+    server = ServerProcess(tmp_path / "work", "--workers", "2")
+    try:
+        workers = _processes_below(server.proc.pid)
+        with Client(server.target) as client:
+            call = client.optimize_call(models["spin"], measure=False)
+            next(call)                                   # queued: a worker runs the loop
+            server.wait_for_log("call admitted")
+            time.sleep(1.0)
+            below = set(workers) | set(_processes_below(server.proc.pid))
+            os.kill(server.proc.pid, signal.SIGKILL)     # the server alone, as the OOM killer would
+            deadline = time.monotonic() + 15
+            while alive := [p for p in below if _state(p) not in (None, "Z")]:
+                assert time.monotonic() < deadline, f"still running after their server died: {alive}"
+                time.sleep(0.1)
+            call.cancel()
+    finally:
+        server.kill()
+
+
+def test_stale_work_folders_are_swept_at_start(tmp_path, models):
+    work = tmp_path / "work"
+    stale = work / "graphopt-service-gone"
+    (stale / "call-1234-x" / "upload").mkdir(parents=True)
+    (stale / "call-1234-x" / "upload" / "m.onnx").write_bytes(b"x" * 1000)
+    (stale / ".lock").write_text("")
+    running = ServerProcess(work, "--workers", "1")     # a live server's folder is kept
+    try:
+        live_roots = [p for p in work.iterdir() if p.is_dir() and p != stale]
+        assert not stale.exists(), "the stale folder of a server that is gone was kept"
+        assert running.wait_for_log("removed stale work folders")["folders"] == ["graphopt-service-gone"]
+        second = ServerProcess(work, "--workers", "1")   # (its log file is the first one's: same work dir)
+        try:
+            assert len(live_roots) == 1 and live_roots[0].exists(), "a running server's folder was swept"
+            assert not any(e.get("message") == "removed stale work folders" for e in second.logs())
+        finally:
+            second.kill()
+        _served(running, models, tmp_path)
+    finally:
+        running.kill()
