@@ -333,6 +333,13 @@ def test_environment_port_and_signals(final):
     assert stop is None or stop.text in ("SIGTERM", "15"), "the server drains on SIGTERM"
 
 
+def test_listens_on_every_interface_of_the_container(final):
+    """The image sets GRAPHOPT_HOST itself: `graphopt serve`'s own default is loopback only, which
+    inside a container's network namespace `docker run -p` cannot reach."""
+    assert final.env.get("GRAPHOPT_HOST") in ("[::]", "::", "0.0.0.0"), (
+        f"ENV GRAPHOPT_HOST=[::] (or 0.0.0.0) in the final stage; got {final.env.get('GRAPHOPT_HOST')!r}")
+
+
 def test_healthcheck(final):
     from graphopt.cli import build_parser
     flags, argv = health_argv(final)
