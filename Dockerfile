@@ -70,8 +70,10 @@ RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
     && install -d -o 10001 -g 10001 -m 0750 /var/lib/graphopt /var/lib/graphopt/work
 
 # Per-call folders (uploaded models, results) go under GRAPHOPT_WORK_DIR; mount a volume or a
-# tmpfs there for large models.
-ENV GRAPHOPT_PORT=50051 \
+# tmpfs there for large models. GRAPHOPT_HOST: every interface of the container's own network,
+# not left to the CLI's default (loopback only), so that `-p` reaches the server.
+ENV GRAPHOPT_HOST=[::] \
+    GRAPHOPT_PORT=50051 \
     GRAPHOPT_WORKERS=2 \
     GRAPHOPT_WORK_DIR=/var/lib/graphopt/work \
     PYTHONUNBUFFERED=1 \
