@@ -393,3 +393,32 @@ def test_stale_work_folders_are_swept_at_start(tmp_path, models):
         _served(running, models, tmp_path)
     finally:
         running.kill()
+
+
+# -- a work disk that fills during a job -------------------------------------------------------------
+def test_a_work_disk_that_fills_during_a_job_is_resource_exhausted(tmp_path, models):
+    """The upload fits (33 MB on a 48 MiB disk), the job's own files do not: RESOURCE_EXHAUSTED
+    naming the full disk, no server path, the next client served, nothing left behind. The disk
+    is a tmpfs mounted for the test (root, as on the CI machines)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(disk)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        assert models["wide"].stat().st_size > 24 << 20     # over half the disk: its copies cannot fit
+        server = ServerProcess(disk / "work", "--workers", "1")
+        try:
+            with Client(server.target) as client:
+                error = _error(lambda: client.optimize(models["wide"], tmp_path / "never.onnx", measure=False,
+                                                       timeout_seconds=300))
+            assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error.details()
+            assert "disk is full" in error.details() and str(disk) not in error.details(), error.details()
+            assert _health(server.target) == "SERVING"
+            _served(server, models, tmp_path)
+            assert server.wait_no_leftovers() == []
+        finally:
+            server.kill()
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
