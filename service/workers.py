@@ -19,11 +19,9 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from contextlib import contextmanager
 from typing import Callable, Iterator
-
-import time
-from concurrent.futures import ThreadPoolExecutor
 
 from .status import (CallCancelledError, JobMemoryError, JobTimeoutError, QueueFullError, ShuttingDownError,
                      WorkerFailedError)
@@ -146,10 +144,7 @@ class WorkerPool:
         self.upload_limit = upload_limit if upload_limit is not None else size + queue_limit
         self.job_seconds, self.job_memory_bytes = job_seconds, job_memory_bytes
         self._cond = threading.Condition()
-        # Every worker is started by this one long-lived thread (a process's parent-death signal
-        # follows the thread that forked it, not the process).
-        self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="worker-spawner")
-        self._idle = [self._spawner.submit(Worker, env).result() for _ in range(size)]
+        self._idle = [Worker(env) for _ in range(size)]
         self._all = set(self._idle)   # idle and busy
         self._uploading = 0
         self._line: collections.deque = collections.deque()   # calls waiting for a worker, in order
@@ -245,7 +240,7 @@ class WorkerPool:
                 self._release(None if self._closed else self._spawn())
 
     def _spawn(self) -> Worker:
-        worker = self._spawner.submit(Worker, self._env).result()
+        worker = Worker(self._env)
         with self._cond:
             self._all.add(worker)
         return worker
@@ -313,7 +308,6 @@ class WorkerPool:
             self._cond.notify_all()
         for worker in list(self._all):
             worker.kill()
-        self._spawner.shutdown(wait=False)
 
     def worker_pids(self) -> list[int]:
         with self._cond:
