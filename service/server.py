@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -41,8 +42,6 @@ from graphopt.report import Report, summary_text
 
 from ._proto import graphopt_pb2 as pb
 from ._proto import graphopt_pb2_grpc as pb_grpc
-from google.protobuf.message import DecodeError
-
 from .auth import BearerTokenInterceptor
 from .limits import DiskReservations, StreamLimitInterceptor, StreamWatchdog
 from .status import (CallCancelledError, IdleTimeoutError, JobTimeoutError, ShuttingDownError, error_from_worker,
