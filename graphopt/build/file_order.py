@@ -91,6 +91,8 @@ def leanest_file_order(model: onnx.ModelProto, candidates: list[list[str]]) -> f
 
     graph = model.graph
     by_name = {n.name: n for n in graph.node}
+    if len(by_name) != len(graph.node) or any(sorted(names) != sorted(by_name) for names in candidates):
+        raise ValueError("each candidate order must name every node of the model once (unique names)")
     sizes = static_tensor_bytes(model)
     resident = {v.name for v in graph.input} | {t.name for t in graph.initializer}
     outputs = {v.name for v in graph.output}
