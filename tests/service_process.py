@@ -52,15 +52,26 @@ class ServerProcess:
             time.sleep(0.1)
         return left
 
+    def entries(self, message: str, **fields) -> list[dict]:
+        """The log entries with this message (and these field values), as written so far."""
+        return [e for e in self.logs()
+                if e.get("message") == message and all(e.get(k) == v for k, v in fields.items())]
+
+    def wait_for_logs(self, message: str, count: int, timeout_seconds: float = 30.0, **fields) -> list[dict]:
+        """At least `count` log entries with this message (and these field values), waiting for
+        them: the server writes a call's lines on its own threads, often after the client has
+        seen the call end (a call's "call finished" comes after its status reached the client)."""
+        deadline = time.monotonic() + timeout_seconds
+        while len(found := self.entries(message, **fields)) < count:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{len(found)} of {count} {message!r} entries {fields or ''} in "
+                                     f"{timeout_seconds:g} s; the server's log:\n{self.log_path.read_text()}")
+            time.sleep(0.1)
+        return found
+
     def wait_for_log(self, message: str, timeout_seconds: float = 30.0, **fields) -> dict:
         """The first log entry with this message (and these field values), waiting for it."""
-        deadline = time.monotonic() + timeout_seconds
-        while time.monotonic() < deadline:
-            for entry in self.logs():
-                if entry.get("message") == message and all(entry.get(k) == v for k, v in fields.items()):
-                    return entry
-            time.sleep(0.1)
-        raise AssertionError(f"no {message!r} in the server's log:\n{self.log_path.read_text()}")
+        return self.wait_for_logs(message, 1, timeout_seconds, **fields)[0]
 
     def terminate(self, timeout_seconds: float = 60.0) -> int:
         self.proc.send_signal(signal.SIGTERM)

@@ -127,8 +127,12 @@ def test_batch_on_three_servers_survives_one_dying(zoo, tmp_path):
         reports = _check_outputs(zoo, out)
         assert len(reports) == 10
         # every model optimized exactly once: one successful Optimize call per model, in all logs
-        finished = [e for s in servers for e in s.logs()
-                    if e.get("message") == "call finished" and e.get("method") == "Optimize"]
+        # (each server logs a call's end on the call's thread: waited for, not read at once)
+        deadline = time.monotonic() + 30
+        while sum(len(s.entries("call finished", method="Optimize", status="OK")) for s in servers) < 10:
+            assert time.monotonic() < deadline, "fewer than 10 successful Optimize calls in the logs"
+            time.sleep(0.1)
+        finished = [e for s in servers for e in s.entries("call finished", method="Optimize")]
         assert sum(e["status"] == "OK" for e in finished) == 10, finished
         victim_started = [e for e in victim.logs() if e.get("message") == "call started"]
         victim_finished = [e for e in victim.logs() if e.get("message") == "call finished"]

@@ -143,10 +143,6 @@ def _state(pid: int) -> str | None:
         return None
 
 
-def _finished(server: ServerProcess) -> list[dict]:
-    return [e for e in server.logs() if e.get("message") == "call finished"]
-
-
 # -- stalled streams ---------------------------------------------------------------------------
 def test_silent_uploads_neither_hold_the_queue_nor_stay(tmp_path, models):
     """10 streams that send the options and then nothing, against workers 2 + queue 8: the
@@ -158,18 +154,16 @@ def test_silent_uploads_neither_hold_the_queue_nor_stay(tmp_path, models):
             stub = pb_grpc.GraphoptStub(channel)
             silent = [stub.Optimize(_stalled([pb.OptimizeRequest(options=make_options(measure=False))], release))
                       for _ in range(10)]
-            deadline = time.monotonic() + 30
-            while len([e for e in server.logs() if e.get("message") == "call started"]) < 10:
-                assert time.monotonic() < deadline, "the silent calls never started"
-                time.sleep(0.05)
+            server.wait_for_logs("call started", 10)
             _served(server, models, tmp_path)
             assert _health(server.target) == "SERVING"
             for call in silent:
                 error = _error(lambda: call)
                 assert error.code() == grpc.StatusCode.CANCELLED
-        ended = [e for e in server.logs() if e.get("message") == "idle call ended"]
+        # the server logs each call's end on the call's own thread, after the client saw it end
+        ended = server.wait_for_logs("idle call ended", 10)
         assert len(ended) == 10 and {e["waiting_for"] for e in ended} == {"the next request message"}
-        assert len([e for e in _finished(server) if e["status"] == "DEADLINE_EXCEEDED"]) == 10
+        assert len(server.wait_for_logs("call finished", 10, status="DEADLINE_EXCEEDED")) == 10
         assert server.wait_no_leftovers() == []
         _served(server, models, tmp_path, "after")
     finally:

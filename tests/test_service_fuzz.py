@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import random
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -206,7 +207,13 @@ def test_a_bounded_protocol_fuzzer_finds_no_crash(server, channel, model_bytes):
     health = health_pb2_grpc.HealthStub(channel)
     assert health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING
     assert server.wait_no_leftovers() == []
-    finished = [e for e in server.logs() if e.get("message") == "call finished"]
-    assert len(finished) >= 2000, "the fuzzer's calls did not reach the handlers"
+    # every call that started logs "call finished", after its status reached the client: wait
+    # for all of them before the statuses are read
+    finished = server.wait_for_logs("call finished", 2000, timeout_seconds=60)
+    deadline = time.monotonic() + 60
+    while len(finished) < len(server.entries("call started")):
+        assert time.monotonic() < deadline, "calls that started never finished"
+        time.sleep(0.1)
+        finished = server.entries("call finished")
     statuses = {e.get("status") for e in finished}
     assert "INTERNAL" not in statuses and "UNKNOWN" not in statuses, statuses
