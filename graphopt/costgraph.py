@@ -1,7 +1,8 @@
 """The cost graph: what the solvers and the one cost model see of a training graph.
 
 Ops and tensors, each with a name and an integer id; measured seconds per op and bytes per
-tensor; the forward and backward orders; which tensors exist before the step (``resident``:
+tensor; the forward and backward orders and the base order plans run the graph in (forward
+and backward ops may interleave); which tensors exist before the step (``resident``:
 graph inputs, initializers, folded constants), which are kept to its end (``kept``: graph
 outputs), which of those are written into buffers the caller provides (``bound``: the state a
 training step returns and a trainer feeds back, see analyze.fed_back_outputs), which the
@@ -47,7 +48,7 @@ class CostGraph:
 
     def __init__(self, forward: Sequence[Op], backward: Sequence[Op], tensor_bytes: Mapping[str, int],
                  resident: Iterable[str] = (), kept: Iterable[str] = (), droppable: Iterable[str] = (),
-                 recompute_factor: float = 1.0, bound: Iterable[str] = ()):
+                 recompute_factor: float = 1.0, bound: Iterable[str] = (), order: Sequence[str] | None = None):
         ops: dict[str, Op] = {}
         for op in list(forward) + list(backward):
             if op.name in ops:
@@ -59,6 +60,12 @@ class CostGraph:
         self.forward_order: tuple[str, ...] = tuple(op.name for op in forward)
         self.backward_order: tuple[str, ...] = tuple(op.name for op in backward)
         self._forward_set = frozenset(self.forward_order)
+        # the base order plans run the graph in (forward and backward ops may interleave, as in
+        # the order ONNX Runtime runs the original); default: the forward ops, then the backward
+        self.order: tuple[str, ...] = (self.forward_order + self.backward_order if order is None
+                                       else tuple(order))
+        if order is not None and (len(self.order) != len(ops) or set(self.order) != set(ops)):
+            raise ValueError("the order must name every op of the graph once")
         folded_outputs = {t for op in ops.values() if op.folded for t in op.outputs}
         self.resident: frozenset[str] = frozenset(resident) | frozenset(folded_outputs)
         self.kept: frozenset[str] = frozenset(kept)
@@ -152,6 +159,25 @@ class CostGraph:
         """Ops that read `tensor`, in order (forward, then backward)."""
         return self._readers.get(tensor, ())
 
+    def in_order(self, order: Sequence[str]) -> "CostGraph":
+        """This graph with its base order taken from `order` (op names, e.g. the order ONNX
+        Runtime ran the graph in; forward and backward ops may interleave). Ops `order` does
+        not name (folded constants, which never run) go first, in their own order. ValueError
+        unless the result is topological (every op after the producers of what it reads)."""
+        position = {name: k for k, name in enumerate(order) if name in self.ops}
+        full = sorted(self.ops, key=lambda name: (position.get(name, -1), self.op_id[name]))
+        done: set[str] = set()
+        for name in full:
+            late = [t for t in self.ops[name].inputs if t in self.producer and self.producer[t] not in done]
+            if late:
+                raise ValueError(f"op {name!r} would read {late[0]!r} before its producer "
+                                 f"{self.producer[late[0]]!r} runs: the order is not topological")
+            done.add(name)
+        forward = [n for n in full if n in self._forward_set]
+        backward = [n for n in full if n not in self._forward_set]
+        return CostGraph([self.ops[n] for n in forward], [self.ops[n] for n in backward], self.tensor_bytes,
+                         self.resident, self.kept, self.droppable, self.recompute_factor, self.bound, full)
+
     # ---- plain data (JSON-ready), e.g. to keep real graphs for benchmarks
 
     def to_dict(self) -> dict:
@@ -163,7 +189,8 @@ class CostGraph:
                 "backward": [op_dict(self.ops[n]) for n in self.backward_order],
                 "tensor_bytes": dict(self.tensor_bytes), "resident": sorted(self.resident),
                 "kept": sorted(self.kept), "droppable": sorted(self.droppable),
-                "recompute_factor": self.recompute_factor, "bound": sorted(self.bound)}
+                "recompute_factor": self.recompute_factor, "bound": sorted(self.bound),
+                "order": list(self.order)}
 
     @classmethod
     def from_dict(cls, d: dict) -> "CostGraph":
@@ -172,7 +199,7 @@ class CostGraph:
                          "clobbers": tuple(o.get("clobbers", ()))})
         return cls([op(o) for o in d["forward"]], [op(o) for o in d["backward"]], d["tensor_bytes"],
                    d.get("resident", ()), d.get("kept", ()), d.get("droppable", ()),
-                   d.get("recompute_factor", 1.0), d.get("bound", ()))
+                   d.get("recompute_factor", 1.0), d.get("bound", ()), d.get("order"))
 
 
 def _array(values, dtype) -> np.ndarray:

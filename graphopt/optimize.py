@@ -58,6 +58,7 @@ def analyze_model(model: onnx.ModelProto, options: OptimizeOptions | None = None
             "execution_order": annotations.execution_order,
             "functions_expanded": prepared.functions_expanded,
             "graph_optimizations": prepared.graph_optimizations,
+            "base_order": {"chosen": prepared.base_order, "store_all_peak_bytes": dict(prepared.base_order_peaks)},
         }
         if with_plan:
             progress("plan", 0.6)
@@ -71,6 +72,8 @@ def analyze_model(model: onnx.ModelProto, options: OptimizeOptions | None = None
                               "max_overhead": options.overhead_limit,
                               "baseline_step_seconds": prepared.baseline_step_seconds,
                               "solver_exact": solver_exact(chosen)}
+            result["base_order"].update(chosen=chosen.notes.get("base_order", prepared.base_order),
+                                        plan_peak_bytes=dict(chosen.notes.get("base_order_peak_bytes", {})))
     progress("done", 1.0)
     return result
 

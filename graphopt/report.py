@@ -245,6 +245,16 @@ class RejectedPlan(_Json):
 
 
 @dataclass
+class BaseOrder(_Json):
+    """The orders plans start from (pipeline.base_order_graphs): the one the plan came from,
+    each order's predicted peak with nothing recomputed, and of the plan the search found from
+    each (the returned plan was chosen among these)."""
+    chosen: str
+    store_all_peak_bytes: dict[str, int]
+    plan_peak_bytes: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
 class Report(_Json):
     """Everything `optimize` says about its work (see the module docstring)."""
     loss: str
@@ -261,6 +271,7 @@ class Report(_Json):
     outcome_reason: str = ""
     budget_bytes: int | None = None
     solver_exact: bool | None = None    # the plan is optimal under its solver's model (None: not known)
+    base_order: BaseOrder | None = None  # the order the plan started from
     functions_expanded: dict[str, int] = field(default_factory=dict)
     # ORT's graph optimizations applied offline before planning: level, node counts, op types
     # added (+) or removed (-); {} when none were (see graphopt/runtime/offline.py)
@@ -299,6 +310,11 @@ def summary_text(report: Report) -> str:
              f"{report.recompute_nodes} recompute nodes, search {report.search_seconds:.2f} s"
              + ("" if report.solver_exact is None else
                 f" ({'exact' if report.solver_exact else 'not proven optimal'} under its solver's model)")]
+    if report.base_order is not None and len(report.base_order.store_all_peak_bytes) > 1:
+        base = report.base_order
+        lines.append(f"planned from the {base.chosen} order; predicted peaks by order, nothing recomputed / "
+                     "planned: " + ", ".join(f"{label} {_mib(b)} / {_mib(base.plan_peak_bytes.get(label, 0))}"
+                                           for label, b in base.store_all_peak_bytes.items()))
     applied = report.graph_optimizations
     if applied:
         ops = ", ".join(f"{op} {n:+d}" for op, n in applied.get("op_types", {}).items())
@@ -356,4 +372,5 @@ def summary_text(report: Report) -> str:
 __all__ = ["Report", "summary_text", "OUTCOME_OPTIMIZED", "OUTCOME_ORIGINAL", "OUTCOME_UNMEASURED",
            "NodeCounts", "Predicted", "PredictedRun", "AnnotationSummary", "Measured", "MeasuredRun", "Ratios",
            "PredictionError", "OutputsDiffer", "Deviation", "OrderResult", "PlanTried", "OrderReport",
-           "RejectedForOutputs", "BudgetAttempt", "PlanMeasured", "RejectedPlan", "Objective", "OverheadAttempt"]
+           "RejectedForOutputs", "BudgetAttempt", "PlanMeasured", "RejectedPlan", "Objective", "OverheadAttempt",
+           "BaseOrder"]

@@ -1,10 +1,12 @@
 """A plan (checkpoints + schedule) and the schedule that a checkpoint set implies.
 
-Given checkpoints C, the schedule runs the forward ops in order, then the backward ops in
-order; right before a backward op that reads a forward tensor which is neither resident,
-a checkpoint, nor already recomputed, it recomputes that tensor from what is available
-(checkpoints, resident tensors, earlier recomputations), the recomputed ops in forward
-order. A recomputed tensor stays until its last reader, so no op is recomputed twice:
+Given checkpoints C, the schedule runs the ops in the graph's base order (`CostGraph.order`:
+the forward ops, then the backward ops, or an order ONNX Runtime ran, where the two may
+interleave), backward ops that only add memory sunk to their first reader (`sunk_order`);
+right before a backward op that reads a forward tensor which is neither resident, a
+checkpoint, already recomputed, nor still read by a later forward op, it recomputes that
+tensor from what is available (the same, and resident tensors), the recomputed ops in
+forward order. A recomputed tensor stays until its last reader, so no op is recomputed twice:
 the overhead is at most one extra forward pass. Imports no ONNX.
 """
 from __future__ import annotations
@@ -15,7 +17,7 @@ import bisect
 import weakref
 from collections import OrderedDict
 
-from ..costgraph import CostGraph
+from ..costgraph import FORWARD, CostGraph
 from ..costmodel import Simulation, Step, priority_order, simulate
 
 
@@ -47,43 +49,45 @@ class Plan:
 
 
 # facts a solver derives from a graph once (the graph itself never changes)
-_SUNK_BACKWARD: "weakref.WeakKeyDictionary[CostGraph, tuple[str, ...]]" = weakref.WeakKeyDictionary()
+_SUNK: "weakref.WeakKeyDictionary[CostGraph, tuple[str, ...]]" = weakref.WeakKeyDictionary()
 _SCHEDULE_FACTS: "weakref.WeakKeyDictionary[CostGraph, _ScheduleFacts]" = weakref.WeakKeyDictionary()
 _EVALUATED: "weakref.WeakKeyDictionary[CostGraph, OrderedDict]" = weakref.WeakKeyDictionary()
 EVALUATIONS_REMEMBERED = 32
 _PEAK_FLOOR: "weakref.WeakKeyDictionary[CostGraph, int]" = weakref.WeakKeyDictionary()
 
 
-def sunk_backward_order(graph: CostGraph) -> tuple[str, ...]:
-    """The backward order with each op that only adds memory moved to right before its first
-    reader (as late as possible): an op whose inputs are resident, computed from resident
-    tensors only (e.g. the split and transpose of a weight for a gradient MatMul, which move
-    with it) or still read by a later op holds its output from where the
-    training graph puts it (often the start of the backward pass) to its reader; moved, it holds
-    it only there, and it extends no input's life. Ops whose outputs nobody in the backward
-    reads (gradients: graph outputs) stay. Computed once per cost graph."""
-    cached = _SUNK_BACKWARD.get(graph)
+def sunk_order(graph: CostGraph) -> tuple[str, ...]:
+    """The graph's base order (`CostGraph.order`) with each backward op that only adds memory
+    moved to right before its first reader (as late as possible): an op whose inputs are
+    resident, computed from resident tensors only (e.g. the split and transpose of a weight for
+    a gradient MatMul, which move with it) or still read by a later op holds its output from
+    where the training graph puts it (often the start of the backward pass) to its reader;
+    moved, it holds it only there, and it extends no input's life. Ops whose outputs nobody
+    reads (gradients: graph outputs) stay; forward ops stay. Computed once per cost graph."""
+    cached = _SUNK.get(graph)
     if cached is not None:
         return cached
     ops = graph.ops
-    order = graph.backward_order
+    order = graph.order
     resident = graph.resident
     position = {op: i for i, op in enumerate(order)}
     readers: dict[str, list[int]] = {}
     for i, op in enumerate(order):
         for t in ops[op].inputs:
             readers.setdefault(t, []).append(i)
-    # ops computed from resident tensors only (a weight's Split, Transpose, Reshape, ...)
+    # backward ops computed from resident tensors only (a weight's Split, Transpose, Reshape, ...)
     derived: set[str] = set()
     for op in order:
-        if all(t in resident or t in derived for t in ops[op].inputs):
+        if graph.phase(op) != "forward" and all(t in resident or t in derived for t in ops[op].inputs):
             derived.update(ops[op].outputs)
     key: dict[str, tuple] = {}
     for i in range(len(order) - 1, -1, -1):
         op = order[i]
-        consumers = sorted({j for t in ops[op].outputs for j in readers.get(t, ()) if j > i})
         key[op] = (i, 0)
-        if not consumers or ops[op].runs_first:
+        if ops[op].runs_first or graph.phase(op) == FORWARD:
+            continue
+        consumers = sorted({j for t in ops[op].outputs for j in readers.get(t, ()) if j > i})
+        if not consumers:
             continue
         target = min(key[order[j]] for j in consumers)
         safe = all(t in resident or t in derived or any(j >= target[0] for j in readers.get(t, ()) if j != i)
@@ -91,7 +95,7 @@ def sunk_backward_order(graph: CostGraph) -> tuple[str, ...]:
         if safe and target[0] > i:
             key[op] = (target[0], target[1] - 1)
     sunk = tuple(sorted(order, key=lambda op: (key[op], position[op])))
-    _SUNK_BACKWARD[graph] = sunk
+    _SUNK[graph] = sunk
     return sunk
 
 
@@ -116,22 +120,27 @@ def schedule_for(graph: CostGraph, checkpoints: set[str] | frozenset[str],
     producer = graph.forward_tensors
     forced = graph.forced_checkpoints
     available = (set(checkpoints) - graph.clobbered) | forced
-    schedule: list[Step] = [(op, 0) for op in graph.forward_order]
+    schedule: list[Step] = []
     copies: dict[str, int] = {}
-    backward = sunk_backward_order(graph)
     forward_reads = facts.forward_reads
+    forward_last_read = facts.forward_last_read
     reads_at = facts.reads_at
     gap = refresh_gap
     recomputed: set[str] = set()
-    for i, op in enumerate(backward):
-        stack = [t for t in forward_reads[op] if t not in available]
+    for i, op in enumerate(sunk_order(graph)):
+        if op not in forward_reads:             # a forward op
+            schedule.append((op, 0))
+            continue
+        # a forward tensor a later forward op still reads is alive anyway (the base order may
+        # run backward ops before the forward pass is over): read as it is
+        stack = [t for t in forward_reads[op] if t not in available and forward_last_read.get(t, -1) < i]
         made: list[str] = []
         if stack:
             # the forward ops that recompute what this op reads, from what is available
             todo: set[str] = set()
             while stack:
                 t = stack.pop()
-                if t in available:
+                if t in available or forward_last_read.get(t, -1) > i:
                     continue
                 o = producer.get(t)
                 if o is None or o in todo:
@@ -171,7 +180,8 @@ class _ScheduleFacts:
     outputs_of: dict[str, tuple[str, ...]]
     clobbers_of: dict[str, tuple[str, ...]]      # only ops that clobber something
     forward_reads: dict[str, tuple[str, ...]]    # backward op -> the forward tensors it reads
-    reads_at: dict[str, list[int]]               # forward tensor -> its readers' positions in the sunk order
+    reads_at: dict[str, list[int]]               # forward tensor -> its backward readers' positions in the sunk order
+    forward_last_read: dict[str, int]            # forward tensor -> its last forward reader's position there
 
 
 def _schedule_facts(graph: CostGraph) -> _ScheduleFacts:
@@ -180,21 +190,26 @@ def _schedule_facts(graph: CostGraph) -> _ScheduleFacts:
         producer = graph.forward_tensors
         forward_reads = {op: tuple(t for t in graph.ops[op].inputs if t in producer) for op in graph.backward_order}
         reads_at: dict[str, list[int]] = {}
-        for i, op in enumerate(sunk_backward_order(graph)):
-            for t in forward_reads[op]:
-                reads_at.setdefault(t, []).append(i)
+        forward_last_read: dict[str, int] = {}
+        for i, op in enumerate(sunk_order(graph)):
+            if op in forward_reads:
+                for t in forward_reads[op]:
+                    reads_at.setdefault(t, []).append(i)
+            else:
+                for t in graph.ops[op].inputs:
+                    forward_last_read[t] = i
         cached = _ScheduleFacts(
             inputs_of={name: op.inputs for name, op in graph.ops.items()},
             outputs_of={name: op.outputs for name, op in graph.ops.items()},
             clobbers_of={name: op.clobbers for name, op in graph.ops.items() if op.clobbers},
-            forward_reads=forward_reads, reads_at=reads_at)
+            forward_reads=forward_reads, reads_at=reads_at, forward_last_read=forward_last_read)
         _SCHEDULE_FACTS[graph] = cached
     return cached
 
 
 def peak_floor_bytes(graph: CostGraph) -> int:
     """A lower bound on every plan's cost-model peak: the peak of the buffers whose lifetime no
-    plan shortens, on the store-all schedule (forward order, then the sunk backward order).
+    plan shortens, on the store-all schedule (the sunk base order).
 
     Those buffers are everything but the candidate checkpoints (and their aliases): the
     backward's (gradients, graph outputs, kernel work buffers) and the forced forward ones.
