@@ -209,8 +209,8 @@ def prepare(model: onnx.ModelProto, options: OptimizeOptions, *, reference: bool
 
 # The orders a plan can start from: the training graph's file order, and the order ONNX Runtime
 # ran it in when it was annotated (its DEFAULT walk, optimizations off: the original's own
-# session). Each is the forward ops in that order, then the backward ops (`CostGraph.in_order`);
-# the plan's schedule sinks backward ops and inserts recomputation on top (search/plan.py).
+# session), where forward and backward ops may interleave (`CostGraph.in_order`); the plan's
+# schedule sinks backward ops and inserts recomputation on top (search/plan.py).
 BASE_ORDERS = ("file", "onnxruntime")
 
 
