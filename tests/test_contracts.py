@@ -111,7 +111,12 @@ class Branches(nn.Module):
         return torch.stack([h.sum(dim=1) for h in heads], dim=1)
 
 
-def test_never_worse_returns_the_best_measured_original():
+def test_never_worse_returns_the_best_measured_original(monkeypatch):
+    """The plan is made to start from the file's order alone (ORT's order, which the planner now
+    also searches, is the better one here: see test_base_order.py), so that it is worse than the
+    original: the contract must then return the original."""
+    import graphopt.pipeline as pipeline
+    monkeypatch.setattr(pipeline, "base_order_graphs", lambda graph, execution_order: {"file": graph})
     torch.manual_seed(0)
     x = torch.randn(8, 1 << 16)                      # each branch's activation: 2 MiB
     buffer = io.BytesIO()
@@ -148,6 +153,25 @@ def test_never_worse_returns_the_best_measured_original():
                                                        report.measured.original_optimizations_off.peak_bytes)
     text = summary_text(report)
     assert "NOT IMPROVED, the original model is returned" in text and "not below the original" in text
+
+
+def test_the_plan_of_branches_starts_from_ort_order_and_is_not_above_the_original():
+    """The same graph, planned as it comes: the plan starts from ORT's order, where one branch's
+    activation is alive at a time, and is predicted at or below the original's peak there."""
+    from graphopt.pipeline import plan, prepare
+    torch.manual_seed(0)
+    x = torch.randn(8, 1 << 16)
+    buffer = io.BytesIO()
+    torch.onnx.export(Branches().eval(), (x,), buffer, input_names=["x"], output_names=["logits"],
+                      dynamo=False, opset_version=17)
+    train = build_training_graph(onnx.load_from_string(buffer.getvalue()), loss="cross_entropy")
+    inputs = {"x": x.numpy(), "labels": np.arange(8, dtype=np.int64) % 4}
+    options = OptimizeOptions(inputs=inputs, objective="least-peak", measure=False, verify=False)
+    with prepare(train, options) as prepared:
+        chosen = plan(prepared, options)
+        assert chosen.notes["base_order"] == "onnxruntime"
+        assert chosen.peak_bytes <= prepared.predicted_original.peak_bytes
+        assert prepared.base_order_peaks["file"] > 1.5 * prepared.predicted_original.peak_bytes
 
 
 def _corrupting(real_rewrite, when):
