@@ -439,9 +439,11 @@ def plan(prepared: Prepared, options: OptimizeOptions, budget_bytes=_OPTIONS_BUD
     limit = prepared.step_seconds_limit(options) if seconds_limit is _OPTIONS_LIMIT else seconds_limit
     strategy = strategy or options.strategy
     started = time.perf_counter()
+
+    def within_limit(graph, solve):
+        return least_peak_within(graph, solve, limit)
     if budget is None and limit is not None and STRATEGIES[strategy].takes_budget:
-        chosen = _best_over_orders(prepared, strategy, lambda graph, solve: least_peak_within(graph, solve, limit),
-                                   None, limit)
+        chosen = _best_over_orders(prepared, strategy, within_limit, None, limit)
     else:
         chosen = _best_over_orders(prepared, strategy, lambda graph, solve: solve(graph, budget_bytes=budget),
                                    budget, None)
@@ -452,8 +454,7 @@ def plan(prepared: Prepared, options: OptimizeOptions, budget_bytes=_OPTIONS_BUD
             f"budget of {budget} bytes cannot be met: the least peak found{hint} is {chosen.peak_bytes} bytes",
             least_feasible_peak_bytes=chosen.peak_bytes)
     if budget is not None and limit is not None and chosen.simulation.compute_seconds > limit:
-        within = _best_over_orders(prepared, strategy, lambda graph, solve: least_peak_within(graph, solve, limit),
-                                   None, limit)
+        within = _best_over_orders(prepared, strategy, within_limit, None, limit)
         baseline = prepared.baseline_step_seconds
         raise BudgetInfeasibleError(
             f"budget of {budget} bytes and step time at most {limit:.4g} s ({limit / baseline:.2f}x the "
