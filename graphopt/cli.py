@@ -92,7 +92,8 @@ def options_from_args(args, **extra):
     from .optimize import OptimizeOptions
     values = {"loss": args.loss, "strategy": args.strategy, "threads": args.threads,
               "input_dims": parse_input_dims(args.input_dims)}
-    for flag, name in (("budget", "budget_bytes"), ("tolerance", "tolerance"), ("objective", "objective"),
+    for flag, name in (("budget", "budget_bytes"), ("memory_limit", "memory_limit_bytes"),
+                       ("tolerance", "tolerance"), ("objective", "objective"),
                        ("max_overhead", "max_overhead"), ("graph_optimizations", "graph_optimizations")):
         if getattr(args, flag, None) is not None:
             values[name] = getattr(args, flag)
@@ -231,7 +232,8 @@ def cmd_train(args) -> int:
     data = load_inputs(args.data)
     providers = [args.provider] if args.provider else None
     result = train(str(args.model), data, args.steps, batch_size=args.batch_size, log=args.log,
-                   providers=providers, threads=args.threads, progress=not args.quiet)
+                   providers=providers, threads=args.threads, progress=not args.quiet,
+                   memory_limit_bytes=args.memory_limit)
     if result.losses:
         print(f"{result.steps} steps of batch {result.batch_size}: loss {result.losses[0]:.6g} -> "
               f"{result.losses[-1]:.6g}")
@@ -364,6 +366,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", type=Path, required=True)
     p.add_argument("--budget", type=parse_bytes, help="peak-memory budget (bytes, or e.g. 512MiB): the least "
                    "step time whose measured peak fits")
+    p.add_argument("--memory-limit", type=parse_bytes, metavar="BYTES",
+                   help="what the training session may hold at once on its device (weights, state, the step; "
+                        "e.g. 1GiB): the returned model is run under ONNX Runtime capped at it; without --budget, "
+                        "the least step time that runs within it")
     _objective_options(p)
     p.add_argument("--strategy", default=DEFAULT_STRATEGY, choices=sorted(STRATEGIES))
     p.add_argument("--loss", help="name of the loss output (default: the first output)")
@@ -431,6 +437,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, help="write the graph with the trained parameters and state as defaults")
     p.add_argument("--provider", help="ONNX Runtime execution provider (default: CUDA when present, else CPU)")
     p.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads (default: ONNX Runtime's)")
+    p.add_argument("--memory-limit", type=parse_bytes, metavar="BYTES",
+                   help="what the training may hold at once on its device (e.g. 1GiB): ONNX Runtime's arena is "
+                        "capped at it less the weights, state and batch; a step that needs more fails")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_train)
 

@@ -159,6 +159,12 @@ class CostGraph:
         """Ops that read `tensor`, in order (forward, then backward)."""
         return self._readers.get(tensor, ())
 
+    @property
+    def outside_peak_bytes(self) -> int:
+        """Bytes the predicted peak leaves out: the residents (weights, inputs, folded constants)
+        and the bound outputs (state written into buffers the caller holds)."""
+        return int(self.tensor_bytes_by_id[self.tensor_resident | self.tensor_bound].sum())
+
     def in_order(self, order: Sequence[str]) -> "CostGraph":
         """This graph with its base order taken from `order` (op names, e.g. the order ONNX
         Runtime ran the graph in; forward and backward ops may interleave). Ops `order` does

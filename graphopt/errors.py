@@ -21,6 +21,11 @@ class BudgetInfeasibleError(GraphoptError):
         self.least_feasible_peak_bytes = least_feasible_peak_bytes
 
 
+class MemoryLimitError(BudgetInfeasibleError):
+    """The training step does not fit in the memory limit (`memory_limit_bytes`): ONNX Runtime
+    refused an allocation under the cap, or no plan found fits it."""
+
+
 class VerificationError(GraphoptError):
     """The rewritten model does not reproduce the original's outputs."""
 

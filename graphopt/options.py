@@ -32,6 +32,10 @@ NOT_JSON = ("inputs", "progress")
 class OptimizeOptions:
     loss: str | None = None                 # the loss output's name (None: the first output)
     budget_bytes: int | None = None         # peak-memory budget (None: see `objective`)
+    # what the training session may hold at once on its device (weights, state, the step),
+    # enforced by ONNX Runtime in the runs that check the returned model (runtime/limit.py);
+    # without a budget the plan is the least step time that runs within it
+    memory_limit_bytes: int | None = None
     objective: str = BOUNDED_OVERHEAD       # without a budget: see OBJECTIVES
     # the step time allowed, as a fraction above the original's under ONNX Runtime's default
     # session (None: DEFAULT_MAX_OVERHEAD for bounded-overhead; with a budget, no limit)
@@ -75,6 +79,14 @@ class OptimizeOptions:
                                          f"bound the step time (max overhead {self.max_overhead})")
         if self.budget_bytes is not None and self.budget_bytes <= 0:
             raise InvalidOptionError(f"budget must be positive, got {self.budget_bytes} bytes")
+        if self.memory_limit_bytes is not None:
+            if self.memory_limit_bytes <= 0:
+                raise InvalidOptionError(f"memory limit must be positive, got {self.memory_limit_bytes} bytes")
+            if self.provider not in (None, "CPUExecutionProvider", "CUDAExecutionProvider"):
+                raise InvalidOptionError(f"a memory limit is enforced on the CPU and CUDA providers only, "
+                                         f"not {self.provider}")
+            if not self.measure:
+                raise InvalidOptionError("a memory limit is shown by runs under it: it needs measurement on")
         if self.graph_optimizations not in GRAPH_OPTIMIZATION_LEVELS:
             raise InvalidOptionError(f"unknown graph optimizations {self.graph_optimizations!r} "
                                      f"(known: {list(GRAPH_OPTIMIZATION_LEVELS)})")
@@ -90,16 +102,26 @@ class OptimizeOptions:
         takes budgets (one that plans only its least peak has nothing to trade)."""
         if self.max_overhead is not None:
             return float(self.max_overhead)
-        if (self.objective == BOUNDED_OVERHEAD and self.budget_bytes is None
+        if (self.objective == BOUNDED_OVERHEAD and self.budget_bytes is None and self.memory_limit_bytes is None
                 and STRATEGIES[self.strategy].takes_budget):
             return DEFAULT_MAX_OVERHEAD
         return None
 
     @property
+    def plans_for_limit(self) -> bool:
+        """Whether the plan is the least step time that runs within the memory limit (a limit,
+        no budget, no step-time limit, the default objective, a strategy that takes budgets)."""
+        return (self.memory_limit_bytes is not None and self.budget_bytes is None and self.max_overhead is None
+                and self.objective == BOUNDED_OVERHEAD and STRATEGIES[self.strategy].takes_budget)
+
+    @property
     def effective_objective(self) -> str:
-        """What the plan optimizes: "least-time-under-budget", "bounded-overhead" or "least-peak"."""
+        """What the plan optimizes: "least-time-under-budget", "least-time-within-memory-limit",
+        "bounded-overhead" or "least-peak"."""
         if self.budget_bytes is not None:
             return "least-time-under-budget"
+        if self.plans_for_limit:
+            return "least-time-within-memory-limit"
         return BOUNDED_OVERHEAD if self.overhead_limit is not None else LEAST_PEAK
 
     @property

@@ -40,19 +40,19 @@ import onnx
 from .analyze import TrainingGraph, analyze
 from .annotate import Annotations, write_annotations
 from .costmodel import Simulation, priority_order, simulate
-from .errors import BudgetInfeasibleError, GraphoptError, VerificationError
+from .errors import BudgetInfeasibleError, GraphoptError, MemoryLimitError, VerificationError
 from .ingest import follow_order, name_nodes
 from .inputs import synthesize_inputs
 from .op_rules import FOLDED_AT_LOAD_OPS, build_cost_graph, opset_of
 from .options import OptimizeOptions
 from .report import (OUTCOME_OPTIMIZED, OUTCOME_ORIGINAL, OUTCOME_UNMEASURED, AnnotationSummary, BaseOrder,
-                     BudgetAttempt,
+                     BudgetAttempt, LimitAttempt, LimitRun, MemoryLimit,
                      Deviation, Measured, MeasuredRun, NodeCounts, OrderReport, OrderResult, OutputsDiffer,
                      PlanMeasured, PlanTried, Predicted, PredictedRun, PredictionError, Ratios, RejectedForOutputs,
                      RejectedPlan, Report, Objective, OverheadAttempt)
 from .rewrite import PLANNED_SETTINGS, expand_functions, has_function, rewrite
 from .runtime.isolated import Workspace, run_task
-from .runtime.measure import Measurement, measure, time_steps
+from .runtime.measure import Measurement, measure, run_within_limit, time_steps
 from .runtime.session import (DEFAULT_SETTINGS, UNOPTIMIZED_SETTINGS, SessionSettings, default_providers,
                               read_settings, write_settings)
 from .search import DEFAULT_STRATEGY, STRATEGIES, Plan, least_peak_within, store_all
@@ -74,6 +74,10 @@ BUDGET_RETRIES = 3
 # With a step-time limit, how many times a plan whose MEASURED step time is over it is planned
 # again for a predicted limit lowered by the excess.
 TIME_RETRIES = 2
+# With a memory limit, how many times a plan that does not run under the cap is planned again
+# for a predicted step peak lowered by the shortfall ONNX Runtime reported (at least
+# 1/32 of the limit).
+LIMIT_RETRIES = 4
 
 
 @dataclass
@@ -435,7 +439,7 @@ def plan(prepared: Prepared, options: OptimizeOptions, budget_bytes=_OPTIONS_BUD
     - else a step-time limit (`seconds_limit`, default `prepared.step_seconds_limit(options)`):
       the least peak whose predicted step time fits (`search.least_peak_within`).
     - else the least peak."""
-    budget = options.budget_bytes if budget_bytes is _OPTIONS_BUDGET else budget_bytes
+    budget = options_budget_bytes(prepared, options) if budget_bytes is _OPTIONS_BUDGET else budget_bytes
     limit = prepared.step_seconds_limit(options) if seconds_limit is _OPTIONS_LIMIT else seconds_limit
     strategy = strategy or options.strategy
     started = time.perf_counter()
@@ -450,6 +454,13 @@ def plan(prepared: Prepared, options: OptimizeOptions, budget_bytes=_OPTIONS_BUD
     chosen.notes["search_seconds"] = time.perf_counter() - started
     if budget is not None and chosen.peak_bytes > budget:
         hint = "" if strategy == DEFAULT_STRATEGY else f" by {strategy} ({DEFAULT_STRATEGY} may find less)"
+        if options.plans_for_limit:
+            outside = prepared.graph.outside_peak_bytes
+            raise MemoryLimitError(
+                f"memory limit of {options.memory_limit_bytes} bytes cannot be met: the weights, inputs and "
+                f"state take {outside} bytes, and the least step peak found{hint} is {chosen.peak_bytes} bytes "
+                f"(predicted; the plan was searched for {budget})",
+                least_feasible_peak_bytes=chosen.peak_bytes + outside)
         raise BudgetInfeasibleError(
             f"budget of {budget} bytes cannot be met: the least peak found{hint} is {chosen.peak_bytes} bytes",
             least_feasible_peak_bytes=chosen.peak_bytes)
@@ -465,6 +476,20 @@ def plan(prepared: Prepared, options: OptimizeOptions, budget_bytes=_OPTIONS_BUD
             f"({within.simulation.compute_seconds / baseline:.2f}x)",
             least_feasible_peak_bytes=within.peak_bytes)
     return chosen
+
+
+def options_budget_bytes(prepared: Prepared, options: OptimizeOptions) -> int | None:
+    """The predicted step peak a plan is searched for: the budget; or, planning for the memory
+    limit (`OptimizeOptions.plans_for_limit`), the limit less what the predicted peak leaves out
+    (`CostGraph.outside_peak_bytes`: weights, inputs, state), which runs under the cap then
+    correct (`_fit_memory_limit`); else None."""
+    if options.budget_bytes is not None or not options.plans_for_limit:
+        return options.budget_bytes
+    outside = prepared.graph.outside_peak_bytes
+    if options.memory_limit_bytes <= outside:
+        raise MemoryLimitError(f"memory limit of {options.memory_limit_bytes} bytes cannot be met: the weights, "
+                               f"inputs and state alone take {outside} bytes", least_feasible_peak_bytes=outside)
+    return options.memory_limit_bytes - outside
 
 
 def _best_over_orders(prepared: Prepared, strategy: str, search, budget: int | None,
@@ -806,6 +831,17 @@ def _measured_delivery(prepared: Prepared, chosen: Plan, rewritten: onnx.ModelPr
             _record_checks_rejection(report, checked)
         return checked if checked.accepted else None
 
+    limit_report = None
+    if options.memory_limit_bytes is not None:
+        progress("memory limit", 0.72)
+        limit_report = report.memory_limit = MemoryLimit(options.memory_limit_bytes)
+        for label, settings in ORIGINAL_SESSIONS.items():
+            limit_report.original[label] = limit_run(prepared, prepared.workspace.path("original"), options,
+                                                     settings)
+        if deliverable:
+            chosen, rewritten, optimized, overhead = _fit_memory_limit(
+                prepared, chosen, rewritten, optimized, overhead, options, limit_report, checked_ok, progress)
+
     budget = options.budget_bytes
     if budget is not None:
         attempts = [BudgetAttempt(budget, chosen.peak_bytes, optimized.peak_bytes)]
@@ -858,7 +894,9 @@ def _measured_delivery(prepared: Prepared, chosen: Plan, rewritten: onnx.ModelPr
             measured.append((candidate, found.model, m, m_overhead))
             return True
 
-        while overhead > 1 + allowed and budget is None and len(attempts_t) <= TIME_RETRIES:
+        # (under a memory limit the plan that ran under the cap stays: another is not known to)
+        while (overhead > 1 + allowed and budget is None and limit_report is None
+               and len(attempts_t) <= TIME_RETRIES):
             # the runtime took longer than predicted: plan again for a limit lower by the excess
             planned_for = attempts_t[-1].predicted_step_seconds * (1 + allowed) / overhead
             progress(f"step time {overhead:.2f}x the original's by measurement, over {1 + allowed:.2f}x: "
@@ -868,7 +906,8 @@ def _measured_delivery(prepared: Prepared, chosen: Plan, rewritten: onnx.ModelPr
                     or not measure_candidate(retry, planned_for)):
                 break
             chosen, rewritten, optimized, overhead = measured[-1]
-        if all(m[3] > 1 + allowed for m in measured) and budget is None and chosen.recompute_ops:
+        if (all(m[3] > 1 + allowed for m in measured) and budget is None and limit_report is None
+                and chosen.recompute_ops):
             # nothing recomputed costs least time, and often still less memory than the original
             progress(f"no plan measured within {1 + allowed:.2f}x: trying store-all", 0.8)
             if measure_candidate(store_all(prepared.graph), None):
@@ -892,7 +931,9 @@ def _measured_delivery(prepared: Prepared, chosen: Plan, rewritten: onnx.ModelPr
     eligible = {k: v for k, v in originals.items() if allowed is None or original_overhead[k] <= 1 + allowed}
     best_original = min(eligible, key=lambda k: eligible[k].peak_bytes)
     bar = min(m.peak_bytes for m in originals.values())
-    if deliverable and within_limit and optimized.peak_bytes >= bar and budget is None:
+    # under a memory limit: an original that does not run under it is no alternative
+    original_fits = limit_report is None or limit_report.original[best_original].fits
+    if deliverable and within_limit and optimized.peak_bytes >= bar and budget is None and limit_report is None:
         # the next plan (less recomputation) may still beat the original
         report.plans_measured = [PlanMeasured(**_summary(chosen), measured_peak_bytes=optimized.peak_bytes)]
         for fallback in fallback_plans(prepared, chosen):
@@ -918,11 +959,18 @@ def _measured_delivery(prepared: Prepared, chosen: Plan, rewritten: onnx.ModelPr
         optimized_step_time=(chosen.simulation.compute_seconds / timing.default_session_seconds) / overhead - 1,
         original_optimizations_off_step_time=timing.predicted_original_seconds / timing.planned_graph_off_seconds - 1)
     returned, returned_overhead = optimized, overhead
-    if deliverable and within_limit and optimized.peak_bytes < bar:
+    if deliverable and within_limit and (optimized.peak_bytes < bar or not original_fits):
         report.outcome = OUTCOME_OPTIMIZED
-        reason = (f"the optimized model measured {_mib(optimized.peak_bytes)}, below the original's "
-                  f"{_mib(originals['original_default_session'].peak_bytes)} (default session) and "
-                  f"{_mib(originals['original_optimizations_off'].peak_bytes)} (optimizations off)")
+        if optimized.peak_bytes < bar:
+            reason = (f"the optimized model measured {_mib(optimized.peak_bytes)}, below the original's "
+                      f"{_mib(originals['original_default_session'].peak_bytes)} (default session) and "
+                      f"{_mib(originals['original_optimizations_off'].peak_bytes)} (optimizations off)")
+        else:
+            reason = (f"the optimized model runs within the memory limit of {_mib(limit_report.limit_bytes)} and the "
+                      f"original does not (it measured {_mib(optimized.peak_bytes)}, the original "
+                      f"{_mib(bar)} at least)")
+        if limit_report is not None:
+            reason += f", and runs within the memory limit of {_mib(limit_report.limit_bytes)}"
         if allowed is not None:
             reason += f", at {overhead:.2f}x the original's step time (at most {1 + allowed:.2f}x allowed)"
     else:
@@ -941,6 +989,13 @@ def _measured_delivery(prepared: Prepared, chosen: Plan, rewritten: onnx.ModelPr
         rewritten = _returned_original(prepared, ORIGINAL_SESSIONS[best_original])
         _describe(report, None, rewritten)
         report.session = ORIGINAL_SESSIONS[best_original].to_dict()
+        if limit_report is not None:
+            limit_report.met = original_fits
+            if not original_fits:
+                raise MemoryLimitError(
+                    f"memory limit of {limit_report.limit_bytes} bytes is not met: {why}, and the original does "
+                    f"not run under it ({limit_report.original[best_original].error})",
+                    least_feasible_peak_bytes=None)
         if budget is not None and originals[best_original].peak_bytes > budget:
             raise BudgetInfeasibleError(
                 f"budget of {budget} bytes is not met: {why}, and the original measured "
@@ -962,6 +1017,59 @@ def _measured_delivery(prepared: Prepared, chosen: Plan, rewritten: onnx.ModelPr
     if budget is not None:
         report.budget_met = returned.peak_bytes <= budget
     return chosen, rewritten
+
+
+def limit_run(prepared: Prepared, model_path: str, options: OptimizeOptions,
+              settings: SessionSettings | None = None) -> LimitRun:
+    """Two training steps of the saved model under `options.memory_limit_bytes`, in a fresh
+    process (`runtime.measure.run_within_limit`)."""
+    run = run_within_limit(model_path, prepared.workspace.inputs_path, options.memory_limit_bytes, settings,
+                           provider=options.provider, threads=options.threads)
+    return LimitRun(fits=run.fits, cap_bytes=run.cap_bytes, outside_bytes=run.outside_bytes, error=run.error,
+                    shortfall_bytes=run.shortfall_bytes, rss_bytes=run.rss_bytes)
+
+
+def _fit_memory_limit(prepared: Prepared, chosen: Plan, rewritten: onnx.ModelProto, optimized: Measurement,
+                      overhead: float, options: OptimizeOptions, limit_report: MemoryLimit, checked_ok, progress):
+    """The plan run under the memory limit; while ONNX Runtime refuses it, planned again for a
+    step peak lower by the shortfall it reported (LIMIT_RETRIES times at most). Returns the
+    (plan, model, measurement, overhead) that runs under it, or raises MemoryLimitError."""
+    limit = options.memory_limit_bytes
+    planned_for = options_budget_bytes(prepared, options) if options.plans_for_limit else chosen.peak_bytes
+    run = limit_run(prepared, prepared.workspace.save(rewritten, "limited"), options)
+    limit_report.attempts.append(LimitAttempt(planned_for, chosen.peak_bytes, run))
+    tries = 0
+    while not run.fits and tries < LIMIT_RETRIES:
+        tries += 1
+        planned_for = min(planned_for, chosen.peak_bytes) - max(run.shortfall_bytes or 0, limit // 32)
+        if planned_for <= 0:
+            break
+        progress(f"ONNX Runtime refused the plan under the memory limit: planning for a step peak of "
+                 f"{planned_for} bytes", 0.73)
+        try:
+            retry = plan(prepared, options, planned_for)
+        except BudgetInfeasibleError:
+            break
+        if retry.checkpoints == chosen.checkpoints and retry.recompute_ops == chosen.recompute_ops:
+            continue
+        found = checked_ok(retry)
+        if found is None:
+            break
+        chosen, rewritten = retry, found.model
+        run = limit_run(prepared, prepared.workspace.save(rewritten, "limited"), options)
+        limit_report.attempts.append(LimitAttempt(planned_for, chosen.peak_bytes, run))
+    if not run.fits:
+        limit_report.met = False
+        original = ", ".join(f"{label}: {'runs' if r.fits else 'does not run'}"
+                             for label, r in limit_report.original.items())
+        raise MemoryLimitError(
+            f"memory limit of {limit} bytes is not met: no plan tried runs under it (plans for predicted step "
+            f"peaks {[a.planned_for_bytes for a in limit_report.attempts]} bytes; the last: {run.error}); "
+            f"the original under it: {original}", least_feasible_peak_bytes=None)
+    limit_report.met = True
+    if len(limit_report.attempts) > 1:
+        optimized, overhead = measure_plan(prepared, rewritten, options)
+    return chosen, rewritten, optimized, overhead
 
 
 def _record_checks_rejection(report: Report, checked: Checked) -> None:
@@ -986,4 +1094,5 @@ def _rejections(report: Report) -> str:
 
 __all__ = ["Prepared", "prepare", "plan", "deliver", "OptimizeResult", "Checked", "check_plan",
            "first_in_order", "fallback_plans", "rewrite_plan", "planned_order", "measure_model",
-           "measure_original", "solver_exact", "inlined_at_load", "ORIGINAL_UNOPTIMIZED", "BUDGET_RETRIES"]
+           "measure_original", "solver_exact", "inlined_at_load", "ORIGINAL_UNOPTIMIZED", "BUDGET_RETRIES",
+           "LIMIT_RETRIES", "limit_run", "options_budget_bytes"]

@@ -255,6 +255,34 @@ class BaseOrder(_Json):
 
 
 @dataclass
+class LimitRun(_Json):
+    """Training steps run under the memory limit (graphopt/runtime/limit.py): whether they fit."""
+    fits: bool
+    cap_bytes: int                      # ONNX Runtime's arena cap: the limit less what is held outside it
+    outside_bytes: int                  # held outside the arena: weights, inputs, state buffers
+    error: str | None = None            # ONNX Runtime's refusal
+    shortfall_bytes: int | None = None  # how much more the refused allocation needed than was left
+    rss_bytes: int | None = None        # CPU: the process's resident growth over the session and its steps
+
+
+@dataclass
+class LimitAttempt(_Json):
+    planned_for_bytes: int              # the predicted step peak the plan was searched for
+    predicted_peak_bytes: int
+    run: LimitRun
+
+
+@dataclass
+class MemoryLimit(_Json):
+    """The memory limit (`memory_limit_bytes`), shown by runs under it: the original in each
+    session it is measured in, the plans tried for it (the last is the returned one)."""
+    limit_bytes: int
+    original: dict[str, LimitRun] = field(default_factory=dict)
+    attempts: list[LimitAttempt] = field(default_factory=list)
+    met: bool | None = None             # the returned model ran under it
+
+
+@dataclass
 class Report(_Json):
     """Everything `optimize` says about its work (see the module docstring)."""
     loss: str
@@ -293,6 +321,7 @@ class Report(_Json):
     ratios: Ratios | None = None
     prediction_error: PredictionError | None = None
     budget_met: bool | None = None
+    memory_limit: MemoryLimit | None = None
     total_seconds: float = 0.0
 
     def to_dict(self) -> dict:
@@ -353,6 +382,15 @@ def summary_text(report: Report) -> str:
         lines.append(f"returned / original: peak {r.peak_vs_default_session:.2f}x (default session), "
                      f"{r.peak_vs_optimizations_off:.2f}x (optimizations off); step time "
                      f"{r.step_time_vs_default_session:.2f}x / {r.step_time_vs_optimizations_off:.2f}x")
+    limit = report.memory_limit
+    if limit is not None:
+        originals = ", ".join(f"{label.replace('original_', '').replace('_', ' ')} "
+                              f"{'runs' if run.fits else 'FAILS'}" for label, run in limit.original.items())
+        returned = limit.attempts[-1].run if limit.attempts else None
+        lines.append(f"memory limit {_mib(limit.limit_bytes)} (ONNX Runtime capped at it, two steps): original: "
+                     f"{originals or 'not run'}; returned: "
+                     + ("not run" if returned is None else "runs" if returned.fits else "FAILS")
+                     + (f" ({len(limit.attempts)} plans tried)" if len(limit.attempts) > 1 else ""))
     if report.outputs_match is not None:
         lines.append(f"outputs identical: {report.outputs_match} "
                      f"(max relative difference {report.max_relative_difference:.2e})")
@@ -373,4 +411,4 @@ __all__ = ["Report", "summary_text", "OUTCOME_OPTIMIZED", "OUTCOME_ORIGINAL", "O
            "NodeCounts", "Predicted", "PredictedRun", "AnnotationSummary", "Measured", "MeasuredRun", "Ratios",
            "PredictionError", "OutputsDiffer", "Deviation", "OrderResult", "PlanTried", "OrderReport",
            "RejectedForOutputs", "BudgetAttempt", "PlanMeasured", "RejectedPlan", "Objective", "OverheadAttempt",
-           "BaseOrder"]
+           "BaseOrder", "LimitRun", "LimitAttempt", "MemoryLimit"]

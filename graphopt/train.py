@@ -20,7 +20,7 @@ import onnx
 from onnx import numpy_helper
 
 from .analyze import fed_back_outputs
-from .errors import InvalidModelError, InvalidOptionError
+from .errors import InvalidModelError, InvalidOptionError, MemoryLimitError
 
 
 @dataclass
@@ -92,12 +92,19 @@ def _check_data(model: onnx.ModelProto, data_inputs: list[str], data: dict[str, 
 def train(model: onnx.ModelProto | str | os.PathLike, data: dict[str, np.ndarray], steps: int, *,
           batch_size: int | None = None, log: str | os.PathLike | None = None,
           providers: list | None = None, threads: int | None = None, progress: bool = False,
-          on_step: Callable[[int, float], None] | None = None) -> TrainResult:
+          on_step: Callable[[int, float], None] | None = None,
+          memory_limit_bytes: int | None = None) -> TrainResult:
     """Run `steps` training steps of `model` (a ModelProto or a path) on `data` (arrays named like
     the graph's data inputs, first axis the samples); see the module docstring. `log`: a CSV file
-    ``step,loss`` (step from 1). `threads=None`: ONNX Runtime's default."""
+    ``step,loss`` (step from 1). `threads=None`: ONNX Runtime's default.
+
+    `memory_limit_bytes`: what the training may hold at once: the weights, the state buffers
+    and the batch, held outside ONNX Runtime's arena, and the arena (the step's buffers) capped
+    at the rest (graphopt/runtime/limit.py; on the CPU the cap is process-wide). A step that needs more is
+    a MemoryLimitError naming the limit and ONNX Runtime's refusal."""
     import onnxruntime as ort
 
+    from .runtime.limit import out_of_memory
     from .runtime.session import default_providers, open_session
 
     if steps < 0:
@@ -110,10 +117,18 @@ def train(model: onnx.ModelProto | str | os.PathLike, data: dict[str, np.ndarray
     batches = samples // batch
     loss_name = proto.graph.output[0].name
 
-    session = open_session(model, None, providers=providers or default_providers(), threads=threads)
+    fed_back = set(feedback.values())
+    cap = None
+    if memory_limit_bytes is not None:
+        outside = outside_session_bytes(proto, data, data_inputs, batch, fed_back)
+        cap = memory_limit_bytes - outside
+        if cap <= 0:
+            raise MemoryLimitError(f"memory limit of {memory_limit_bytes} bytes: the weights, the state and the "
+                                   f"batch alone take {outside} bytes")
+    session = open_session(model, None, providers=providers or default_providers(), threads=threads,
+                           cap_bytes=cap)
     provider = session.get_providers()[0]
     device = "cuda" if provider == "CUDAExecutionProvider" else "cpu"
-    fed_back = set(feedback.values())
     current, spare = {}, {}     # this step's state, and the buffers its outputs are written into
     for t in proto.graph.initializer:
         if t.name in fed_back:
@@ -146,7 +161,15 @@ def train(model: onnx.ModelProto | str | os.PathLike, data: dict[str, np.ndarray
             for output in session.get_outputs():
                 if output.name != loss_name and output.name not in feedback:
                     binding.bind_output(output.name, device)    # other extras (Dropout masks)
-            session.run_with_iobinding(binding)
+            try:
+                session.run_with_iobinding(binding)
+            except Exception as exc:
+                if cap is None or not out_of_memory(exc):
+                    raise
+                raise MemoryLimitError(
+                    f"training step {i + 1} does not fit in the memory limit of {memory_limit_bytes} bytes "
+                    f"(ONNX Runtime's arena capped at {cap} bytes, the rest held by the weights, the state and the batch): "
+                    f"ONNX Runtime: {exc}") from None
             loss = float(np.array(binding.get_outputs()[0].numpy()).reshape(-1)[0])
             current, spare = spare, current
             losses.append(loss)
@@ -166,6 +189,18 @@ def train(model: onnx.ModelProto | str | os.PathLike, data: dict[str, np.ndarray
     # copies: an OrtValue's numpy() may share its buffer, which dies with the OrtValue
     state = {name: np.array(value.numpy(), copy=True) for name, value in current.items()}
     return TrainResult(losses, state, steps, batch, data_inputs)
+
+
+def outside_session_bytes(model: onnx.ModelProto, data: dict[str, np.ndarray], data_inputs: list[str],
+                          batch: int, fed_back: set[str]) -> int:
+    """Bytes `train` holds outside ONNX Runtime's arena (graphopt/runtime/limit.py): the
+    weights (every initializer), two buffers per fed-back state tensor (this step's and the
+    next's) and one batch of every data input."""
+    from .runtime.limit import initializer_bytes
+    state = sum(2 * int(np.prod(t.dims, dtype=np.int64)) * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+                for t in model.graph.initializer if t.name in fed_back)
+    batch_bytes = sum(data[name][:batch].nbytes for name in data_inputs)
+    return int(initializer_bytes(model) + state + batch_bytes)
 
 
 def with_state(model: onnx.ModelProto, state: dict[str, np.ndarray]) -> onnx.ModelProto:

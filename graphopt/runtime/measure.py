@@ -174,3 +174,43 @@ def time_steps(
         os.remove(f.name)
     return StepTimes(step_seconds=[float(x) for x in d["step_seconds"]], runs=d["runs"],
                      provider=str(d["provider"]), node_seconds=list(d.get("node_seconds") or []))
+
+
+@dataclass
+class LimitRun:
+    """Training steps of a model run under a memory limit (`run_within_limit`)."""
+    limit_bytes: int
+    fits: bool                      # every step ran under the cap
+    error: str | None               # ONNX Runtime's refusal when it did not
+    shortfall_bytes: int | None     # how much more the refused allocation needed than was left
+    cap_bytes: int                  # ONNX Runtime's arena cap: the limit less what is held outside it
+    outside_bytes: int              # held outside the arena: weights, inputs, state buffers
+    rss_bytes: int | None = None    # CPU: the process's resident growth over the session and its steps
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def run_within_limit(
+    model_path: str | os.PathLike,
+    inputs_path: str | os.PathLike,
+    limit_bytes: int,
+    settings: SessionSettings | None = None,
+    *,
+    provider: str | None = None,
+    threads: int = 1,
+    steps: int = 2,
+    timeout_seconds: float = 600,
+) -> LimitRun:
+    """Run `steps` training steps of the saved model under `limit_bytes` in a fresh process
+    (graphopt/runtime/_limit_worker.py, graphopt/runtime/limit.py): whether they fit."""
+    cmd = [sys.executable, "-m", "graphopt.runtime._limit_worker", os.fspath(model_path), os.fspath(inputs_path),
+           "--limit", str(int(limit_bytes)), "--threads", str(int(threads)), "--steps", str(int(steps))]
+    if settings is not None:
+        cmd += ["--settings", settings.to_json()]
+    if provider is not None:
+        cmd += ["--provider", provider]
+    d = _run_worker(cmd, _worker_env(), model_path, timeout_seconds)
+    return LimitRun(limit_bytes=int(d["limit_bytes"]), fits=bool(d["fits"]), error=d.get("error"),
+                    shortfall_bytes=d.get("shortfall_bytes"), cap_bytes=int(d["cap_bytes"]),
+                    outside_bytes=int(d["outside_bytes"]), rss_bytes=d.get("rss_bytes"))

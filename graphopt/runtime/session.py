@@ -10,6 +10,7 @@ can open the session the same way. :func:`open_session` does that for Python use
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -238,11 +239,14 @@ def open_session(
     arena: bool = False,
     profile_prefix: str | None = None,
     deterministic: bool = False,
+    cap_bytes: int | None = None,
 ) -> ort.InferenceSession:
     """Open an ORT session as the plan needs.
 
     ``settings=None`` reads them from the model's metadata, else uses
-    :data:`DEFAULT_SETTINGS`. ``model`` may be a ModelProto or a path (use a path,
+    :data:`DEFAULT_SETTINGS`. ``cap_bytes``: the session may hold at most that many bytes
+    on its provider's device (graphopt/runtime/limit.py: a capped arena, prepacking off);
+    a ``run`` that needs more fails with ONNX Runtime's "Available memory of ..." error. ``model`` may be a ModelProto or a path (use a path,
     with external data, for models over 2 GB; a ModelProto that big is written to a
     temporary directory with external data first).
     """
@@ -250,11 +254,17 @@ def open_session(
     if settings is None:
         meta_model = _load_for_metadata(os.fspath(model)) if is_path else model
         settings = read_settings(meta_model) or DEFAULT_SETTINGS
+    if providers is None:
+        providers = default_providers()
+    if cap_bytes is not None:
+        from .limit import LIMIT_SESSION_CONFIG, providers_within
+        first = providers[0] if isinstance(providers[0], str) else providers[0][0]
+        settings = dataclasses.replace(settings, session_config=dict(settings.session_config) | dict(LIMIT_SESSION_CONFIG))
+        providers = providers_within(first, cap_bytes)
+        arena = True
     so = session_options(
         settings, threads=threads, arena=arena, profile_prefix=profile_prefix, deterministic=deterministic
     )
-    if providers is None:
-        providers = default_providers()
     kwargs: dict[str, Any] = {}
     if settings.disabled_optimizers:
         kwargs["disabled_optimizers"] = list(settings.disabled_optimizers)

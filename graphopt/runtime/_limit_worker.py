@@ -1,0 +1,96 @@
+"""Subprocess that runs training steps under a memory limit. Run by
+:func:`graphopt.runtime.measure.run_within_limit`:
+
+    python -m graphopt.runtime._limit_worker MODEL INPUTS --limit BYTES [--settings JSON]
+        [--provider P] [--threads N] [--steps S]
+
+The weights (the initializers' bytes), the inputs (host memory, or device memory on CUDA)
+and the buffers the fed-back state is written into (bound as a trainer binds them,
+`_measure_worker._step_runner`) are held outside ONNX Runtime's arena and counted against the
+limit; the arena is capped at the rest (graphopt/runtime/limit.py) and runs `steps` steps (two by default: ONNX Runtime plans its
+memory pattern on the first and allocates it on the second). Prints one JSON object on stdout
+(the last line): ``fits``, and when it does not, ONNX Runtime's ``error`` and the
+``shortfall_bytes`` it names; ``cap_bytes``, ``outside_bytes``; on the CPU ``rss_bytes``, the
+process's resident growth from before the session to the end of the steps (everything the
+process held for them, inside the cap or not).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("inputs")
+    ap.add_argument("--limit", type=int, required=True)
+    ap.add_argument("--settings", default=None, help="SessionSettings JSON; absent: model metadata, else default")
+    ap.add_argument("--provider", default=None)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--device-id", type=int, default=0)
+    args = ap.parse_args(argv)
+
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+
+    from graphopt.analyze import fed_back_outputs
+    from graphopt.inputs import load_inputs
+    from graphopt.runtime._measure_worker import _step_runner
+    from graphopt.runtime.limit import initializer_bytes, out_of_memory, shortfall_bytes
+    from graphopt.runtime.rss import reset_peak_rss, status_kb
+    from graphopt.runtime.session import (DEFAULT_SETTINGS, SessionSettings, default_providers, open_session,
+                                          read_settings)
+
+    model = onnx.load(args.model, load_external_data=False)
+    settings = (SessionSettings.from_json(args.settings) if args.settings is not None
+                else read_settings(model) or DEFAULT_SETTINGS)
+    provider = args.provider or default_providers()[0]
+    cuda = provider == "CUDAExecutionProvider"
+    device = "cuda" if cuda else "cpu"
+    graph_inputs = {i.name for i in model.graph.input}
+    feeds_np = {k: v for k, v in load_inputs(args.inputs).items() if k in graph_inputs}
+    declared = {o.name: o.type.tensor_type for o in model.graph.output}
+    bound_bytes = 0
+    for name in fed_back_outputs(model):
+        dims = declared[name].shape.dim
+        if all(d.HasField("dim_value") for d in dims):
+            itemsize = onnx.helper.tensor_dtype_to_np_dtype(declared[name].elem_type).itemsize
+            bound_bytes += int(np.prod([d.dim_value for d in dims], dtype=np.int64)) * itemsize
+    outside = int(initializer_bytes(model) + sum(v.nbytes for v in feeds_np.values()) + bound_bytes)
+    cap = args.limit - outside
+    result: dict = {"provider": provider, "limit_bytes": args.limit, "outside_bytes": outside, "cap_bytes": cap,
+                    "steps": 0}
+    if cap <= 0:
+        result.update(fits=False, error=f"the weights, inputs and state buffers alone take {outside} bytes",
+                      shortfall_bytes=-cap)
+        sys.stdout.write("\n" + json.dumps(result) + "\n")
+        return 0
+    have_hwm = not cuda and reset_peak_rss()
+    rss_before = status_kb("VmRSS") if have_hwm else None
+    try:
+        sess = open_session(args.model, settings, providers=[provider], threads=args.threads, cap_bytes=cap)
+        feeds = {k: ort.OrtValue.ortvalue_from_numpy(v, device, args.device_id) for k, v in feeds_np.items()}
+        out_names = [o.name for o in sess.get_outputs()]
+        run, release = _step_runner(sess, model, feeds, out_names, device, args.device_id)
+        for _ in range(max(1, args.steps)):
+            run()
+            release()
+            result["steps"] += 1
+        result.update(fits=True, error=None, shortfall_bytes=None)
+    except Exception as exc:  # noqa: BLE001 - an allocation refused under the cap is the answer
+        if not out_of_memory(exc):
+            raise
+        result.update(fits=False, error=str(exc).strip().splitlines()[-1][-600:], shortfall_bytes=shortfall_bytes(exc))
+    if rss_before is not None:
+        result["rss_bytes"] = max(0, (status_kb("VmHWM") - rss_before) * 1024)
+    sys.stdout.write("\n" + json.dumps(result) + "\n")
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
