@@ -38,6 +38,7 @@ TRAINING_NAME = "training.onnx"
 class BatchOptions:
     loss: str | None = "cross_entropy"    # for forward models
     budget_fraction: float | None = None  # budget = fraction x predicted peak of the original
+    memory_limit_bytes: int | None = None  # OptimizeOptions.memory_limit_bytes, the same for every model
     strategy: str | None = None
     measure: bool = True
     sweep: int | None = None              # points of the memory-time front (in-process only)
@@ -55,6 +56,7 @@ class BatchOptions:
         from .options import OptimizeOptions
         from .search import DEFAULT_STRATEGY
         OptimizeOptions(strategy=self.strategy or DEFAULT_STRATEGY, max_overhead=self.max_overhead,
+                        memory_limit_bytes=self.memory_limit_bytes, measure=self.measure,
                         **({} if self.objective is None else {"objective": self.objective}),
                         **({} if self.graph_optimizations is None else
                            {"graph_optimizations": self.graph_optimizations})).check()
@@ -188,6 +190,8 @@ class LocalRunner:
                 command += ["--sweep", str(options.sweep)]
             if options.budget_fraction is not None:
                 command += ["--budget", str(self._budget(job, options))]
+            if options.memory_limit_bytes is not None:
+                command += ["--memory-limit", str(int(options.memory_limit_bytes))]
             proc = subprocess.run(command, capture_output=True, text=True, timeout=self.timeout_seconds)
             if proc.returncode != 0:
                 lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]

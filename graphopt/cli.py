@@ -271,6 +271,7 @@ def cmd_batch(args) -> int:
     from .batch import BatchOptions, LocalRunner, discover, run_batch
     from .batch_summary import write_summary
     options = BatchOptions(loss=args.loss, budget_fraction=args.budget_fraction, strategy=args.strategy,
+                           memory_limit_bytes=args.memory_limit,
                            measure=not args.no_measure, sweep=args.sweep, objective=args.objective,
                            max_overhead=args.max_overhead, graph_optimizations=args.graph_optimizations)
     options.check()
@@ -451,6 +452,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="optimize on these servers (client-side round robin; one name may be a DNS name "
                         "resolving to many, e.g. a headless Service); default: worker processes here")
     p.add_argument("--budget-fraction", type=float, help="budget = this fraction of each model's predicted peak")
+    p.add_argument("--memory-limit", type=parse_bytes, metavar="BYTES",
+                   help="what each model's training session may hold at once on its device (e.g. 1GiB; "
+                        "see optimize --memory-limit)")
     p.add_argument("--loss", default="cross_entropy", metavar="KIND",
                    help="loss for forward models (cross_entropy, mse, output:NAME); training graphs go straight in")
     p.add_argument("--strategy", choices=sorted(STRATEGIES))

@@ -459,8 +459,8 @@ def plan(prepared: Prepared, options: OptimizeOptions, budget_bytes=_OPTIONS_BUD
             raise MemoryLimitError(
                 f"memory limit of {options.memory_limit_bytes} bytes cannot be met: the weights, inputs and "
                 f"state take {outside} bytes, and the least step peak found{hint} is {chosen.peak_bytes} bytes "
-                f"(predicted; the plan was searched for {budget})",
-                least_feasible_peak_bytes=chosen.peak_bytes + outside)
+                f"(predicted; the plan was searched for {budget}): a limit of {chosen.peak_bytes + outside} bytes "
+                f"or more may be met")
         raise BudgetInfeasibleError(
             f"budget of {budget} bytes cannot be met: the least peak found{hint} is {chosen.peak_bytes} bytes",
             least_feasible_peak_bytes=chosen.peak_bytes)
@@ -488,7 +488,7 @@ def options_budget_bytes(prepared: Prepared, options: OptimizeOptions) -> int | 
     outside = prepared.graph.outside_peak_bytes
     if options.memory_limit_bytes <= outside:
         raise MemoryLimitError(f"memory limit of {options.memory_limit_bytes} bytes cannot be met: the weights, "
-                               f"inputs and state alone take {outside} bytes", least_feasible_peak_bytes=outside)
+                               f"inputs and state alone take {outside} bytes")
     return options.memory_limit_bytes - outside
 
 
@@ -994,8 +994,7 @@ def _measured_delivery(prepared: Prepared, chosen: Plan, rewritten: onnx.ModelPr
             if not original_fits:
                 raise MemoryLimitError(
                     f"memory limit of {limit_report.limit_bytes} bytes is not met: {why}, and the original does "
-                    f"not run under it ({limit_report.original[best_original].error})",
-                    least_feasible_peak_bytes=None)
+                    f"not run under it ({limit_report.original[best_original].error})")
         if budget is not None and originals[best_original].peak_bytes > budget:
             raise BudgetInfeasibleError(
                 f"budget of {budget} bytes is not met: {why}, and the original measured "
@@ -1065,7 +1064,7 @@ def _fit_memory_limit(prepared: Prepared, chosen: Plan, rewritten: onnx.ModelPro
         raise MemoryLimitError(
             f"memory limit of {limit} bytes is not met: no plan tried runs under it (plans for predicted step "
             f"peaks {[a.planned_for_bytes for a in limit_report.attempts]} bytes; the last: {run.error}); "
-            f"the original under it: {original}", least_feasible_peak_bytes=None)
+            f"the original under it: {original}")
     limit_report.met = True
     if len(limit_report.attempts) > 1:
         optimized, overhead = measure_plan(prepared, rewritten, options)

@@ -125,8 +125,8 @@ def train(model: onnx.ModelProto | str | os.PathLike, data: dict[str, np.ndarray
         if cap <= 0:
             raise MemoryLimitError(f"memory limit of {memory_limit_bytes} bytes: the weights, the state and the "
                                    f"batch alone take {outside} bytes")
-    session = open_session(model, None, providers=providers or default_providers(), threads=threads,
-                           cap_bytes=cap)
+    session = open_session(_without_state_defaults(proto, fed_back, model), None,
+                           providers=providers or default_providers(), threads=threads, cap_bytes=cap)
     provider = session.get_providers()[0]
     device = "cuda" if provider == "CUDAExecutionProvider" else "cpu"
     current, spare = {}, {}     # this step's state, and the buffers its outputs are written into
@@ -194,13 +194,28 @@ def train(model: onnx.ModelProto | str | os.PathLike, data: dict[str, np.ndarray
 def outside_session_bytes(model: onnx.ModelProto, data: dict[str, np.ndarray], data_inputs: list[str],
                           batch: int, fed_back: set[str]) -> int:
     """Bytes `train` holds outside ONNX Runtime's arena (graphopt/runtime/limit.py): the
-    weights (every initializer), two buffers per fed-back state tensor (this step's and the
-    next's) and one batch of every data input."""
-    from .runtime.limit import initializer_bytes
-    state = sum(2 * int(np.prod(t.dims, dtype=np.int64)) * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
-                for t in model.graph.initializer if t.name in fed_back)
+    weights that are not state (initializers the session keeps), two buffers per fed-back
+    state tensor (this step's and the next's; the session does not keep their defaults:
+    `_without_state_defaults`) and one batch of every data input."""
+    def nbytes(t):
+        return int(np.prod(t.dims, dtype=np.int64)) * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+    held = sum(2 * nbytes(t) if t.name in fed_back else nbytes(t) for t in model.graph.initializer)
     batch_bytes = sum(data[name][:batch].nbytes for name in data_inputs)
-    return int(initializer_bytes(model) + state + batch_bytes)
+    return int(held + batch_bytes)
+
+
+def _without_state_defaults(model: onnx.ModelProto, fed_back: set[str], path):
+    """What the session opens: `model` without the initializers of its fed-back inputs (every
+    step binds them, so the session's copies of their defaults would only take memory: a third
+    copy of the parameters and optimizer state); `path` (the file as given) when there are none."""
+    if not fed_back:
+        return path
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    kept = [t for t in out.graph.initializer if t.name not in fed_back]
+    del out.graph.initializer[:]
+    out.graph.initializer.extend(kept)
+    return out
 
 
 def with_state(model: onnx.ModelProto, state: dict[str, np.ndarray]) -> onnx.ModelProto:

@@ -62,6 +62,7 @@ class RemoteRunner:
             budget = int(options.budget_fraction * analysis["predicted_peak_bytes"]["original_optimizations_off"])
         report = self._call(lambda: self.client.optimize(
             job.training_path, job.optimized_path, timeout_seconds=self.deadline_seconds, budget_bytes=budget,
+            memory_limit_bytes=options.memory_limit_bytes,
             strategy=options.strategy, measure=options.measure, objective=options.objective,
             max_overhead=options.max_overhead, graph_optimizations=options.graph_optimizations))
         return report.to_dict()

@@ -32,8 +32,8 @@ Progress = Callable[[str, float], None]
 def make_options(options: OptimizeOptions | None = None, *, plan: bool = False, response_chunk_bytes: int = 0,
                  **fields) -> pb.OptimizeOptions:
     """The proto's options of the library's `OptimizeOptions` (or of its fields by name:
-    budget_bytes, objective, max_overhead, strategy, input_dims, providers, verify, measure, loss,
-    threads, tolerance, graph_optimizations),
+    budget_bytes, memory_limit_bytes, objective, max_overhead, strategy, input_dims, providers, verify,
+    measure, loss, threads, tolerance, graph_optimizations),
     with the service's own plan and response_chunk_bytes. The inputs' arrays and the progress
     callback do not travel (the server synthesizes inputs from input_dims)."""
     if options is None:
@@ -48,6 +48,8 @@ def make_options(options: OptimizeOptions | None = None, *, plan: bool = False, 
                                  response_chunk_bytes=response_chunk_bytes)
     if options.budget_bytes is not None:
         message.budget_bytes = options.budget_bytes
+    if options.memory_limit_bytes is not None:
+        message.memory_limit_bytes = options.memory_limit_bytes
     if options.max_overhead is not None:
         message.max_overhead = options.max_overhead
     for name in ("objective", "verify", "measure", "tolerance", "graph_optimizations"):   # sent when not the default

@@ -137,6 +137,8 @@ def job_options(options: pb.OptimizeOptions, max_threads: int) -> tuple[dict, di
     library = {"input_dims": input_dims, "threads": options.threads or 1}
     if options.HasField("budget_bytes"):
         library["budget_bytes"] = options.budget_bytes
+    if options.HasField("memory_limit_bytes"):
+        library["memory_limit_bytes"] = options.memory_limit_bytes
     if options.strategy:
         library["strategy"] = options.strategy
     # objective and max_overhead as sent: the library's check (in the worker, before any work)

@@ -265,6 +265,8 @@ def open_session(
     so = session_options(
         settings, threads=threads, arena=arena, profile_prefix=profile_prefix, deterministic=deterministic
     )
+    if cap_bytes is not None:
+        so.log_severity_level = 4   # an allocation refused under the cap is the caller's to report
     kwargs: dict[str, Any] = {}
     if settings.disabled_optimizers:
         kwargs["disabled_optimizers"] = list(settings.disabled_optimizers)

@@ -16,7 +16,7 @@ class InputDims(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dims: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class OptimizeOptions(_message.Message):
-    __slots__ = ("budget_bytes", "objective", "max_overhead", "strategy", "input_dims", "providers", "verify", "measure", "loss", "threads", "tolerance", "graph_optimizations", "response_chunk_bytes", "plan")
+    __slots__ = ("budget_bytes", "objective", "max_overhead", "strategy", "input_dims", "providers", "verify", "measure", "loss", "threads", "tolerance", "graph_optimizations", "memory_limit_bytes", "response_chunk_bytes", "plan")
     BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     OBJECTIVE_FIELD_NUMBER: _ClassVar[int]
     MAX_OVERHEAD_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,7 @@ class OptimizeOptions(_message.Message):
     THREADS_FIELD_NUMBER: _ClassVar[int]
     TOLERANCE_FIELD_NUMBER: _ClassVar[int]
     GRAPH_OPTIMIZATIONS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
     budget_bytes: int
@@ -43,9 +44,10 @@ class OptimizeOptions(_message.Message):
     threads: int
     tolerance: float
     graph_optimizations: str
+    memory_limit_bytes: int
     response_chunk_bytes: int
     plan: bool
-    def __init__(self, budget_bytes: _Optional[int] = ..., objective: _Optional[str] = ..., max_overhead: _Optional[float] = ..., strategy: _Optional[str] = ..., input_dims: _Optional[_Iterable[_Union[InputDims, _Mapping]]] = ..., providers: _Optional[_Iterable[str]] = ..., verify: _Optional[bool] = ..., measure: _Optional[bool] = ..., loss: _Optional[str] = ..., threads: _Optional[int] = ..., tolerance: _Optional[float] = ..., graph_optimizations: _Optional[str] = ..., response_chunk_bytes: _Optional[int] = ..., plan: _Optional[bool] = ...) -> None: ...
+    def __init__(self, budget_bytes: _Optional[int] = ..., objective: _Optional[str] = ..., max_overhead: _Optional[float] = ..., strategy: _Optional[str] = ..., input_dims: _Optional[_Iterable[_Union[InputDims, _Mapping]]] = ..., providers: _Optional[_Iterable[str]] = ..., verify: _Optional[bool] = ..., measure: _Optional[bool] = ..., loss: _Optional[str] = ..., threads: _Optional[int] = ..., tolerance: _Optional[float] = ..., graph_optimizations: _Optional[str] = ..., memory_limit_bytes: _Optional[int] = ..., response_chunk_bytes: _Optional[int] = ..., plan: _Optional[bool] = ...) -> None: ...
 
 class FileHeader(_message.Message):
     __slots__ = ("path", "size_bytes", "sha256")

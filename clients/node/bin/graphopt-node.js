@@ -11,7 +11,7 @@ const { parseArgs } = require('util');
 const { GraphoptClient, GraphoptError } = require('../src/client');
 
 const USAGE = `usage:
-  graphopt-node optimize MODEL -o OUT --server HOST:PORT [--budget BYTES] [--strategy S]
+  graphopt-node optimize MODEL -o OUT --server HOST:PORT [--budget BYTES] [--memory-limit BYTES] [--strategy S]
                 [--objective O] [--max-overhead F] [--graph-optimizations L]
                 [--input-dims NAME=D1,D2,...]... [--loss NAME] [--no-verify] [--no-measure]
                 [--report FILE] [--provider P] [--threads N]
@@ -31,6 +31,8 @@ common options:
   -h, --help                 this help
 
 optimize and analyze:
+  --memory-limit BYTES       optimize: what the training session may hold at once on its device
+                             (weights, state, the step); the returned model is run under it
   --objective O              without --budget: bounded-overhead (the server's default: the least
                              peak within --max-overhead) or least-peak (whatever it costs in time)
   --max-overhead F           step time at most (1 + F) x the original's, measured in ONNX Runtime's
@@ -54,6 +56,7 @@ const COMMON = {
 
 const MODEL_OPTIONS = {
   budget: { type: 'string' },
+  'memory-limit': { type: 'string' },
   objective: { type: 'string' },
   'max-overhead': { type: 'string' },
   'graph-optimizations': { type: 'string' },
@@ -189,6 +192,7 @@ function parseCommandLine(argv) {
   const options = {};
   if (command === 'optimize' || command === 'analyze') {
     if (values.budget !== undefined) options.budgetBytes = parseBytes(values.budget);
+    if (values['memory-limit'] !== undefined) options.memoryLimitBytes = parseBytes(values['memory-limit']);
     if (values.objective !== undefined) options.objective = values.objective;
     if (values['max-overhead'] !== undefined) options.maxOverhead = parseFraction(values['max-overhead'], '--max-overhead');
     if (values['graph-optimizations'] !== undefined) options.graphOptimizations = values['graph-optimizations'];

@@ -74,7 +74,7 @@ async function sha256File(file) {
 
 // graphopt's OptimizeOptions (graphopt/options.py), each field under its camelCase name, and the
 // service's own responseChunkBytes and plan.
-const OPTION_KEYS = new Set(['budgetBytes', 'objective', 'maxOverhead', 'strategy', 'inputDims', 'providers',
+const OPTION_KEYS = new Set(['budgetBytes', 'memoryLimitBytes', 'objective', 'maxOverhead', 'strategy', 'inputDims', 'providers',
   'verify', 'measure', 'loss', 'threads', 'tolerance', 'graphOptimizations', 'responseChunkBytes', 'plan']);
 
 function integerString(value, what) {
@@ -86,7 +86,9 @@ function integerString(value, what) {
 
 /**
  * JS options -> graphopt.v1.OptimizeOptions:
- *   {budgetBytes, objective ('bounded-overhead' | 'least-peak'; the server checks the name),
+ *   {budgetBytes, memoryLimitBytes (what the training session may hold at once on its device: the
+ *    returned model is run under ONNX Runtime capped at it), objective ('bounded-overhead' |
+ *    'least-peak'; the server checks the name),
  *    maxOverhead (step time at most (1 + maxOverhead) x the original's), strategy,
  *    inputDims: {name: [d, ...]} | [{name, dims}], providers: [name, ...],
  *    verify (default true), measure (default true), loss, threads, tolerance,
@@ -103,6 +105,9 @@ function toProtoOptions(options = {}) {
   const out = {};
   if (options.budgetBytes !== undefined && options.budgetBytes !== null) {
     out.budget_bytes = integerString(options.budgetBytes, 'budgetBytes');
+  }
+  if (options.memoryLimitBytes !== undefined && options.memoryLimitBytes !== null) {
+    out.memory_limit_bytes = integerString(options.memoryLimitBytes, 'memoryLimitBytes');
   }
   if (options.objective !== undefined && options.objective !== null) out.objective = String(options.objective);
   if (options.maxOverhead !== undefined && options.maxOverhead !== null) {
