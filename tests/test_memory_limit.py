@@ -141,3 +141,22 @@ def test_train_under_the_limit_fails_for_the_original_and_matches_it_optimized(t
     np.testing.assert_allclose(limited.losses, free.losses, rtol=1e-5)
     for name, value in free.state.items():
         np.testing.assert_allclose(limited.state[name], value, rtol=1e-4, atol=1e-7, err_msg=name)
+
+
+def test_the_cli_takes_a_limit_in_units_and_names_it_when_a_step_does_not_fit(tmp_path):
+    """`graphopt train --memory-limit 1MiB` on a fused-SGD MLP whose weights alone are more:
+    exit status 2 (a graphopt error) and the limit in bytes in the message; `optimize --memory-limit` parses the
+    same units."""
+    import subprocess
+    import sys
+
+    from graphopt.cli import build_parser
+    forward = forward_example("mlp", batch=64, width=256, depth=4, d_in=64)
+    model = build_training_graph(forward, optimizer=OptimizerSpec("sgd", lr=0.1))
+    path, data = _saved(tmp_path, model, example_inputs(forward))
+    proc = subprocess.run([sys.executable, "-m", "graphopt.cli", "train", path, "--data", data, "--steps", "1",
+                           "-q", "--memory-limit", "1MiB"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr   # a GraphoptError
+    assert f"memory limit of {1 << 20} bytes" in proc.stderr
+    args = build_parser().parse_args(["optimize", path, "-o", "x.onnx", "--memory-limit", "1.5GiB"])
+    assert args.memory_limit == 3 << 29

@@ -140,15 +140,18 @@ def test_objective_and_max_overhead_travel_under_the_library_names():
     for options in (OptimizeOptions(), OptimizeOptions(objective=LEAST_PEAK),
                     OptimizeOptions(max_overhead=0.0), OptimizeOptions(objective=BOUNDED_OVERHEAD, max_overhead=0.35),
                     OptimizeOptions(budget_bytes=1 << 20, max_overhead=0.5, strategy="chen-greedy"),
-                    OptimizeOptions(graph_optimizations="none"), OptimizeOptions(graph_optimizations="basic")):
+                    OptimizeOptions(graph_optimizations="none"), OptimizeOptions(graph_optimizations="basic"),
+                    OptimizeOptions(memory_limit_bytes=3 << 30)):
         message = make_options(options)
         assert message.HasField("objective") == (options.objective != BOUNDED_OVERHEAD)
         assert message.HasField("max_overhead") == (options.max_overhead is not None)
         assert message.HasField("graph_optimizations") == (options.graph_optimizations != "extended")
         library, _ = job_options(pb.OptimizeOptions.FromString(message.SerializeToString()), max_threads=1)
         back = OptimizeOptions.from_dict(library)
-        assert (back.objective, back.max_overhead, back.budget_bytes, back.graph_optimizations) == \
-               (options.objective, options.max_overhead, options.budget_bytes, options.graph_optimizations)
+        assert message.HasField("memory_limit_bytes") == (options.memory_limit_bytes is not None)
+        assert (back.objective, back.max_overhead, back.budget_bytes, back.graph_optimizations,
+                back.memory_limit_bytes) == (options.objective, options.max_overhead, options.budget_bytes,
+                                             options.graph_optimizations, options.memory_limit_bytes)
 
 
 def test_objective_reaches_the_library_and_comes_back_in_the_report(client, models, tmp_path):
