@@ -261,7 +261,7 @@ def opset_of(model: onnx.ModelProto, domain: str = "") -> int:
 # A recomputed copy of a node runs slower than the node did in the forward pass: its inputs
 # are checkpoints written long before (out of cache) and its outputs fresh buffers. Measured
 # (onnxruntime 1.32, CPU, one thread; plans timed against the plan without recomputation in one
-# process, graphopt/runtime/_timing_worker.py): the recomputed nodes of the mlp and resnet
+# process, the timing worker of the time): the recomputed nodes of the mlp and resnet
 # examples' plans took 1.02-1.57 times their profiled seconds, median about 1.2.
 RECOMPUTE_FACTOR = 1.2
 

@@ -84,7 +84,7 @@ LIMIT_RETRIES = 4
 
 @dataclass
 class StepTiming:
-    """Step times measured against each other in one process (`runtime.measure.time_steps`),
+    """Step times measured against each other, step by step in turn (`runtime.measure.time_steps`),
     and what the cost model's seconds are scaled by. The baseline of `max_overhead` is
     `default_session_seconds`."""
     default_session_seconds: float       # the original under ONNX Runtime's default session
@@ -245,7 +245,7 @@ TIMING_MAX_SECONDS = 40.0
 
 
 def _time_baseline(prepared: Prepared, options: OptimizeOptions) -> None:
-    """Measure the step times `StepTiming` holds, in one process (see `runtime._timing_worker`),
+    """Measure the step times `StepTiming` holds, in turn (see `runtime._timing_worker`),
     and give the cost graph the seconds ONNX Runtime spends on each node in graphopt's order and
     settings (store-all's profiled nodes, scaled to its measured step time): the annotation's
     come from ORT's own order in a process whose every buffer is a fresh mmap, which measured

@@ -374,8 +374,7 @@ def test_time_steps_times_sessions_in_turn_with_a_profiled_twin(tmp_path):
     """`time_steps`: one median per session (in the order given) from at least MIN_ROUNDS runs
     each, the ratio of two sessions as the median of the rounds' ratios, and the profiled
     session's median seconds for every node it ran (no speed is asserted: that is a benchmark's)."""
-    from graphopt.runtime._timing_worker import MIN_ROUNDS
-    from graphopt.runtime.measure import time_steps
+    from graphopt.runtime.measure import MIN_ROUNDS, time_steps
     m = mlp_training_graph(layers=3, batch=256, width=64)
     onnx.save(m, tmp_path / "mlp.onnx")
     save_inputs(tmp_path / "mlp.npz", mlp_inputs(m))
@@ -391,6 +390,34 @@ def test_time_steps_times_sessions_in_turn_with_a_profiled_twin(tmp_path):
         n.name for n in m.graph.node}
     assert all(v >= 0 for v in nodes.values())
     assert times.provider == "CPUExecutionProvider"
+
+
+def test_time_steps_holds_one_session_per_process(tmp_path):
+    """Each session timed in a process of its own: the largest of them holds about one session
+    (weights and step), not all of them. Oracle: the peak resident memory of the largest child,
+    from outside (RUSAGE_CHILDREN), against the step measured alone (`measure`) times the
+    sessions timed; a MLP whose step (about 60 MiB) dwarfs the interpreter's baseline."""
+    import resource
+    import subprocess
+    import sys
+
+    from graphopt.runtime.measure import measure
+    m = mlp_training_graph(layers=12, batch=2048, width=256)
+    onnx.save(m, tmp_path / "mlp.onnx")
+    save_inputs(tmp_path / "mlp.npz", mlp_inputs(m))
+    step = measure(tmp_path / "mlp.onnx", tmp_path / "mlp.npz", NO_OPT, timing=False).peak_bytes
+    code = ("import sys, resource; from graphopt.runtime.measure import time_steps; "
+            "from graphopt.runtime.session import SessionSettings as S; s = S(graph_optimization_level='ORT_DISABLE_ALL', "
+            "enable_mem_pattern=False, enable_mem_reuse=False); "
+            f"time_steps([({str(tmp_path / 'mlp.onnx')!r}, s)] * 4, {str(tmp_path / 'mlp.npz')!r}, rounds=3, "
+            "profile=(0,)); print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    largest = int(done.stdout.strip().splitlines()[-1]) * 1024
+    assert step > 40 * MiB
+    # one session's step and weights, and the interpreter with onnx and onnxruntime loaded;
+    # five sessions in one process held more than three steps
+    print(f"largest timing process {largest / MiB:.0f} MiB, step {step / MiB:.0f} MiB")
+    assert largest < 2 * step + 200 * MiB, (largest / MiB, step / MiB)
 
 
 def test_measure_failure_carries_stderr(tmp_path):

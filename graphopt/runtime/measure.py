@@ -17,7 +17,7 @@ import sys
 from dataclasses import dataclass
 
 from graphopt.errors import GraphoptError
-from graphopt.runtime.session import SessionSettings
+from graphopt.runtime.session import SessionSettings, default_providers
 
 
 class MeasurementError(GraphoptError):
@@ -134,7 +134,7 @@ def measure(
 
 @dataclass
 class StepTimes:
-    """Step seconds of several sessions timed against each other in one process."""
+    """Step seconds of several sessions timed against each other, step by step in turn."""
     step_seconds: list[float]             # median per session, in the order given
     runs: list[list[float]]               # every timed run per session
     provider: str
@@ -143,6 +143,10 @@ class StepTimes:
     def ratio(self, i: int, j: int) -> float:
         """Session i's step time over session j's: the median of the rounds' ratios."""
         return float(statistics.median(a / b for a, b in zip(self.runs[i], self.runs[j])))
+
+
+# the least rounds of `time_steps`, however long they take
+MIN_ROUNDS = 3
 
 
 def time_steps(
@@ -156,24 +160,72 @@ def time_steps(
     profile: tuple[int, ...] = (),
     timeout_seconds: float = 900,
 ) -> StepTimes:
-    """Median step seconds of each (model path, settings; None: its metadata) session, timed
-    in turn in one fresh process with the allocator as users have it (see
-    graphopt/runtime/_timing_worker.py); for each session index in ``profile``, its median
-    seconds per node too."""
+    """Median step seconds of each (model path, settings; None: its metadata) session, timed in
+    turn: each session in a fresh process of its own with the allocator as users have it
+    (graphopt/runtime/_timing_worker.py), opened one after another, then rounds of one step of
+    each in turn (`rounds`, or fewer once the timed steps took `max_seconds`, at least
+    MIN_ROUNDS); for each session index in ``profile``, a profiled twin in the same rounds gives
+    its median seconds per node."""
+    import subprocess
     import tempfile
-    spec = {"inputs": os.fspath(inputs_path), "provider": provider, "threads": int(threads),
-            "rounds": int(rounds), "max_seconds": float(max_seconds), "profile": list(profile),
-            "sessions": [{"model": os.fspath(path), "settings": None if s is None else s.to_dict()}
-                         for path, s in sessions]}
-    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="graphopt-timing-", delete=False) as f:
-        json.dump(spec, f)
-    try:
-        d = _run_worker([sys.executable, "-m", "graphopt.runtime._timing_worker", f.name],
-                        _worker_env(plain_allocator=True), sessions[0][0], timeout_seconds)
-    finally:
-        os.remove(f.name)
-    return StepTimes(step_seconds=[float(x) for x in d["step_seconds"]], runs=d["runs"],
-                     provider=str(d["provider"]), node_seconds=list(d.get("node_seconds") or []))
+    import threading
+
+    profiled = sorted(set(profile))
+    with tempfile.TemporaryDirectory(prefix="graphopt-timing-") as tmp:
+        entries = [{"model": os.fspath(path), "settings": None if s is None else s.to_dict(), "profile_prefix": None}
+                   for path, s in sessions]
+        entries += [dict(entries[i], profile_prefix=os.path.join(tmp, f"profile{i}")) for i in profiled]
+        spec_path = os.path.join(tmp, "spec.json")
+        with open(spec_path, "w") as f:
+            json.dump({"inputs": os.fspath(inputs_path), "provider": provider, "threads": int(threads),
+                       "sessions": entries}, f)
+        workers: list[tuple[subprocess.Popen, object]] = []
+        timer = threading.Timer(timeout_seconds, lambda: [w.kill() for w, _ in workers])
+        timer.start()
+
+        def reply(k: int) -> str:
+            worker, stderr = workers[k]
+            line = worker.stdout.readline()
+            if not line:
+                worker.wait()
+                stderr.seek(0)
+                tail = stderr.read()[-3000:]
+                what = "timed out" if not timer.is_alive() else f"failed (exit {worker.returncode})"
+                raise MeasurementError(f"timing of {entries[k]['model']} {what}; stderr tail:\n{tail}")
+            return line.strip()
+
+        try:
+            for k in range(len(entries)):   # one after another: a session's creation is not timed
+                stderr = tempfile.TemporaryFile("w+", dir=tmp)
+                workers.append((subprocess.Popen(
+                    [sys.executable, "-m", "graphopt.runtime._timing_worker", spec_path, str(k)],
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True,
+                    env=_worker_env(plain_allocator=True)), stderr))
+                if reply(k) != "ready":
+                    raise MeasurementError(f"timing worker of {entries[k]['model']} did not start")
+            runs: list[list[float]] = [[] for _ in entries]
+            for r in range(max(MIN_ROUNDS, int(rounds))):
+                for k, (worker, _) in enumerate(workers):
+                    worker.stdin.write("run\n")
+                    worker.stdin.flush()
+                    runs[k].append(float(reply(k)))
+                if r + 1 >= MIN_ROUNDS and sum(map(sum, runs)) > max_seconds:
+                    break
+            ends = []
+            for k, (worker, _) in enumerate(workers):
+                worker.stdin.write("end\n")
+                worker.stdin.flush()
+                ends.append(json.loads(reply(k)))
+        finally:
+            timer.cancel()
+            for worker, stderr in workers:
+                if worker.poll() is None:
+                    worker.kill()
+                worker.wait()
+                stderr.close()
+    timed = len(sessions)
+    return StepTimes(step_seconds=[statistics.median(t) for t in runs[:timed]], runs=runs[:timed],
+                     provider=provider or default_providers()[0], node_seconds=[e.get("node_seconds", {}) for e in ends[timed:]])
 
 
 @dataclass
