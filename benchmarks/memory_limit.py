@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -77,13 +76,15 @@ def run_one(kind: str, name: str, args) -> dict:
         row.update(step_mib=step / MiB, need_mib=need / MiB, limit_mib=limit / MiB)
         row["original_fits"] = run_within_limit(path, inputs_path, limit, DEFAULT_SETTINGS).fits
         started = time.perf_counter()
-        before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-        done = subprocess.run([sys.executable, "-m", "graphopt.cli", "optimize", path, "--inputs", inputs_path,
-                               "-o", out, "--report", os.path.join(tmp, "r.json"), "--threads", "1",
-                               "--memory-limit", str(limit)], capture_output=True, text=True)
+        # in a wrapper process of its own, whose children are graphopt's process tree alone
+        # (every descendant is waited for by its parent, so the largest counts)
+        wrapper = ("import resource, subprocess, sys; done = subprocess.run(sys.argv[1:]); "
+                   "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(done.returncode)")
+        done = subprocess.run([sys.executable, "-c", wrapper, sys.executable, "-m", "graphopt.cli", "optimize", path,
+                               "--inputs", inputs_path, "-o", out, "--report", os.path.join(tmp, "r.json"),
+                               "--threads", "1", "--memory-limit", str(limit)], capture_output=True, text=True)
         row["optimize_seconds"] = time.perf_counter() - started
-        largest = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-        row["graphopt_largest_mib"] = largest / 1024 if largest > before else float("nan")
+        row["graphopt_largest_mib"] = int(done.stdout.strip().splitlines()[-1]) / 1024
         if done.returncode != 0:
             row["error"] = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else str(done.returncode)
             return row

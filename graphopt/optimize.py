@@ -17,7 +17,8 @@ from .options import OptimizeOptions, Progress
 from .pipeline import (BUDGET_RETRIES, ORIGINAL_UNOPTIMIZED, OptimizeResult, Prepared, deliver, plan, prepare,
                        solver_exact)
 from .pipeline import plan as _plan   # analyze_model's argument `plan` is a flag
-from .report import OUTCOME_OPTIMIZED, OUTCOME_ORIGINAL, OUTCOME_UNMEASURED, Report, summary_text
+from .report import OUTCOME_OPTIMIZED, OUTCOME_ORIGINAL, OUTCOME_UNMEASURED, GraphoptMemory, Report, summary_text
+from .runtime.rss import peak_rss_bytes, reset_peak_rss, tracking_children
 from .runtime.isolated import save_model as save_model
 
 
@@ -27,13 +28,26 @@ def optimize(model: onnx.ModelProto, options: OptimizeOptions | None = None) -> 
     options = options or OptimizeOptions()
     progress = options.progress or (lambda stage, fraction: None)
     started = time.perf_counter()
+    reset_peak_rss()
     # every ONNX Runtime run in a fresh process, one at a time, models and outputs on disk
-    with prepare(model, options) as prepared:
+    with tracking_children() as children, prepare(model, options) as prepared:
         progress("plan", 0.3)
         chosen = plan(prepared, options)
         result = deliver(prepared, chosen, options)
+    result.report.graphopt_memory = _own_memory(result.report, children)
     result.report.total_seconds = time.perf_counter() - started
     return result
+
+
+def _own_memory(report: Report, children: dict[str, int]) -> GraphoptMemory:
+    largest = max(children, key=children.get) if children else None
+    measured = report.measured
+    steps = [] if measured is None else [r.peak_bytes for r in (measured.original_default_session,
+                                                                  measured.original_optimizations_off,
+                                                                  measured.optimized)]
+    return GraphoptMemory(main_process_bytes=peak_rss_bytes(), largest_child_bytes=children.get(largest),
+                          largest_child=largest, children_bytes=dict(children),
+                          largest_step_bytes=max(steps) if steps else None)
 
 
 def analyze_model(model: onnx.ModelProto, options: OptimizeOptions | None = None, plan: bool = False) -> dict:

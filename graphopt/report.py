@@ -283,6 +283,19 @@ class MemoryLimit(_Json):
 
 
 @dataclass
+class GraphoptMemory(_Json):
+    """graphopt's own memory in this call: the peak resident memory of its own process and of
+    the largest of the child processes it ran (each reports its own peak), by kind (annotate,
+    reference, verify, measure, timing, limit, graph-optimize), beside the largest training step
+    it measured (the original's and the returned model's peaks)."""
+    main_process_bytes: int | None
+    largest_child_bytes: int | None
+    largest_child: str | None
+    children_bytes: dict[str, int] = field(default_factory=dict)
+    largest_step_bytes: int | None = None
+
+
+@dataclass
 class Report(_Json):
     """Everything `optimize` says about its work (see the module docstring)."""
     loss: str
@@ -322,6 +335,7 @@ class Report(_Json):
     prediction_error: PredictionError | None = None
     budget_met: bool | None = None
     memory_limit: MemoryLimit | None = None
+    graphopt_memory: GraphoptMemory | None = None
     total_seconds: float = 0.0
 
     def to_dict(self) -> dict:
@@ -398,6 +412,13 @@ def summary_text(report: Report) -> str:
         tried = report.order.plans_tried if report.order is not None else []
         lines.append(f"planned order followed by ONNX Runtime: {report.order_followed}"
                      + (f" ({len(tried)} plans tried)" if len(tried) > 1 else ""))
+    own = report.graphopt_memory
+    if own is not None and own.largest_child_bytes is not None:
+        line = (f"graphopt's own memory: largest process {_mib(own.largest_child_bytes)} ({own.largest_child}), "
+                f"its own {_mib(own.main_process_bytes or 0)}")
+        if own.largest_step_bytes:
+            line += f"; the largest step it measured {_mib(own.largest_step_bytes)}"
+        lines.append(line)
     if report.outcome == OUTCOME_ORIGINAL:
         lines.append("OUTCOME: NOT IMPROVED, the original model is returned: " + report.outcome_reason)
     elif report.outcome == OUTCOME_UNMEASURED:
@@ -411,4 +432,4 @@ __all__ = ["Report", "summary_text", "OUTCOME_OPTIMIZED", "OUTCOME_ORIGINAL", "O
            "NodeCounts", "Predicted", "PredictedRun", "AnnotationSummary", "Measured", "MeasuredRun", "Ratios",
            "PredictionError", "OutputsDiffer", "Deviation", "OrderResult", "PlanTried", "OrderReport",
            "RejectedForOutputs", "BudgetAttempt", "PlanMeasured", "RejectedPlan", "Objective", "OverheadAttempt",
-           "BaseOrder", "LimitRun", "LimitAttempt", "MemoryLimit"]
+           "BaseOrder", "LimitRun", "LimitAttempt", "MemoryLimit", "GraphoptMemory"]

@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     from graphopt.inputs import load_inputs
     from graphopt.runtime._measure_worker import _step_runner
     from graphopt.runtime.limit import initializer_bytes, out_of_memory, shortfall_bytes
-    from graphopt.runtime.rss import reset_peak_rss, status_kb
+    from graphopt.runtime.rss import process_peak_bytes, reset_peak_rss, status_kb
     from graphopt.runtime.session import (DEFAULT_SETTINGS, SessionSettings, default_providers, open_session,
                                           read_settings)
 
@@ -87,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         result.update(fits=False, error=str(exc).strip().splitlines()[-1][-600:], shortfall_bytes=shortfall_bytes(exc))
     if rss_before is not None:
         result["rss_bytes"] = max(0, (status_kb("VmHWM") - rss_before) * 1024)
+    result["process_peak_bytes"] = process_peak_bytes()
     sys.stdout.write("\n" + json.dumps(result) + "\n")
     sys.stdout.flush()
     return 0

@@ -238,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
         times.append(time.perf_counter() - t0)  # Run synchronizes the device at its end
         release()
     result["step_seconds"] = statistics.median(times)
+    from graphopt.runtime.rss import process_peak_bytes
+    result["process_peak_bytes"] = process_peak_bytes()
     sys.stdout.write("\n" + json.dumps(result) + "\n")
     sys.stdout.flush()
     return 0

@@ -75,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises it typed
         result = {"error": {"type": type(exc).__name__, "message": str(exc),
                             "traceback": traceback.format_exc()}}
+    from graphopt.runtime.rss import process_peak_bytes
+    result["process_peak_bytes"] = process_peak_bytes()
     print(json.dumps(result), flush=True)
     return 0
 

@@ -6,11 +6,11 @@
 SPEC: {"inputs": NPZ, "provider": P|null, "threads": N,
        "sessions": [{"model": PATH, "settings": {...}|null, "profile_prefix": PREFIX|null}, ...]}
 
-The worker opens session INDEX (arena off, the allocator as users have it: no malloc
-settings; profiling and the arena on when it has a prefix), runs one step to warm up and prints ``ready``;
+The worker opens session INDEX (as users have it: ONNX Runtime's CPU arena on, no malloc
+settings; profiling on when it has a prefix), runs one step to warm up and prints ``ready``;
 then, for each line ``run`` on stdin, runs one step and prints its seconds; on ``end`` it prints
-``{"node_seconds": {...}}`` (a profiled session: each node's median seconds over its timed
-runs, `annotate.median_node_seconds`) or ``{}``, and exits.
+``{"process_peak_bytes": ..., "node_seconds": {...}}`` (node seconds for a profiled session:
+each node's median seconds over its timed runs, `annotate.median_node_seconds`), and exits.
 
 One session per process, so that no process holds more than one session's memory (several in
 one process held 4-10x a step: each keeps its weights, and glibc keeps the heap of each
@@ -45,12 +45,13 @@ def main(argv: list[str] | None = None) -> int:
         settings = SessionSettings.from_dict(entry["settings"])
     else:
         settings = read_settings(onnx.load(entry["model"], load_external_data=False)) or DEFAULT_SETTINGS
-    # a profiled session with the arena: without it, its process grew by about a step per run
-    # (the MLP of tests/test_runtime.py: 74 -> 731 MiB in 6 runs of a 60 MiB step; glibc's heap,
-    # pinned by the profiler's small allocations between the step's buffers), and its own step
-    # time is not reported (its node seconds are scaled to a timed session's)
-    profiled = entry.get("profile_prefix") is not None
-    so = session_options(settings, threads=int(spec.get("threads") or 1), arena=profiled,
+    # ONNX Runtime's CPU arena on, as a plain InferenceSession has it: with it off, glibc kept
+    # 1.6-2.6x the step in this process (the MLP example: its original under graphopt's
+    # settings 402 MiB after 8 steps against 223 with the arena, its plan 387 against 146; a
+    # profiled session grew by about a step per run); measured ratios of two sessions moved
+    # within the run-to-run noise (MLP example, plan over the default session: 1.10-1.16x off,
+    # 1.16x on)
+    so = session_options(settings, threads=int(spec.get("threads") or 1), arena=True,
                          profile_prefix=entry.get("profile_prefix"))
     kwargs = {"disabled_optimizers": list(settings.disabled_optimizers)} if settings.disabled_optimizers else {}
     sess = ort.InferenceSession(entry["model"], so, providers=providers, **kwargs)
@@ -68,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
             print(repr(time.perf_counter() - t0), flush=True)   # Run synchronizes the device at its end
             del outs
         elif command == "end":
-            result = {}
+            from graphopt.runtime.rss import process_peak_bytes
+            result = {"process_peak_bytes": process_peak_bytes()}
             if entry.get("profile_prefix"):
                 result["node_seconds"] = median_node_seconds(sess.end_profiling(), skip_runs=1)
             print(json.dumps(result), flush=True)

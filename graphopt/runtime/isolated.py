@@ -23,6 +23,7 @@ import onnx
 
 from graphopt import errors
 from graphopt.errors import GraphoptError
+from graphopt.runtime.rss import record_child
 
 
 class IsolatedTaskError(GraphoptError):
@@ -56,6 +57,7 @@ def run_task(task: str, args: dict, timeout_seconds: float | None = None) -> dic
         raise IsolatedTaskError(f"{task} of {args.get('model')} timed out after {timeout_seconds} s") from None
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     result = json.loads(lines[-1]) if lines else None
+    record_child(task, result)
     if result is not None and "error" in result:
         err = result["error"]
         cls = getattr(errors, err.get("type", ""), None)

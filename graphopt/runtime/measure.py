@@ -17,6 +17,7 @@ import sys
 from dataclasses import dataclass
 
 from graphopt.errors import GraphoptError
+from graphopt.runtime.rss import record_child
 from graphopt.runtime.session import SessionSettings, default_providers
 
 
@@ -63,7 +64,7 @@ def _worker_env(plain_allocator: bool = False) -> dict[str, str]:
     return env
 
 
-def _run_worker(cmd: list[str], env: dict[str, str], model_path, timeout_seconds: float) -> dict:
+def _run_worker(cmd: list[str], env: dict[str, str], model_path, timeout_seconds: float, kind: str) -> dict:
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_seconds, env=env)
     except subprocess.TimeoutExpired as e:
@@ -85,6 +86,7 @@ def _run_worker(cmd: list[str], env: dict[str, str], model_path, timeout_seconds
             f"measurement worker printed no result; stdout tail:\n{proc.stdout[-2000:]}\n"
             f"stderr tail:\n{proc.stderr[-2000:]}"
         ) from None
+    record_child(kind, d)
     return d
 
 
@@ -114,14 +116,14 @@ def measure(
     if provider is not None:
         cmd += ["--provider", provider]
     # Peak: in a process whose large buffers go back to the OS, so RSS follows what ORT holds.
-    peak = _run_worker(cmd + ["--repeats", "1"], _worker_env(), model_path, timeout_seconds)
+    peak = _run_worker(cmd + ["--repeats", "1"], _worker_env(), model_path, timeout_seconds, "measure")
     # Step time: in a process with the allocator as users have it (returning every buffer to
     # the OS makes each step pay page faults, which is not what a training loop sees).
     if not timing:
         d = dict(peak, step_seconds=float("nan"))
     else:
         timed = _run_worker(cmd + ["--repeats", str(int(repeats))], _worker_env(plain_allocator=True),
-                            model_path, timeout_seconds)
+                            model_path, timeout_seconds, "measure")
         d = dict(peak, step_seconds=timed["step_seconds"])
     return Measurement(
         peak_bytes=int(d["peak_bytes"]),
@@ -216,6 +218,7 @@ def time_steps(
                 worker.stdin.write("end\n")
                 worker.stdin.flush()
                 ends.append(json.loads(reply(k)))
+                record_child("timing", ends[-1])
         finally:
             timer.cancel()
             for worker, stderr in workers:
@@ -262,7 +265,7 @@ def run_within_limit(
         cmd += ["--settings", settings.to_json()]
     if provider is not None:
         cmd += ["--provider", provider]
-    d = _run_worker(cmd, _worker_env(), model_path, timeout_seconds)
+    d = _run_worker(cmd, _worker_env(), model_path, timeout_seconds, "limit")
     return LimitRun(limit_bytes=int(d["limit_bytes"]), fits=bool(d["fits"]), error=d.get("error"),
                     shortfall_bytes=d.get("shortfall_bytes"), cap_bytes=int(d["cap_bytes"]),
                     outside_bytes=int(d["outside_bytes"]), rss_bytes=d.get("rss_bytes"))
