@@ -185,6 +185,9 @@ def prepare(model: onnx.ModelProto, options: OptimizeOptions, *, reference: bool
     inputs = options.inputs if options.inputs is not None else synthesize_inputs(working, options.input_dims)
     workspace = Workspace(inputs)
     try:
+        # the weights stay in the workspace's file: this process holds the graph, the children
+        # read the weights (`deliver` loads them back into the model it returns)
+        workspace.keep_weights_on_disk(working)
         progress("annotate", 0.1)
         annotations = first = _annotate(training, options, workspace, "original")
         graph_optimized: dict = {}
@@ -358,16 +361,18 @@ def _apply_graph_optimizations(training: TrainingGraph, annotations: Annotations
     graph (same outputs, analyzable) and, when verifying, computes the original's outputs within
     the tolerance; otherwise a warning says why and the original is planned as given."""
     original = workspace.path("original")
-    out = os.path.join(workspace.folder, "graph-optimized.onnx")
+    # (not a label of `workspace.save`, which would remove its weights file)
+    out = os.path.join(workspace.folder, "ort-optimized.onnx")
     level = options.graph_optimizations
     if level == "extended" and (options.providers or default_providers())[0] != "CPUExecutionProvider":
         # EXTENDED's fused operators are assigned to the provider they were made for, and graphopt
         # checks outputs on the CPU provider: elsewhere only BASIC's, which are standard operators
         level = "basic"
     try:
+        # its weights in `out`.data beside the workspace's, and left there (`keep_weights_on_disk`)
         run_task("graph-optimize", {"model": original, "out": out, "level": level, "providers": options.providers,
-                                    "external_data": os.path.exists(original + ".data")})
-        model = onnx.load(out)
+                                    "external_data": True})
+        model = onnx.load(out, load_external_data=False)
     except Exception as exc:  # noqa: BLE001 - the plan can go on without ORT's fusions
         log.warning("ONNX Runtime's %s graph optimizations could not be applied offline (%s): the graph is "
                     "planned as given", level, exc)
@@ -739,7 +744,7 @@ def deliver(prepared: Prepared, chosen: Plan, options: OptimizeOptions) -> Optim
                                  "that it needs less memory than the original" + _rejections(report))
     report.total_seconds += time.perf_counter() - started
     progress("done", 1.0)
-    return OptimizeResult(rewritten, chosen, report)
+    return OptimizeResult(prepared.workspace.with_weights(rewritten), chosen, report)
 
 
 def _new_report(prepared: Prepared, chosen: Plan, rewritten: onnx.ModelProto, options: OptimizeOptions) -> Report:

@@ -240,7 +240,7 @@ def _sweep(prepared: Prepared, options: OptimizeOptions, points: int, repeats: i
         rank = {ORIGINAL_DEFAULT: 0, ORIGINAL_OFF: 1, STORE_ALL: 2, CHEN: 3, FRONT: 4}[row.kind]
         return (rank, -(row.budget_bytes if row.budget_bytes is not None else -1))
     rows.sort(key=order)
-    return SweepResult(rows=rows, model=least_model, plan=least, budgets=budgets, notes=notes,
+    return SweepResult(rows=rows, model=prepared.workspace.with_weights(least_model), plan=least, budgets=budgets, notes=notes,
                        seconds=time.perf_counter() - started)
 
 
