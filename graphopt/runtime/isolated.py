@@ -120,9 +120,14 @@ class Workspace:
                                        size_threshold=WEIGHTS_ON_DISK_MIN_BYTES, convert_attribute=False)
         write_external_data_tensors(model, self.folder)
 
-    def with_weights(self, model: onnx.ModelProto) -> onnx.ModelProto:
+    def with_weights(self, model: onnx.ModelProto, copy: bool = False) -> onnx.ModelProto:
         """`model` with the weights it references in this workspace loaded back into it (in
-        place; returned), for a model that leaves the workspace."""
+        place, or into a copy), for a model that leaves the workspace: every model the pipeline
+        derives from the one it was given (`keep_weights_on_disk`) references them."""
+        if copy:
+            copied = onnx.ModelProto()
+            copied.CopyFrom(model)
+            model = copied
         onnx.load_external_data_for_model(model, self.folder)
         return model
 
