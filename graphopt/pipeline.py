@@ -997,6 +997,7 @@ def _measured_delivery(prepared: Prepared, chosen: Plan, rewritten: onnx.ModelPr
         report.session = ORIGINAL_SESSIONS[best_original].to_dict()
         if limit_report is not None:
             limit_report.met = original_fits
+            limit_report.returned = limit_report.original[best_original]
             if not original_fits:
                 raise MemoryLimitError(
                     f"memory limit of {limit_report.limit_bytes} bytes is not met: {why}, and the original does "
@@ -1059,6 +1060,7 @@ def _fit_memory_limit(prepared: Prepared, chosen: Plan, rewritten: onnx.ModelPro
 
     planned_for = options_budget_bytes(prepared, options) if options.plans_for_limit else chosen.peak_bytes
     _, _, run = attempt(chosen, planned_for, rewritten)
+    limit_report.returned = run
     if not run.fits:
         progress("ONNX Runtime refused the plan under the memory limit: trying the leanest plan", 0.73)
         leanest_options = dataclasses.replace(options, objective=LEAST_PEAK, max_overhead=None, budget_bytes=None,
@@ -1078,6 +1080,7 @@ def _fit_memory_limit(prepared: Prepared, chosen: Plan, rewritten: onnx.ModelPro
                 f"{prepared.graph.outside_peak_bytes} bytes; ONNX Runtime: {last.run.error}); the original under "
                 f"it: {original}")
         chosen, rewritten, run = tried
+        limit_report.returned = run
         # the least step time that runs: bisection between the leanest (runs) and the refused
         low, high = leanest.peak_bytes, min(planned_for, limit_report.attempts[0].predicted_peak_bytes)
         for _ in range(LIMIT_BISECTIONS):
@@ -1100,6 +1103,7 @@ def _fit_memory_limit(prepared: Prepared, chosen: Plan, rewritten: onnx.ModelPro
             low = middle
             if candidate.simulation.compute_seconds < chosen.simulation.compute_seconds:
                 chosen, rewritten, run = tried
+                limit_report.returned = run
         optimized, overhead = measure_plan(prepared, rewritten, options)
     limit_report.met = True
     return chosen, rewritten, optimized, overhead

@@ -275,11 +275,12 @@ class LimitAttempt(_Json):
 @dataclass
 class MemoryLimit(_Json):
     """The memory limit (`memory_limit_bytes`), shown by runs under it: the original in each
-    session it is measured in, the plans tried for it (the last is the returned one)."""
+    session it is measured in, the plans tried for it, and the returned model's run."""
     limit_bytes: int
     original: dict[str, LimitRun] = field(default_factory=dict)
     attempts: list[LimitAttempt] = field(default_factory=list)
     met: bool | None = None             # the returned model ran under it
+    returned: LimitRun | None = None    # the returned model's run under it
 
 
 @dataclass
@@ -400,7 +401,7 @@ def summary_text(report: Report) -> str:
     if limit is not None:
         originals = ", ".join(f"{label.replace('original_', '').replace('_', ' ')} "
                               f"{'runs' if run.fits else 'FAILS'}" for label, run in limit.original.items())
-        returned = limit.attempts[-1].run if limit.attempts else None
+        returned = limit.returned
         lines.append(f"memory limit {_mib(limit.limit_bytes)} (ONNX Runtime capped at it, two steps): original: "
                      f"{originals or 'not run'}; returned: "
                      + ("not run" if returned is None else "runs" if returned.fits else "FAILS")
