@@ -160,3 +160,30 @@ def test_the_cli_takes_a_limit_in_units_and_names_it_when_a_step_does_not_fit(tm
     assert f"memory limit of {1 << 20} bytes" in proc.stderr
     args = build_parser().parse_args(["optimize", path, "-o", "x.onnx", "--memory-limit", "1.5GiB"])
     assert args.memory_limit == 3 << 29
+
+
+def test_the_report_states_graphopts_own_memory_as_measured_from_outside(tmp_path):
+    """`graphopt optimize` in a wrapper process: the peak resident memory of the largest process
+    of its tree, from outside (RUSAGE_CHILDREN: every descendant is waited for), equals what
+    the report states of its own process and its largest child, within 3%."""
+    import json
+    import subprocess
+    import sys
+
+    from graphopt.report import Report
+    model, inputs = training_example("mlp", batch=512, width=256, depth=16, d_in=128)
+    path, inputs_path = _saved(tmp_path, model, inputs)
+    report_path = tmp_path / "r.json"
+    wrapper = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True); "
+               "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+    done = subprocess.run([sys.executable, "-c", wrapper, sys.executable, "-m", "graphopt.cli", "optimize", path,
+                           "--inputs", inputs_path, "-o", str(tmp_path / "o.onnx"), "--report", str(report_path)],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    outside = int(done.stdout.strip().splitlines()[-1]) * 1024
+    own = Report.from_dict(json.loads(report_path.read_text())).graphopt_memory
+    assert {"annotate", "reference", "verify", "measure", "timing"} <= set(own.children_bytes)
+    assert own.largest_child_bytes == max(own.children_bytes.values())
+    stated = max(own.main_process_bytes, own.largest_child_bytes)
+    assert abs(stated - outside) <= 0.03 * outside, (stated / MIB, outside / MIB)
+    assert own.largest_step_bytes > 0
