@@ -197,9 +197,8 @@ def outside_session_bytes(model: onnx.ModelProto, data: dict[str, np.ndarray], d
     weights that are not state (initializers the session keeps), two buffers per fed-back
     state tensor (this step's and the next's; the session does not keep their defaults:
     `_without_state_defaults`) and one batch of every data input."""
-    def nbytes(t):
-        return int(np.prod(t.dims, dtype=np.int64)) * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
-    held = sum(2 * nbytes(t) if t.name in fed_back else nbytes(t) for t in model.graph.initializer)
+    from .runtime.limit import initializer_bytes
+    held = initializer_bytes(model) + initializer_bytes(model, fed_back)   # the state a second time
     batch_bytes = sum(data[name][:batch].nbytes for name in data_inputs)
     return int(held + batch_bytes)
 

@@ -54,14 +54,14 @@ def shortfall_bytes(error: BaseException | str) -> int | None:
     return None if match is None else int(match.group(2)) - int(match.group(1))
 
 
-def initializer_bytes(model) -> int:
-    """The bytes of `model`'s initializers (an onnx.ModelProto; from their declared dims and
-    types, so external data need not be loaded)."""
+def initializer_bytes(model, names=None) -> int:
+    """The bytes of `model`'s initializers (an onnx.ModelProto; of those in `names` when given),
+    from their declared dims and types, so external data need not be loaded."""
     import numpy as np
     import onnx
 
     return int(sum(int(np.prod(t.dims, dtype=np.int64)) * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
-                   for t in model.graph.initializer))
+                   for t in model.graph.initializer if names is None or t.name in names))
 
 
 def providers_within(provider: str, cap_bytes: int, device_id: int = 0) -> list:
