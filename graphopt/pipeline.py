@@ -8,8 +8,10 @@
         -> OptimizeResult                    plan), measure, budget retries, never worse
 
 `optimize`, `analyze_model` (graphopt/optimize.py), the sweep, the batch and the service
-compose them. Every ONNX Runtime run happens in a fresh child process, one at a time, on
-files of the `Prepared`'s workspace (close it, or use it as a context manager).
+compose them. Every ONNX Runtime run happens in a fresh child process that holds one session,
+one run at a time (step timing keeps a process per session alive and runs them in turn), on
+files of the `Prepared`'s workspace (close it, or use it as a context manager); the weights
+stay in the workspace's file, not in this process (`Workspace.keep_weights_on_disk`).
 
 Contracts at delivery (checked, never assumed):
 - OUTPUTS: a plan whose rewritten model's outputs differ from the original's is rejected
@@ -25,6 +27,9 @@ Contracts at delivery (checked, never assumed):
   metadata, so `open_session` applies them). `report.outcome` says which, and why.
 - BUDGET: met by measurement; a plan over it by measurement is planned again for a budget
   lowered by the overshoot (BUDGET_RETRIES times), else BudgetInfeasibleError.
+- MEMORY LIMIT: what is returned ran under ONNX Runtime capped at the limit
+  (`_fit_memory_limit`), else MemoryLimitError; a rewritten model that runs under it is
+  returned when the original does not, even if its measured peak is not below the original's.
 """
 from __future__ import annotations
 
