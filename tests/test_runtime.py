@@ -397,7 +397,6 @@ def test_time_steps_holds_one_session_per_process(tmp_path):
     (weights and step), not all of them. Oracle: the peak resident memory of the largest child,
     from outside (RUSAGE_CHILDREN), against the step measured alone (`measure`) times the
     sessions timed; a MLP whose step (about 60 MiB) dwarfs the interpreter's baseline."""
-    import resource
     import subprocess
     import sys
 
