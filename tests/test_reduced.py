@@ -1,0 +1,101 @@
+"""A training graph's reduced twin (graphopt/reduced.py): the static graph rewritten to a smaller
+batch, for annotating and verifying a step that does not fit.
+
+Oracle: the same example built natively at the small batch (same seeded weights) and run on the
+first samples of the same inputs: the twin must compute the same loss and gradients, tensor for
+tensor. For the real architectures (torchvision, transformers, both exporters), whose exporter
+bakes the batch into the graph, the twin must run in ONNX Runtime and every shape it measures
+must be the full size's with the batch scaled."""
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from graphopt.analyze import analyze, fed_back_outputs
+from graphopt.examples import example_inputs, forward_example
+from graphopt.build.train_graph import build_training_graph
+from graphopt.reduced import TwinError, batch_inputs, extrapolate, full_shapes, make_twin
+
+
+def _run(model, inputs):
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.log_severity_level = 3
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    names = [o.name for o in session.get_outputs()]
+    return dict(zip(names, session.run(names, inputs)))
+
+
+def _twin(model, inputs, batch):
+    return make_twin(model, inputs, batch, state=set(fed_back_outputs(model).values()),
+                     keep=set(analyze(model).parameters))
+
+
+@pytest.mark.parametrize("name,size,batch", [
+    ("transformer", {"batch": 6, "seq": 16, "layers": 2, "d_model": 32, "heads": 2, "d_ff": 64, "vocab": 50}, 2),
+    ("resnet", {"batch": 8, "image": 8, "widths": (4, 8), "blocks": 2, "classes": 5}, 3),
+    ("unet", {"batch": 4, "image": 16, "widths": (4, 8)}, 2),
+    ("mlp", {"batch": 12, "width": 16, "depth": 4, "d_in": 12, "classes": 5}, 5),
+])
+def test_twin_computes_what_the_graph_built_at_its_batch_computes(name, size, batch):
+    full = forward_example(name, **size)
+    feeds = example_inputs(full)
+    twin = _twin(build_training_graph(full), feeds, batch)
+    native = build_training_graph(forward_example(name, **dict(size, batch=batch)))
+    small = {k: v[:batch] for k, v in feeds.items()}
+    assert all(np.array_equal(twin.inputs[k], small[k]) for k in small)
+    got, want = _run(twin.model, twin.inputs), _run(native, small)
+    assert set(got) == set(want)
+    for key in want:
+        assert got[key].shape == want[key].shape, key
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-4, atol=1e-5, err_msg=key)
+    assert twin.rewritten_constants > 0
+
+
+def test_shapes_at_two_batches_extrapolate_to_the_full_size():
+    """Each dimension affine in the batch: two twins' shapes give the full size's, for every
+    tensor shape inference knows at full size."""
+    model = build_training_graph(forward_example("transformer", batch=6, seq=16, layers=2, d_model=32, heads=2,
+                                                 d_ff=64, vocab=50))
+    feeds = example_inputs(model)
+    full = full_shapes(model)
+    low, high = (full_shapes(_twin(model, feeds, b).model) for b in (2, 3))
+    grown = extrapolate(low, high, 2, 3, 6)
+    produced = {o for n in model.graph.node for o in n.output if o}
+    checked = [n for n in produced if n in full and n in grown]
+    assert len(checked) > 0.95 * len(produced)
+    assert {n: grown[n] for n in checked} == {n: full[n] for n in checked}
+
+
+def test_the_batch_is_the_leading_dimension_the_data_inputs_share():
+    model = build_training_graph(forward_example("mlp", batch=12, width=16, depth=4, d_in=12, classes=5))
+    feeds = example_inputs(model)
+    full, names = batch_inputs(model, feeds)
+    assert full == 12 and set(names) == set(feeds)
+    with pytest.raises(TwinError, match="1..11"):
+        _twin(model, feeds, 12)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("exporter", ["legacy", "dynamo"])
+@pytest.mark.parametrize("name", ["resnet50", "bert", "gpt2", "swin_t"])
+def test_real_architectures_have_a_twin_whose_shapes_scale(name, exporter):
+    """Real exports at their tiny size (batch 2): the twin at batch 1 runs, and every value's
+    measured shape (ORT, all exposed) is the full size's with the batch axis scaled."""
+    real_zoo = pytest.importorskip("real_zoo")
+    model_def = real_zoo.CORPUS[name]("tiny")
+    model = build_training_graph(real_zoo.export(model_def, exporter), loss="cross_entropy",
+                                 class_axis=model_def.class_axis)
+    feeds = real_zoo.model_feeds(model_def)
+    full = full_shapes(model)
+    twin = _twin(model, feeds, 1)
+    from graphopt.annotate import measure_exposed
+    produced = [o for n in model.graph.node for o in n.output if o and o in full]
+    measured = measure_exposed(twin.model, twin.inputs, produced, chunk=0)
+    for name_, array in measured.items():
+        pos = twin.positions.get(name_)
+        expected = list(full[name_])
+        if pos is not None:
+            expected[pos[0]] = expected[pos[0]] // twin.full_batch * twin.batch
+        assert list(array.shape) == expected, name_
