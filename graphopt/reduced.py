@@ -448,15 +448,8 @@ def _learn(twin: Twin, shapes: dict[str, list[int]]) -> dict[str, Position]:
             continue
         differ = [j for j, (a, b) in enumerate(zip(shape, full_shape)) if a != b]
         if len(differ) == 1 and full_shape[differ[0]] * twin.batch == shape[differ[0]] * twin.full_batch:
-            j = differ[0]
-            found[name] = (j, math.prod(full_shape[:0]) * 1 if full_shape[j] == twin.full_batch else
-                           _outer_of(full_shape[j], twin.full_batch))
+            found[name] = (differ[0], 1)  # a merged axis is taken as batch-major
     return found
-
-
-def _outer_of(dim: int, full: int) -> int:
-    """The outer factor of a merged axis of `dim` holding the batch: taken as batch-major (1)."""
-    return 1
 
 
 def _twin_once(model, inputs, batch, full, names, shapes, constants, learned, keep) -> Twin:
@@ -610,4 +603,45 @@ def extrapolate(shapes_low: dict[str, list[int]], shapes_high: dict[str, list[in
             dims.append(b + num // (high - low))
         else:
             out[name] = dims
+    return out
+
+
+def full_size_annotations(model: onnx.ModelProto, low, high, low_batch: int, high_batch: int, full_batch: int,
+                          inferred: dict[str, list[int]]):
+    """The annotations of `model` at its full batch from those of its twins at `low_batch` and
+    `high_batch` (module docstring, step 4): every shape extrapolated (checked against the
+    full-size `inferred` ones: a mismatch raises TwinError), bytes from shape and dtype; the
+    order of the larger twin's run; each node's seconds at the larger twin scaled by its work,
+    taken as the largest ratio of full to twin bytes among the tensors it reads and writes."""
+    from .annotate import Annotations
+    shapes = extrapolate(low.tensor_shapes, high.tensor_shapes, low_batch, high_batch, full_batch)
+    for name, shape in shapes.items():
+        if name in inferred and inferred[name] != shape:
+            raise TwinError(f"tensor {name!r} measured {low.tensor_shapes[name]} at batch {low_batch} and "
+                            f"{high.tensor_shapes[name]} at batch {high_batch}, which does not extend to its full "
+                            f"shape {inferred[name]} at batch {full_batch}")
+    names = {o for n in model.graph.node for o in n.output if o} | {i.name for i in model.graph.input} \
+        | {t.name for t in model.graph.initializer}
+    missing = [n for n in high.tensor_shapes if n in names and n not in shapes]
+    if missing:
+        raise TwinError(f"the shapes of {len(missing)} tensors (first {missing[0]!r}) do not extend from batch "
+                        f"{low_batch} and {high_batch} to {full_batch}")
+    out = Annotations(provider=high.provider, settings=high.settings)
+    for name, shape in shapes.items():
+        if name not in names:
+            continue  # a constant only the twin has
+        dtype = np.dtype(high.tensor_dtypes[name])
+        out.tensor_shapes[name] = shape
+        out.tensor_dtypes[name] = high.tensor_dtypes[name]
+        out.tensor_bytes[name] = int(math.prod(shape)) * dtype.itemsize
+    out.execution_order = list(high.execution_order)
+    nodes = {n.name: n for n in model.graph.node}
+    for name, seconds in high.node_seconds.items():
+        node = nodes.get(name)
+        ratio = 1.0
+        if node is not None:
+            for t in list(node.input) + list(node.output):
+                if t and high.tensor_bytes.get(t) and t in out.tensor_bytes:
+                    ratio = max(ratio, out.tensor_bytes[t] / high.tensor_bytes[t])
+        out.node_seconds[name] = seconds * ratio
     return out

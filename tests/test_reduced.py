@@ -99,3 +99,25 @@ def test_real_architectures_have_a_twin_whose_shapes_scale(name, exporter):
         if pos is not None:
             expected[pos[0]] = expected[pos[0]] // twin.full_batch * twin.batch
         assert list(array.shape) == expected, name_
+
+
+@pytest.mark.parametrize("name,low,high", [("transformer", 2, 4), ("unet", 2, 4)])
+def test_annotations_at_two_reduced_batches_are_the_full_size_ones(name, low, high):
+    """The oracle: annotating the step at full size. Every tensor's bytes and the execution order
+    come out the same from two twins; the node seconds, scaled by each node's work, sum to the
+    full step's within the noise of one profiled run (unscaled they would be about half)."""
+    from graphopt.annotate import annotate
+    from graphopt.examples import training_example
+    from graphopt.reduced import full_size_annotations
+    from graphopt.runtime.session import UNOPTIMIZED_SETTINGS
+    model, feeds = training_example(name)
+    full = annotate(model, feeds, UNOPTIMIZED_SETTINGS)
+    inferred = full_shapes(model)
+    twins = [make_twin(model, feeds, b, keep=set(analyze(model).parameters), shapes=inferred) for b in (low, high)]
+    measured = [annotate(t.model, t.inputs, UNOPTIMIZED_SETTINGS) for t in twins]
+    reduced = full_size_annotations(model, measured[0], measured[1], low, high, twins[0].full_batch, inferred)
+    assert reduced.tensor_bytes == full.tensor_bytes
+    assert reduced.tensor_shapes == full.tensor_shapes
+    assert reduced.execution_order == full.execution_order
+    ratio = sum(reduced.node_seconds.values()) / sum(full.node_seconds.values())
+    assert 0.75 <= ratio <= 1.35, ratio
