@@ -306,7 +306,8 @@ def _load_error(error: Exception) -> Exception:
         f"ONNX Runtime cannot load the model: {message.strip()}")
 
 
-def _open_exposing(model: onnx.ModelProto, names: list[str], providers: list, threads: int):
+def _open_exposing(model: onnx.ModelProto, names: list[str], providers: list, threads: int,
+                   cap_bytes: int | None = None):
     """A session (optimizations off) of ``model`` with ``names`` added as graph outputs. The
     outputs are added to ``model`` itself only while the session is made, then removed (a copy
     of the model would duplicate its initializers)."""
@@ -318,7 +319,7 @@ def _open_exposing(model: onnx.ModelProto, names: list[str], providers: list, th
             if name not in existing:
                 outputs.append(onnx.ValueInfoProto(name=name))
                 existing.add(name)
-        return open_session(model, _SIZES_SETTINGS, providers=providers, threads=threads)
+        return open_session(model, _SIZES_SETTINGS, providers=providers, threads=threads, cap_bytes=cap_bytes)
     except Exception as e:
         raise _load_error(e) from e
     finally:
@@ -328,7 +329,7 @@ def _open_exposing(model: onnx.ModelProto, names: list[str], providers: list, th
 
 def measure_exposed(model: onnx.ModelProto, inputs: dict[str, np.ndarray], names: list[str], *,
                     providers: list | None = None, threads: int = 1,
-                    chunk: int | None = None) -> dict[str, np.ndarray]:
+                    chunk: int | None = None, cap_bytes: int | None = None) -> dict[str, np.ndarray]:
     """Run ``model`` (optimizations off) with ``names`` added as graph outputs, ``chunk``
     values per run (default :data:`EXPOSE_CHUNK`; 0 = all in one run), and return the arrays
     produced (optional outputs a node did not produce are left out). The real arrays, one
@@ -342,7 +343,7 @@ def measure_exposed(model: onnx.ModelProto, inputs: dict[str, np.ndarray], names
     out: dict[str, np.ndarray] = {}
     for lo in range(0, len(names), max(step, 1)):
         part = names[lo:lo + step]
-        sess = _open_exposing(model, part, providers, threads)
+        sess = _open_exposing(model, part, providers, threads, cap_bytes)
         try:
             results = sess.run(part, inputs)
         except Exception as e:
@@ -356,7 +357,7 @@ def measure_exposed(model: onnx.ModelProto, inputs: dict[str, np.ndarray], names
 
 
 def _profile(model: onnx.ModelProto, inputs: dict[str, np.ndarray], settings: SessionSettings,
-             runs: int, providers: list, threads: int) -> tuple[str, list[dict]]:
+             runs: int, providers: list, threads: int, cap_bytes: int | None = None) -> tuple[str, list[dict]]:
     """Open ``model`` with ``settings`` and profiling on, run it ``runs`` times; the provider
     and the kernel events of the last run."""
     tmp = tempfile.mkdtemp(prefix="graphopt-profile-")
@@ -364,7 +365,7 @@ def _profile(model: onnx.ModelProto, inputs: dict[str, np.ndarray], settings: Se
         try:
             sess = open_session(
                 model, settings, providers=providers, threads=threads,
-                profile_prefix=os.path.join(tmp, "profile"),
+                profile_prefix=os.path.join(tmp, "profile"), cap_bytes=cap_bytes,
             )
         except Exception as e:
             raise _load_error(e) from e
@@ -413,7 +414,7 @@ def _static_sizes(model: onnx.ModelProto, inputs: dict[str, np.ndarray]) -> tupl
 
 def measure_sizes(model: onnx.ModelProto, inputs: dict[str, np.ndarray], *,
                   kernels: list[dict] | None = None, providers: list | None = None,
-                  threads: int = 1) -> _Sizes:
+                  threads: int = 1, cap_bytes: int | None = None) -> _Sizes:
     """Every value's size (module docstring, (b)). ``kernels``: the kernel events of a
     profiled run of ``model`` with optimizations off, if the caller has one (else one is
     made). The result's ``sources[name]`` says where each size came from (:data:`SOURCES`)."""
@@ -421,13 +422,13 @@ def measure_sizes(model: onnx.ModelProto, inputs: dict[str, np.ndarray], *,
         providers = default_providers()
     sizes, left = _static_sizes(model, inputs)
     if kernels is None:
-        _, kernels = _profile(model, inputs, _SIZES_SETTINGS, 1, providers, threads)
+        _, kernels = _profile(model, inputs, _SIZES_SETTINGS, 1, providers, threads, cap_bytes)
     skip = {t.name for t in model.graph.initializer}
     _sizes_from_kernels(model, kernels, sizes, skip)
     unknown = [n for n in left if n not in sizes.bytes]
     if unknown:
         for name, arr in measure_exposed(model, inputs, unknown, providers=providers,
-                                         threads=threads).items():
+                                         threads=threads, cap_bytes=cap_bytes).items():
             sizes.add_array(name, arr, "exposed")
     return sizes
 
@@ -439,8 +440,11 @@ def annotate(
     *,
     providers: list | None = None,
     threads: int = 1,
+    cap_bytes: int | None = None,
 ) -> Annotations:
-    """Measure ``model`` on ``inputs`` (see the module docstring for how)."""
+    """Measure ``model`` on ``inputs`` (see the module docstring for how). ``cap_bytes``: every
+    session ONNX Runtime opens for it may hold at most that many bytes (`open_session`); a run
+    that needs more fails with its out-of-memory error."""
     if providers is None:
         providers = default_providers()
     known = {i.name for i in model.graph.input}
@@ -450,10 +454,11 @@ def annotate(
     if not same_run:
         # Sizes first, from one profiled run with optimizations off (its session closed
         # before the timed one opens).
-        sizes = measure_sizes(model, inputs, providers=providers, threads=threads)
-    provider, kernels = _profile(model, inputs, settings, 2, providers, threads)
+        sizes = measure_sizes(model, inputs, providers=providers, threads=threads, cap_bytes=cap_bytes)
+    provider, kernels = _profile(model, inputs, settings, 2, providers, threads, cap_bytes)
     if sizes is None:
-        sizes = measure_sizes(model, inputs, kernels=kernels, providers=providers, threads=threads)
+        sizes = measure_sizes(model, inputs, kernels=kernels, providers=providers, threads=threads,
+                              cap_bytes=cap_bytes)
     ann = Annotations(provider=provider, settings=settings)
     ann.execution_order, ann.node_seconds = _order_and_seconds(kernels)
     ann.tensor_bytes, ann.tensor_shapes, ann.tensor_dtypes = sizes.bytes, sizes.shapes, sizes.dtypes

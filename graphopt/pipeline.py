@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 import dataclasses
 from dataclasses import dataclass, field
@@ -42,21 +43,23 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 
-from .analyze import TrainingGraph, analyze
+from .analyze import TrainingGraph, analyze, fed_back_outputs
 from .annotate import Annotations, write_annotations
 from .costmodel import Simulation, priority_order, simulate
 from .errors import BudgetInfeasibleError, GraphoptError, MemoryLimitError, VerificationError
 from .ingest import follow_order, name_nodes
-from .inputs import synthesize_inputs
+from .inputs import save_inputs, synthesize_inputs
 from .op_rules import FOLDED_AT_LOAD_OPS, build_cost_graph, opset_of
 from .options import LEAST_PEAK, OptimizeOptions
 from .report import (OUTCOME_OPTIMIZED, OUTCOME_ORIGINAL, OUTCOME_UNMEASURED, AnnotationSummary, BaseOrder,
-                     BudgetAttempt, LimitAttempt, LimitRun, MemoryLimit,
+                     BudgetAttempt, LimitAttempt, LimitRun, MemoryLimit, ReducedSize,
                      Deviation, Measured, MeasuredRun, NodeCounts, OrderReport, OrderResult, OutputsDiffer,
                      PlanMeasured, PlanTried, Predicted, PredictedRun, PredictionError, Ratios, RejectedForOutputs,
                      RejectedPlan, Report, Objective, OverheadAttempt)
 from .rewrite import PLANNED_SETTINGS, expand_functions, has_function, rewrite
 from .runtime.isolated import Workspace, run_task
+from .reduced import TwinError, batch_inputs, full_shapes, full_size_annotations, make_twin
+from .runtime.limit import initializer_bytes, out_of_memory
 from .runtime.measure import Measurement, measure, run_within_limit, time_steps
 from .runtime.session import (DEFAULT_SETTINGS, UNOPTIMIZED_SETTINGS, SessionSettings, default_providers,
                               read_settings, write_settings)
@@ -135,6 +138,11 @@ class Prepared:
     base_graphs: dict = field(default_factory=dict)
     base_order: str = "file"
     base_order_peaks: dict = field(default_factory=dict)
+    # with a memory limit: the original run under it in each of ORIGINAL_SESSIONS (`limit_run`)
+    original_limit_runs: dict = field(default_factory=dict)
+    # when the original runs under the limit in none of them: the step annotated and verified at
+    # reduced batches (`ReducedStep`); None otherwise
+    reduced: "ReducedStep | None" = None
 
     def set_graphs(self, file_graph) -> None:
         """`file_graph` (the cost graph in the file's order) in every base order that can be
@@ -192,23 +200,35 @@ def prepare(model: onnx.ModelProto, options: OptimizeOptions, *, reference: bool
         # the weights stay in the workspace's file: this process holds the graph, the children
         # read the weights (`deliver` loads them back into the model it returns)
         workspace.keep_weights_on_disk(working)
+        original_runs: dict = {}
+        reduced = None
+        if options.memory_limit_bytes is not None:
+            # the original under the limit first: where it runs in no session, nothing runs it at full
+            # size (annotation and verification at reduced batches: ReducedStep)
+            progress("memory limit: the original", 0.05)
+            path = workspace.save(training.model, "original")
+            original_runs = {label: _limit_run(workspace, path, options, settings)
+                             for label, settings in ORIGINAL_SESSIONS.items()}
+            if not any(run.fits for run in original_runs.values()):
+                reduced = ReducedStep.start(training, inputs, workspace)
         progress("annotate", 0.1)
-        annotations = first = _annotate(training, options, workspace, "original")
+        annotations = first = _annotate(training, options, workspace, "original", reduced)
         graph_optimized: dict = {}
         if options.graph_optimizations != "none":
             progress("graph optimizations", 0.12)
             training, annotations, graph_optimized = _apply_graph_optimizations(training, annotations, options,
-                                                                                workspace)
+                                                                                workspace, reduced)
         expanded: dict[str, int] = {}
         if expand:
-            training, annotations, expanded = _expand_inlined(training, annotations, options, workspace)
+            training, annotations, expanded = _expand_inlined(training, annotations, options, workspace, reduced)
         graph = build_cost_graph(training, annotations.tensor_bytes, annotations.node_seconds,
                                  tensor_shapes=annotations.tensor_shapes, provider=annotations.provider)
         predicted = simulate(graph, [(name, 0) for name in annotations.execution_order if name in graph])
         prepared = Prepared(working, training, annotations, first, graph, expanded, predicted, inputs, workspace,
-                            graph_optimizations=graph_optimized)
+                            graph_optimizations=graph_optimized, original_limit_runs=original_runs,
+                            reduced=reduced)
         prepared.set_graphs(graph)
-        if options.measure:
+        if options.measure and reduced is None:
             progress("time", 0.2)
             _time_baseline(prepared, options)
         if options.verify if reference is None else reference:
@@ -292,17 +312,131 @@ def _time_baseline(prepared: Prepared, options: OptimizeOptions) -> None:
         predicted_original_seconds=prepared.predicted_original.compute_seconds, provider=times.provider)
 
 
-def _annotate(training: TrainingGraph, options: OptimizeOptions, workspace: Workspace, label: str) -> Annotations:
-    """`annotate` `training.model` (saved in `workspace` as `label`) in a fresh process."""
+def _annotate(training: TrainingGraph, options: OptimizeOptions, workspace: Workspace, label: str,
+              reduced: "ReducedStep | None" = None) -> Annotations:
+    """`annotate` `training.model` (saved in `workspace` as `label`) in a fresh process; when
+    `reduced`, its twins at two smaller batches instead (`ReducedStep.annotate`)."""
     path = workspace.save(training.model, label)
+    if reduced is not None:
+        return reduced.annotate(training, options, workspace, label)
+    return _annotate_file(path, workspace.inputs_path, options, workspace, label)
+
+
+def _annotate_file(path: str, inputs_path: str, options: OptimizeOptions, workspace: Workspace, label: str,
+                   cap_bytes: int | None = None) -> Annotations:
     out = os.path.join(workspace.folder, label + ".annotations.json")
-    run_task("annotate", {"model": path, "inputs": workspace.inputs_path, "out": out,
+    run_task("annotate", {"model": path, "inputs": inputs_path, "out": out,
                           "settings": ORIGINAL_UNOPTIMIZED.to_dict(), "providers": options.providers,
-                          "threads": options.threads})
+                          "threads": options.threads, "cap_bytes": cap_bytes})
     with open(out) as f:
         annotations = Annotations.from_json(f.read())
     os.remove(out)
     return annotations
+
+
+_RECOMPUTED = re.compile(r"__rc\d+_*$")   # rewrite.version_name's suffix
+
+
+@dataclass
+class ReducedStep:
+    """A step that does not run under the memory limit at full size in any session: annotated at
+    two smaller batches of its reduced twin (graphopt/reduced.py), each run capped at the limit,
+    and extended to the full batch; its rewrites verified at the larger of them against the
+    original's twin there. The first batch tried is half the full one, halved again while ONNX
+    Runtime refuses the twin under the limit."""
+    full_batch: int
+    state: frozenset
+    parameters: frozenset
+    inputs: dict
+    base_dir: str                            # the workspace's folder (the weights file)
+    batches: tuple[int, int] | None = None   # (low, high): annotated at both, verified at high
+    inputs_path: str | None = None           # the inputs at `batches[1]` (the first samples)
+    reference_path: str | None = None        # the original twin's outputs at `batches[1]`
+    rewritten_constants: int = 0
+    # every tensor's full-size shape as annotated (extrapolated): what shape inference cannot
+    # give (outputs of operators it has no schema for, such as ORT's fused ones) of a rewrite
+    known_shapes: dict = field(default_factory=dict)
+
+    @classmethod
+    def start(cls, training: TrainingGraph, inputs: dict, workspace: Workspace) -> "ReducedStep":
+        state = frozenset(fed_back_outputs(training.model).values())
+        full, _ = batch_inputs(training.model, inputs, state)
+        if full < 3:
+            raise MemoryLimitError(
+                f"the original does not run under the memory limit and its batch ({full}) is too small to annotate "
+                "at two smaller ones (graphopt reduces the batch; a reduced sequence is not done yet)")
+        return cls(full, state, frozenset(training.parameters) | state, inputs, workspace.folder)
+
+    def twin(self, model: onnx.ModelProto, batch: int, shapes=None):
+        """`model` (the original, a plan's rewrite) at `batch` (graphopt/reduced.py). A recomputed
+        value (`x__rc1`) has its original's annotated shape where inference has none."""
+        if shapes is None and self.known_shapes:
+            shapes = full_shapes(model)
+            for node in model.graph.node:
+                for out in node.output:
+                    base = _RECOMPUTED.sub("", out)
+                    if out and out not in shapes and base in self.known_shapes:
+                        shapes[out] = list(self.known_shapes[base])
+        return make_twin(model, self.inputs, batch, state=self.state, keep=self.parameters, shapes=shapes,
+                         base_dir=self.base_dir)
+
+    def annotate(self, training: TrainingGraph, options: OptimizeOptions, workspace: Workspace,
+                 label: str) -> Annotations:
+        """The annotations of `training` at its full batch from its twins' (module docstring)."""
+        model = training.model
+        inferred = full_shapes(model)
+        high = self.batches[1] if self.batches else self.full_batch // 2
+        refused = None
+        while True:
+            low = max(1, high // 2)
+            if low >= high:
+                outside = initializer_bytes(model) + sum(int(np.asarray(v).nbytes) for v in self.inputs.values())
+                raise MemoryLimitError(
+                    f"memory limit of {options.memory_limit_bytes} bytes is not met: the original does not run under "
+                    f"it, nor does its twin at batch {2 * high} (of {self.full_batch}), beside the weights and inputs "
+                    f"of {outside} bytes at most (ONNX Runtime: {_refusal(str(refused))}); nothing runs to annotate it")
+            twins = {b: self.twin(model, b, inferred) for b in (low, high)}
+            try:
+                measured = {high: self._annotate_twin(twins[high], options, workspace, label)}
+                break
+            except GraphoptError as exc:
+                if not out_of_memory(str(exc)) or self.batches:
+                    raise
+                refused = exc
+                log.info("the twin at batch %d does not run under the memory limit: trying %d", high, high // 2)
+                high //= 2
+        measured[low] = self._annotate_twin(twins[low], options, workspace, label)
+        annotations = full_size_annotations(model, measured[low], measured[high], low, high, self.full_batch,
+                                            inferred)
+        self.batches = (low, high)
+        self.rewritten_constants = twins[high].rewritten_constants
+        self.known_shapes = dict(annotations.tensor_shapes)
+        if self.inputs_path is None:
+            self.inputs_path = os.path.join(workspace.folder, f"inputs-b{high}.npz")
+            save_inputs(self.inputs_path, twins[high].inputs)
+        return annotations
+
+    def reference(self, workspace: Workspace, original: onnx.ModelProto) -> str:
+        """The original's twin's outputs at the batch rewrites are verified at (computed once)."""
+        if self.reference_path is None:
+            twin = self.twin(original, self.batches[1])
+            out = os.path.join(workspace.folder, f"reference-b{twin.batch}.npz")
+            run_task("reference", {"model": workspace.save(twin.model, "original-twin"), "inputs": self.inputs_path,
+                                   "settings": ORIGINAL_UNOPTIMIZED.to_dict(), "threads": 1, "out": out})
+            self.reference_path = out
+        return self.reference_path
+
+    def _annotate_twin(self, twin, options: OptimizeOptions, workspace: Workspace, label: str) -> Annotations:
+        name = f"{label}-b{twin.batch}"
+        path = workspace.save(twin.model, name)
+        inputs_path = os.path.join(workspace.folder, name + ".npz")
+        save_inputs(inputs_path, twin.inputs)
+        cap = options.memory_limit_bytes - initializer_bytes(twin.model) - sum(
+            int(np.asarray(v).nbytes) for v in twin.inputs.values())
+        try:
+            return _annotate_file(path, inputs_path, options, workspace, name, cap_bytes=max(cap, 1))
+        finally:
+            os.remove(inputs_path)
 
 
 def inlined_at_load(model: onnx.ModelProto, order: list[str]) -> list[str]:
@@ -327,7 +461,8 @@ def _type_protos(annotations: Annotations) -> dict[str, onnx.TypeProto]:
 
 
 def _expand_inlined(training: TrainingGraph, annotations: Annotations, options: OptimizeOptions,
-                    workspace: Workspace) -> tuple[TrainingGraph, Annotations, dict[str, int]]:
+                    workspace: Workspace, reduced: ReducedStep | None = None
+                    ) -> tuple[TrainingGraph, Annotations, dict[str, int]]:
     """Where ONNX Runtime inlined function ops at load, write their bodies into the graph
     (`rewrite.expand_functions`) and annotate that instead, so the plan's order covers every
     node ORT runs (inlined at load, the body nodes would come after every node of the file
@@ -345,7 +480,7 @@ def _expand_inlined(training: TrainingGraph, annotations: Annotations, options: 
             op_types[node.op_type] = op_types.get(node.op_type, 0) + 1
     training = analyze(model, options.loss)
     del model
-    return training, _annotate(training, options, workspace, "expanded"), op_types
+    return training, _annotate(training, options, workspace, "expanded", reduced), op_types
 
 
 def _op_type_changes(before: onnx.ModelProto, after: onnx.ModelProto) -> dict[str, int]:
@@ -358,12 +493,14 @@ def _op_type_changes(before: onnx.ModelProto, after: onnx.ModelProto) -> dict[st
 
 
 def _apply_graph_optimizations(training: TrainingGraph, annotations: Annotations, options: OptimizeOptions,
-                               workspace: Workspace) -> tuple[TrainingGraph, Annotations, dict]:
+                               workspace: Workspace, reduced: "ReducedStep | None" = None
+                               ) -> tuple[TrainingGraph, Annotations, dict]:
     """Plan the graph ONNX Runtime would run: its graph optimizations at
     `options.graph_optimizations` applied offline (`runtime.offline`), in a child, to the original
     saved in `workspace`. The result replaces `training` only if it is still the same training
     graph (same outputs, analyzable) and, when verifying, computes the original's outputs within
-    the tolerance; otherwise a warning says why and the original is planned as given."""
+    the tolerance (for a ReducedStep: their twins at its batch); otherwise a warning says why and
+    the original is planned as given."""
     original = workspace.path("original")
     # (not a label of `workspace.save`, which would remove its weights file)
     out = os.path.join(workspace.folder, "ort-optimized.onnx")
@@ -395,10 +532,18 @@ def _apply_graph_optimizations(training: TrainingGraph, annotations: Annotations
             optimized = analyze(model, training.loss)
         except GraphoptError as exc:
             why = f"it is not a training graph graphopt can plan ({exc})"
+    checked, inputs_path, reference = out, workspace.inputs_path, None
+    if why is None and options.verify and reduced is not None:
+        try:
+            checked = workspace.save(reduced.twin(model, reduced.batches[1]).model, "graph-optimized-twin")
+            inputs_path, reference = reduced.inputs_path, reduced.reference(workspace, training.model)
+        except TwinError as exc:
+            why = f"graphopt cannot check it at a reduced batch ({exc})"
     if why is None and options.verify:
-        result = run_task("verify", {"model": out, "inputs": workspace.inputs_path,
+        result = run_task("verify", {"model": checked, "inputs": inputs_path,
                                      "settings": ORIGINAL_UNOPTIMIZED.to_dict(), "threads": 1,
-                                     "reference": _reference_path(workspace), "tolerance": options.tolerance})
+                                     "reference": reference or _reference_path(workspace),
+                                     "tolerance": options.tolerance})
         comparison = OutputComparison.from_dict(result["comparison"])
         if not comparison.match:
             why = (f"its output {comparison.worst_output()!r} differs from the original's (relative difference "
@@ -410,13 +555,22 @@ def _apply_graph_optimizations(training: TrainingGraph, annotations: Annotations
     del model
     summary = {"level": level, "nodes_before": len(training.model.graph.node),
                "nodes_after": len(optimized.model.graph.node), "op_types": changes}
-    return optimized, _annotate(optimized, options, workspace, "graph-optimized"), summary
+    try:
+        optimized_annotations = _annotate(optimized, options, workspace, "graph-optimized", reduced)
+    except TwinError as exc:
+        log.warning("ONNX Runtime's %s graph optimizations are not used: graphopt cannot annotate the optimized "
+                    "graph at a reduced batch (%s); the graph is planned as given", level, exc)
+        return training, annotations, {}
+    return optimized, optimized_annotations, summary
 
 
 def _reference_outputs(prepared: Prepared) -> str:
     """The original's outputs (optimizations off, one thread), computed once per workspace in
-    a fresh process and kept on disk: their path."""
-    return _reference_path(prepared.workspace)
+    a fresh process and kept on disk: their path. For a ReducedStep, its twin's at the batch
+    rewrites are verified at."""
+    if prepared.reduced is None:
+        return _reference_path(prepared.workspace)
+    return prepared.reduced.reference(prepared.workspace, prepared.original)
 
 
 def _reference_path(workspace: Workspace) -> str:
@@ -574,8 +728,13 @@ def compare_in_child(prepared: Prepared, rewritten: onnx.ModelProto, options: Op
     reference = _reference_outputs(prepared)
     workspace = prepared.workspace
     settings = read_settings(rewritten) or DEFAULT_SETTINGS
+    inputs_path = workspace.inputs_path
+    if prepared.reduced is not None:
+        # at the reduced batch: the rewrite's twin against the original's
+        rewritten = prepared.reduced.twin(rewritten, prepared.reduced.batches[1]).model
+        inputs_path = prepared.reduced.inputs_path
     result = run_task("verify", {
-        "model": workspace.save(rewritten, "candidate"), "inputs": workspace.inputs_path,
+        "model": workspace.save(rewritten, "candidate"), "inputs": inputs_path,
         "settings": settings.to_dict(), "threads": 1, "reference": reference, "tolerance": options.tolerance,
         "order": order, "order_settings": PLANNED_SETTINGS.to_dict(), "order_threads": options.threads,
         "providers": options.providers})
@@ -730,8 +889,8 @@ def deliver(prepared: Prepared, chosen: Plan, options: OptimizeOptions) -> Optim
         _record_checks(report, tried)
 
     if options.measure:
-        chosen, rewritten = _measured_delivery(prepared, chosen, rewritten, options, report, tried,
-                                               deliverable, progress)
+        delivery = _reduced_delivery if prepared.reduced is not None else _measured_delivery
+        chosen, rewritten = delivery(prepared, chosen, rewritten, options, report, tried, deliverable, progress)
     elif not deliverable:
         # no measurement to choose a session by: the original, as it came (its own settings)
         report.rejected = RejectedPlan(**_summary(chosen), order_followed=False)
@@ -816,6 +975,72 @@ def _record_checks(report: Report, tried: list[Checked]) -> None:
     report.order = OrderReport(followed=report.order_followed, plans_tried=[t.entry for t in tried])
 
 
+def _checker(prepared: Prepared, options: OptimizeOptions, report: Report, tried: list[Checked]):
+    """checked_ok(plan): the plan rewritten and, when verifying, checked (None when it is not
+    accepted); each check recorded in `tried` and the report."""
+    def checked_ok(candidate: Plan) -> Checked | None:
+        if not options.verify:
+            return Checked(candidate, rewrite_plan(prepared, candidate), OutputComparison(True, 0.0), None)
+        checked = check_plan(prepared, candidate, options)
+        tried.append(checked)
+        if report.order is not None:
+            report.order.plans_tried.append(checked.entry)
+        if not checked.entry.outputs_match:
+            _record_checks_rejection(report, checked)
+        return checked if checked.accepted else None
+    return checked_ok
+
+
+# The steps of the returned model timed under the limit when the original does not run there (the
+# first is not: ONNX Runtime plans its memory pattern on it).
+REDUCED_TIMED_STEPS = 5
+
+
+def _refusal(error: str | None) -> str:
+    """ONNX Runtime's refusal without its source location."""
+    return (error or "").split("Status Message: ")[-1].split("bfc_arena.cc")[-1].split(") ")[-1].strip()
+
+
+def _reduced_delivery(prepared: Prepared, chosen: Plan, rewritten: onnx.ModelProto, options: OptimizeOptions,
+                      report: Report, tried: list[Checked], deliverable: bool, progress):
+    """The original runs under the memory limit in no session (`ReducedStep`): the rewrite is
+    what runs under it (`_fit_memory_limit`), or nothing does (MemoryLimitError). What is measured
+    is the returned model's run under the limit, at full size: ONNX Runtime's cap holds, the
+    process's resident growth, the step time; nothing runs the original at full size."""
+    reduced = prepared.reduced
+    limit_report = report.memory_limit = MemoryLimit(options.memory_limit_bytes)
+    limit_report.original = dict(prepared.original_limit_runs)
+    report.reduced = ReducedSize(full_batch=reduced.full_batch, annotated_batches=list(reduced.batches),
+                                 verified_batch=reduced.batches[1] if options.verify else None,
+                                 rewritten_constants=reduced.rewritten_constants)
+    errors = "; ".join(f"{label.replace('original_', '').replace('_', ' ')}: {_refusal(run.error)}"
+                       for label, run in limit_report.original.items())
+    if not deliverable:
+        limit_report.met = False
+        raise MemoryLimitError(
+            f"memory limit of {limit_report.limit_bytes} bytes is not met: {_not_delivered(report)}, and the original "
+            f"does not run under it ({errors})")
+    progress("memory limit", 0.72)
+    chosen, rewritten = _fit_memory_limit(prepared, chosen, rewritten, options, limit_report,
+                                          _checker(prepared, options, report, tried), progress)
+    run = limit_run(prepared, prepared.workspace.save(rewritten, "limited"), options, steps=REDUCED_TIMED_STEPS)
+    if not run.fits:   # it ran under the cap a moment ago: say so rather than return it
+        limit_report.met = False
+        raise MemoryLimitError(f"memory limit of {limit_report.limit_bytes} bytes: the plan that ran under it "
+                               f"did not in a second run ({run.error})")
+    limit_report.returned = run
+    _describe(report, chosen, rewritten)
+    report.outcome = OUTCOME_OPTIMIZED
+    report.outcome_reason = (
+        f"the original does not run under the memory limit of {_mib(limit_report.limit_bytes)} in any session "
+        f"({errors}); the optimized model runs under it ({REDUCED_TIMED_STEPS} steps at full size: the step "
+        f"{run.step_seconds:.3f} s, the process grew {_mib(run.rss_bytes or 0)}), annotated at batches "
+        f"{reduced.batches[0]} and {reduced.batches[1]} of {reduced.full_batch}"
+        + (f", its outputs identical to the original's at batch {reduced.batches[1]}" if options.verify else "")
+        + _rejections(report))
+    return chosen, rewritten
+
+
 def _measured_delivery(prepared: Prepared, chosen: Plan, rewritten: onnx.ModelProto, options: OptimizeOptions,
                        report: Report, tried: list[Checked], deliverable: bool, progress):
     """Measure, meet the budget and the step-time limit by measurement, keep NEVER WORSE; the
@@ -830,28 +1055,19 @@ def _measured_delivery(prepared: Prepared, chosen: Plan, rewritten: onnx.ModelPr
     original_overhead = {"original_default_session": 1.0,
                          "original_optimizations_off": timing.optimizations_off_seconds / timing.default_session_seconds}
     optimized, overhead = measure_plan(prepared, rewritten, options)
-
-    def checked_ok(candidate: Plan) -> Checked | None:
-        """`candidate` rewritten; checked when verifying (None when it is not accepted)."""
-        if not options.verify:
-            return Checked(candidate, rewrite_plan(prepared, candidate), OutputComparison(True, 0.0), None)
-        checked = check_plan(prepared, candidate, options)
-        tried.append(checked)
-        report.order.plans_tried.append(checked.entry)
-        if not checked.entry.outputs_match:
-            _record_checks_rejection(report, checked)
-        return checked if checked.accepted else None
+    checked_ok = _checker(prepared, options, report, tried)
 
     limit_report = None
     if options.memory_limit_bytes is not None:
         progress("memory limit", 0.72)
         limit_report = report.memory_limit = MemoryLimit(options.memory_limit_bytes)
-        for label, settings in ORIGINAL_SESSIONS.items():
-            limit_report.original[label] = limit_run(prepared, prepared.workspace.path("original"), options,
-                                                     settings)
+        limit_report.original = dict(prepared.original_limit_runs)
         if deliverable:
-            chosen, rewritten, optimized, overhead = _fit_memory_limit(
-                prepared, chosen, rewritten, optimized, overhead, options, limit_report, checked_ok, progress)
+            fitted, rewritten = _fit_memory_limit(prepared, chosen, rewritten, options, limit_report, checked_ok,
+                                                  progress)
+            if fitted is not chosen:
+                chosen = fitted
+                optimized, overhead = measure_plan(prepared, rewritten, options)
 
     budget = options.budget_bytes
     if budget is not None:
@@ -1031,17 +1247,22 @@ def _measured_delivery(prepared: Prepared, chosen: Plan, rewritten: onnx.ModelPr
 
 
 def limit_run(prepared: Prepared, model_path: str, options: OptimizeOptions,
-              settings: SessionSettings | None = None) -> LimitRun:
+              settings: SessionSettings | None = None, steps: int = 2) -> LimitRun:
     """Two training steps of the saved model under `options.memory_limit_bytes`, in a fresh
     process (`runtime.measure.run_within_limit`)."""
-    run = run_within_limit(model_path, prepared.workspace.inputs_path, options.memory_limit_bytes, settings,
-                           provider=options.provider, threads=options.threads)
+    return _limit_run(prepared.workspace, model_path, options, settings, steps)
+
+
+def _limit_run(workspace: Workspace, model_path: str, options: OptimizeOptions,
+               settings: SessionSettings | None = None, steps: int = 2) -> LimitRun:
+    run = run_within_limit(model_path, workspace.inputs_path, options.memory_limit_bytes, settings,
+                           provider=options.provider, threads=options.threads, steps=steps)
     return LimitRun(fits=run.fits, cap_bytes=run.cap_bytes, outside_bytes=run.outside_bytes, error=run.error,
-                    shortfall_bytes=run.shortfall_bytes, rss_bytes=run.rss_bytes)
+                    shortfall_bytes=run.shortfall_bytes, rss_bytes=run.rss_bytes, step_seconds=run.step_seconds)
 
 
-def _fit_memory_limit(prepared: Prepared, chosen: Plan, rewritten: onnx.ModelProto, optimized: Measurement,
-                      overhead: float, options: OptimizeOptions, limit_report: MemoryLimit, checked_ok, progress):
+def _fit_memory_limit(prepared: Prepared, chosen: Plan, rewritten: onnx.ModelProto, options: OptimizeOptions,
+                      limit_report: MemoryLimit, checked_ok, progress):
     """The plan run under the memory limit, ONNX Runtime the judge. When it refuses the plan,
     the leanest plan there is (the least predicted peak) is run under it: refused too, nothing
     fits (MemoryLimitError); else the least step time that runs is searched between the two by
@@ -1049,7 +1270,7 @@ def _fit_memory_limit(prepared: Prepared, chosen: Plan, rewritten: onnx.ModelPro
     Runtime's arena holds more than the step's pages the cost model predicts (the resnet
     example's leanest plan: 16.2 MiB measured, 15.7 predicted, refused under a 20 MiB cap, ran
     under 24), so a step lower by the shortfall it names was not enough there.
-    Returns the (plan, model, measurement, overhead) that runs, or raises MemoryLimitError."""
+    Returns the (plan, model) that runs, or raises MemoryLimitError."""
     limit = options.memory_limit_bytes
 
     def attempt(candidate: Plan, planned_for: int, model: onnx.ModelProto | None = None):
@@ -1109,9 +1330,8 @@ def _fit_memory_limit(prepared: Prepared, chosen: Plan, rewritten: onnx.ModelPro
             if candidate.simulation.compute_seconds < chosen.simulation.compute_seconds:
                 chosen, rewritten, run = tried
                 limit_report.returned = run
-        optimized, overhead = measure_plan(prepared, rewritten, options)
     limit_report.met = True
-    return chosen, rewritten, optimized, overhead
+    return chosen, rewritten
 
 
 def _record_checks_rejection(report: Report, checked: Checked) -> None:

@@ -408,11 +408,13 @@ TWIN_PASSES = 4
 
 def make_twin(model: onnx.ModelProto, inputs: dict[str, np.ndarray], batch: int, *,
               state: set[str] | frozenset[str] = frozenset(), keep: set[str] | frozenset[str] = frozenset(),
-              shapes: dict[str, list[int]] | None = None) -> Twin:
+              shapes: dict[str, list[int]] | None = None, base_dir: str | None = None) -> Twin:
     """`model` at batch `batch` (module docstring, steps 1-3), checked by shape inference. A
     tensor whose shape the graph computes (from a Shape or Size of a tracked tensor) follows the
     batch by itself: where the twin's inferred shape is the full one scaled on one axis, that
-    axis is taken as its batch position and the twin is made again (at most TWIN_PASSES)."""
+    axis is taken as its batch position and the twin is made again (at most TWIN_PASSES).
+    `base_dir`: where the data of external initializers is (a constant that holds the batch is
+    read from there, cut and written into the twin)."""
     full, names = batch_inputs(model, inputs, state)
     if not 1 <= batch < full:
         raise TwinError(f"a reduced batch must be in 1..{full - 1}, not {batch}")
@@ -423,7 +425,7 @@ def make_twin(model: onnx.ModelProto, inputs: dict[str, np.ndarray], batch: int,
     constants = small_constants(model)
     learned: dict[str, Position] = {}
     for _ in range(TWIN_PASSES):
-        twin = _twin_once(model, inputs, batch, full, names, shapes, constants, learned, frozenset(keep))
+        twin = _twin_once(model, inputs, batch, full, names, shapes, constants, learned, frozenset(keep), base_dir)
         found = _learn(twin, shapes)
         if not found:
             break
@@ -452,7 +454,7 @@ def _learn(twin: Twin, shapes: dict[str, list[int]]) -> dict[str, Position]:
     return found
 
 
-def _twin_once(model, inputs, batch, full, names, shapes, constants, learned, keep) -> Twin:
+def _twin_once(model, inputs, batch, full, names, shapes, constants, learned, keep, base_dir) -> Twin:
     positions = track(model, shapes, names, full, constants, seeds=learned, keep=keep)
 
     twin = onnx.ModelProto()
@@ -514,11 +516,11 @@ def _twin_once(model, inputs, batch, full, names, shapes, constants, learned, ke
     shaped = constants_rewritten(wanted)
     for i, t in enumerate(g.initializer):
         if t.name in positions and t.name not in keep and t.name not in shaped:
-            if t.data_location == onnx.TensorProto.EXTERNAL:
+            if t.data_location == onnx.TensorProto.EXTERNAL and base_dir is None:
                 raise TwinError(f"constant {t.name!r} holds the batch and its data is not in the graph")
             axis, outer = positions[t.name]
-            g.initializer[i].CopyFrom(numpy_helper.from_array(
-                _cut(numpy_helper.to_array(t), axis, outer, full, batch), t.name))
+            value = numpy_helper.to_array(t, base_dir or "")
+            g.initializer[i].CopyFrom(numpy_helper.from_array(_cut(value, axis, outer, full, batch), t.name))
             rewritten += 1
     for node in g.node:
         if node.op_type == "Constant" and node.output and node.output[0] in positions \

@@ -263,6 +263,7 @@ class LimitRun(_Json):
     error: str | None = None            # ONNX Runtime's refusal
     shortfall_bytes: int | None = None  # how much more the refused allocation needed than was left
     rss_bytes: int | None = None        # CPU: the process's resident growth over the session and its steps
+    step_seconds: float | None = None   # the median step after the first (None: did not fit)
 
 
 @dataclass
@@ -281,6 +282,17 @@ class MemoryLimit(_Json):
     attempts: list[LimitAttempt] = field(default_factory=list)
     met: bool | None = None             # the returned model ran under it
     returned: LimitRun | None = None    # the returned model's run under it
+
+
+@dataclass
+class ReducedSize(_Json):
+    """The step did not run under the memory limit at full size: graphopt annotated it at two
+    smaller batches of its reduced twin and verified the rewrite's outputs at the larger one
+    (graphopt/reduced.py); nothing ran the original at full size but the runs under the limit."""
+    full_batch: int
+    annotated_batches: list[int]
+    verified_batch: int | None          # None: verification off
+    rewritten_constants: int            # constants of the twin that hold the batch, rewritten
 
 
 @dataclass
@@ -336,6 +348,7 @@ class Report(_Json):
     prediction_error: PredictionError | None = None
     budget_met: bool | None = None
     memory_limit: MemoryLimit | None = None
+    reduced: ReducedSize | None = None  # the step annotated and verified at reduced batches
     graphopt_memory: GraphoptMemory | None = None
     total_seconds: float = 0.0
 
@@ -406,6 +419,15 @@ def summary_text(report: Report) -> str:
                      f"{originals or 'not run'}; returned: "
                      + ("not run" if returned is None else "runs" if returned.fits else "FAILS")
                      + (f" ({len(limit.attempts)} plans tried)" if len(limit.attempts) > 1 else ""))
+    reduced = report.reduced
+    if reduced is not None:
+        returned = limit.returned if limit is not None else None
+        lines.append(f"the original does not run under the limit: annotated at batches "
+                     f"{' and '.join(map(str, reduced.annotated_batches))} of {reduced.full_batch}"
+                     + ("" if reduced.verified_batch is None else f", outputs verified at batch {reduced.verified_batch}")
+                     + ("" if returned is None or returned.step_seconds is None else
+                        f"; returned model under the limit at full size: step {returned.step_seconds:.3f} s, "
+                        f"process grew {_mib(returned.rss_bytes or 0)}"))
     if report.outputs_match is not None:
         lines.append(f"outputs identical: {report.outputs_match} "
                      f"(max relative difference {report.max_relative_difference:.2e})")
@@ -433,4 +455,4 @@ __all__ = ["Report", "summary_text", "OUTCOME_OPTIMIZED", "OUTCOME_ORIGINAL", "O
            "NodeCounts", "Predicted", "PredictedRun", "AnnotationSummary", "Measured", "MeasuredRun", "Ratios",
            "PredictionError", "OutputsDiffer", "Deviation", "OrderResult", "PlanTried", "OrderReport",
            "RejectedForOutputs", "BudgetAttempt", "PlanMeasured", "RejectedPlan", "Objective", "OverheadAttempt",
-           "BaseOrder", "LimitRun", "LimitAttempt", "MemoryLimit", "GraphoptMemory"]
+           "BaseOrder", "LimitRun", "LimitAttempt", "MemoryLimit", "ReducedSize", "GraphoptMemory"]

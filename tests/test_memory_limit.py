@@ -7,6 +7,8 @@ peak measured from outside the cap (VmHWM of a fresh process, runtime/measure.py
 well below weights + inputs + that peak must fail, one well above it must hold."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import onnx
 import pytest
@@ -18,6 +20,7 @@ from graphopt.errors import MemoryLimitError
 from graphopt.examples import example_inputs, forward_example, training_example
 from graphopt.inputs import save_inputs
 from graphopt.optimize import OptimizeOptions, optimize
+from graphopt.pipeline import plan, prepare
 from graphopt.runtime.limit import initializer_bytes, shortfall_bytes
 from graphopt.runtime.measure import measure, run_within_limit
 from graphopt.runtime.session import DEFAULT_SETTINGS
@@ -93,11 +96,25 @@ def test_optimize_returns_a_model_that_runs_where_the_original_fails(limited):
     assert report.objective.name == "least-time-within-memory-limit"
     # the original fails under the limit in both sessions it is measured in, the returned runs
     assert not any(run.fits for run in report.memory_limit.original.values())
-    assert report.memory_limit.returned.fits and report.memory_limit.returned in [a.run for a in report.memory_limit.attempts]
+    assert report.memory_limit.returned.fits and report.memory_limit.returned.step_seconds > 0
+    assert any(a.run.fits for a in report.memory_limit.attempts)
+    # so nothing ran the original at full size: annotated at two smaller batches, verified at one
+    low, high = report.reduced.annotated_batches
+    assert 1 <= low < high < 512 == report.reduced.full_batch and report.reduced.verified_batch == high
     # and again, in runs of their own: ONNX Runtime is the oracle, not the report
     assert not run_within_limit(path, inputs_path, limit, DEFAULT_SETTINGS).fits
     assert run_within_limit(opt_path, inputs_path, limit).fits
     assert "memory limit" in report.outcome_reason
+
+
+def test_a_limit_the_original_runs_under_is_planned_at_full_size(limited):
+    """Where the original runs under the limit, it is annotated and verified at full size."""
+    path, inputs_path, opt_path, limit, result = limited
+    model, inputs = training_example("mlp", batch=512, width=256, depth=16, d_in=128)
+    roomy = int(limit / 0.62 * 1.5)
+    report = optimize(model, OptimizeOptions(inputs=inputs, memory_limit_bytes=roomy)).report
+    assert report.reduced is None and report.measured is not None
+    assert all(run.fits for run in report.memory_limit.original.values()) and report.memory_limit.met
 
 
 def test_a_limit_below_the_weights_or_the_least_plan_is_refused_with_the_figures():
@@ -105,8 +122,14 @@ def test_a_limit_below_the_weights_or_the_least_plan_is_refused_with_the_figures
     weights = initializer_bytes(model)
     with pytest.raises(MemoryLimitError, match=r"weights, inputs and state alone take \d+ bytes"):
         optimize(model, OptimizeOptions(inputs=inputs, memory_limit_bytes=weights // 2))
-    with pytest.raises(MemoryLimitError, match=r"least step peak found is \d+ bytes"):
+    # the step's gradients alone need more than 2 MiB at any batch: not even a twin at batch 2 runs
+    with pytest.raises(MemoryLimitError, match=r"nor does its twin at batch 2 \(of 512\).*ONNX Runtime: Available"):
         optimize(model, OptimizeOptions(inputs=inputs, memory_limit_bytes=weights + 2 * MIB))
+    # planned for it (annotated where the original runs): the least step peak the search found
+    options = OptimizeOptions(inputs=inputs, memory_limit_bytes=weights + 64 * MIB, verify=False)
+    with prepare(model, options) as prepared:
+        with pytest.raises(MemoryLimitError, match=r"least step peak found is \d+ bytes"):
+            plan(prepared, dataclasses.replace(options, memory_limit_bytes=weights + 2 * MIB))
 
 
 def test_train_under_the_limit_fails_for_the_original_and_matches_it_optimized(tmp_path):

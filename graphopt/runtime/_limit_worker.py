@@ -12,13 +12,15 @@ memory pattern on the first and allocates it on the second). Prints one JSON obj
 (the last line): ``fits``, and when it does not, ONNX Runtime's ``error`` and the
 ``shortfall_bytes`` it names; ``cap_bytes``, ``outside_bytes``; on the CPU ``rss_bytes``, the
 process's resident growth from before the session to the end of the steps (everything the
-process held for them, inside the cap or not).
+process held for them, inside the cap or not); ``step_seconds``, the median step time after the
+first step.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+import time
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,10 +78,16 @@ def main(argv: list[str] | None = None) -> int:
         feeds = {k: ort.OrtValue.ortvalue_from_numpy(v, device, args.device_id) for k, v in feeds_np.items()}
         out_names = [o.name for o in sess.get_outputs()]
         run, release = _step_runner(sess, model, feeds, out_names, device, args.device_id)
+        seconds = []
         for _ in range(max(1, args.steps)):
+            started = time.perf_counter()
             run()
+            seconds.append(time.perf_counter() - started)
             release()
             result["steps"] += 1
+        # the steps after the first (ONNX Runtime plans its memory pattern on the first)
+        timed = seconds[1:] or seconds
+        result["step_seconds"] = float(np.median(timed))
         result.update(fits=True, error=None, shortfall_bytes=None)
     except Exception as exc:  # noqa: BLE001 - an allocation refused under the cap is the answer
         if not out_of_memory(exc):

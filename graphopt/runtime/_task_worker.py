@@ -6,7 +6,8 @@ Tasks (paths are files of a :class:`~graphopt.runtime.isolated.Workspace`):
 
 * ``graph-optimize``: ORT's graph optimizations at ``level`` applied to ``model`` offline
   (``runtime.offline.optimize_offline``), the optimized graph saved to ``out``.
-* ``annotate``: ``annotate(model, inputs, settings)``; the annotations' JSON written to ``out``.
+* ``annotate``: ``annotate(model, inputs, settings)`` (every session capped at ``cap_bytes`` when
+  given); the annotations' JSON written to ``out``.
 * ``reference``: every output of one deterministic run (``verify.run_outputs``), saved to
   ``out`` (``verify.save_outputs``).
 * ``verify``: the model's outputs (its metadata session) compared with ``reference`` one array
@@ -43,7 +44,7 @@ def run(task: str, args: dict) -> dict:
         from graphopt.annotate import annotate
         model = onnx.load(args["model"])
         ann = annotate(model, inputs, _settings(args["settings"]), providers=args.get("providers"),
-                       threads=args.get("threads", 1))
+                       threads=args.get("threads", 1), cap_bytes=args.get("cap_bytes"))
         with open(args["out"], "w") as f:
             f.write(ann.to_json())
         return {"tensors": len(ann.tensor_bytes)}

@@ -241,6 +241,7 @@ class LimitRun:
     cap_bytes: int                  # ONNX Runtime's arena cap: the limit less what is held outside it
     outside_bytes: int              # held outside the arena: weights, inputs, state buffers
     rss_bytes: int | None = None    # CPU: the process's resident growth over the session and its steps
+    step_seconds: float | None = None  # the median step after the first (None: did not fit)
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -268,4 +269,5 @@ def run_within_limit(
     d = _run_worker(cmd, _worker_env(), model_path, timeout_seconds, "limit")
     return LimitRun(limit_bytes=int(d["limit_bytes"]), fits=bool(d["fits"]), error=d.get("error"),
                     shortfall_bytes=d.get("shortfall_bytes"), cap_bytes=int(d["cap_bytes"]),
-                    outside_bytes=int(d["outside_bytes"]), rss_bytes=d.get("rss_bytes"))
+                    outside_bytes=int(d["outside_bytes"]), rss_bytes=d.get("rss_bytes"),
+                    step_seconds=d.get("step_seconds"))
