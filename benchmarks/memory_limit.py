@@ -2,8 +2,10 @@
 (the weights, the inputs and its step's peak measured under the default session), a memory limit
 at `--fraction` of that, the original run under the limit (ONNX Runtime capped at it, two
 steps), then `graphopt optimize --memory-limit` in a process of its own: whether what it
-returns runs under the limit (in a run of its own, not the report's), its measured step peak and
-step time against the original's, whether the outputs matched, and graphopt's largest process
+returns runs under the limit (in a run of its own, not the report's), its step peak and step
+time against the original's, measured here without a limit (the step time timed in turn with the
+original's), the batches graphopt annotated at (`full`, or the two reduced batches when the
+original did not run under the limit), whether the outputs matched, and graphopt's largest process
 (the peak resident memory of its process tree, measured from outside it) against the original's
 step. With `--optimizer adamw` the models are built with the optimizer step inside and both are
 trained `--steps` steps: the original without a limit, the returned model under it; the
@@ -89,9 +91,15 @@ def run_one(kind: str, name: str, args) -> dict:
             row["error"] = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else str(done.returncode)
             return row
         report = json.load(open(os.path.join(tmp, "r.json")))
-        row.update(outcome=report["outcome"], returned_mib=report["measured"]["optimized"]["peak_bytes"] / MiB,
-                   step_vs_default=report["ratios"]["step_time_vs_default_session"],
-                   outputs_match=report["outputs_match"], plans_tried=len(report["memory_limit"]["attempts"]))
+        # measured here, from outside graphopt, without a limit: the returned model's step peak, and
+        # its step time against the original's (default session) timed in turn
+        from graphopt.runtime.measure import time_steps
+        times = time_steps([(path, DEFAULT_SETTINGS), (out, None)], inputs_path, rounds=5)
+        reduced = report.get("reduced")
+        row.update(outcome=report["outcome"], returned_mib=measure(out, inputs_path, None, timing=False).peak_bytes / MiB,
+                   step_vs_default=times.ratio(1, 0), outputs_match=report["outputs_match"],
+                   plans_tried=len(report["memory_limit"]["attempts"]),
+                   annotated_at="full" if reduced is None else "/".join(map(str, reduced["annotated_batches"])))
         row["returned_fits"] = run_within_limit(out, inputs_path, limit).fits
         if args.optimizer:
             from graphopt.train import train as run_training
@@ -118,10 +126,11 @@ def main() -> None:
         return
     jobs = [("example", n) for n in args.examples.split(",") if n] + [("corpus", n) for n in args.corpus.split(",") if n]
     print(f"{'model':22s} {'step':>7s} {'need':>7s} {'limit':>7s} {'original':>9s} {'returned':>9s} "
-          f"{'ret. step':>9s} {'time':>6s} {'outputs':>7s} {'plans':>5s} {'graphopt':>9s} {'/step':>6s} {'secs':>6s}"
+          f"{'ret. step':>9s} {'time':>6s} {'annotated':>9s} {'outputs':>7s} {'plans':>5s} {'graphopt':>9s} {'/step':>6s} "
+          f"{'secs':>6s}"
           + ("  loss diff" if args.optimizer else ""), flush=True)
     print(f"{'':22s} {'MiB':>7s} {'MiB':>7s} {'MiB':>7s} {'at limit':>9s} {'at limit':>9s} {'MiB':>9s} "
-          f"{'x':>6s} {'same':>7s} {'tried':>5s} {'MiB':>9s} {'x':>6s} {'':>6s}", flush=True)
+          f"{'x':>6s} {'at batch':>9s} {'same':>7s} {'tried':>5s} {'MiB':>9s} {'x':>6s} {'':>6s}", flush=True)
     for kind, name in jobs:
         command = [sys.executable, __file__, "--one", kind, name, "--size", args.size, "--exporter", args.exporter,
                    "--fraction", str(args.fraction), "--steps", str(args.steps)]
@@ -138,7 +147,7 @@ def main() -> None:
             print(f"{head}  optimize: {r['error']}", flush=True)
             continue
         line = (f"{head} {'runs' if r['returned_fits'] else 'FAILS':>9s} {r['returned_mib']:9.1f} "
-                f"{r['step_vs_default']:6.2f} {str(r['outputs_match']):>7s} {r['plans_tried']:5d} "
+                f"{r['step_vs_default']:6.2f} {r['annotated_at']:>9s} {str(r['outputs_match']):>7s} {r['plans_tried']:5d} "
                 f"{r['graphopt_largest_mib']:9.1f} {r['graphopt_largest_mib'] / r['step_mib']:6.1f} "
                 f"{r['optimize_seconds']:6.0f}")
         if args.optimizer:

@@ -143,6 +143,7 @@ class Prepared:
     # when the original runs under the limit in none of them: the step annotated and verified at
     # reduced batches (`ReducedStep`); None otherwise
     reduced: "ReducedStep | None" = None
+    full_size_because: str | None = None   # why it is not, when the original does not run under the limit
 
     def set_graphs(self, file_graph) -> None:
         """`file_graph` (the cost graph in the file's order) in every base order that can be
@@ -209,10 +210,21 @@ def prepare(model: onnx.ModelProto, options: OptimizeOptions, *, reference: bool
             path = workspace.save(training.model, "original")
             original_runs = {label: _limit_run(workspace, path, options, settings)
                              for label, settings in ORIGINAL_SESSIONS.items()}
-            if not any(run.fits for run in original_runs.values()):
+        full_size_because = None
+        if original_runs and not any(run.fits for run in original_runs.values()):
+            try:
                 reduced = ReducedStep.start(training, inputs, workspace)
-        progress("annotate", 0.1)
-        annotations = first = _annotate(training, options, workspace, "original", reduced)
+                progress("annotate at reduced batches", 0.1)
+                annotations = first = _annotate(training, options, workspace, "original", reduced)
+            except TwinError as exc:
+                # on a host with room (the CPU provider) the step still runs at full size, outside the limit
+                full_size_because = f"graphopt cannot annotate it at a reduced batch: {exc}"
+                log.warning("the original does not run under the memory limit, and %s; it is annotated and "
+                            "verified at full size, outside the limit", full_size_because)
+                reduced = None
+        if reduced is None:
+            progress("annotate", 0.1)
+            annotations = first = _annotate(training, options, workspace, "original")
         graph_optimized: dict = {}
         if options.graph_optimizations != "none":
             progress("graph optimizations", 0.12)
@@ -226,7 +238,7 @@ def prepare(model: onnx.ModelProto, options: OptimizeOptions, *, reference: bool
         predicted = simulate(graph, [(name, 0) for name in annotations.execution_order if name in graph])
         prepared = Prepared(working, training, annotations, first, graph, expanded, predicted, inputs, workspace,
                             graph_optimizations=graph_optimized, original_limit_runs=original_runs,
-                            reduced=reduced)
+                            reduced=reduced, full_size_because=full_size_because)
         prepared.set_graphs(graph)
         if options.measure and reduced is None:
             progress("time", 0.2)
@@ -362,9 +374,8 @@ class ReducedStep:
         state = frozenset(fed_back_outputs(training.model).values())
         full, _ = batch_inputs(training.model, inputs, state)
         if full < 3:
-            raise MemoryLimitError(
-                f"the original does not run under the memory limit and its batch ({full}) is too small to annotate "
-                "at two smaller ones (graphopt reduces the batch; a reduced sequence is not done yet)")
+            raise TwinError(f"its batch ({full}) is too small to annotate at two smaller ones (graphopt reduces the "
+                            "batch; a reduced sequence is not done yet)")
         return cls(full, state, frozenset(training.parameters) | state, inputs, workspace.folder)
 
     def twin(self, model: onnx.ModelProto, batch: int, shapes=None):
@@ -1062,6 +1073,7 @@ def _measured_delivery(prepared: Prepared, chosen: Plan, rewritten: onnx.ModelPr
         progress("memory limit", 0.72)
         limit_report = report.memory_limit = MemoryLimit(options.memory_limit_bytes)
         limit_report.original = dict(prepared.original_limit_runs)
+        limit_report.full_size_because = prepared.full_size_because
         if deliverable:
             fitted, rewritten = _fit_memory_limit(prepared, chosen, rewritten, options, limit_report, checked_ok,
                                                   progress)

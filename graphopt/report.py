@@ -282,6 +282,9 @@ class MemoryLimit(_Json):
     attempts: list[LimitAttempt] = field(default_factory=list)
     met: bool | None = None             # the returned model ran under it
     returned: LimitRun | None = None    # the returned model's run under it
+    # the original does not run under it, yet graphopt annotated and verified it at full size
+    # (outside the limit, on a host with room) because it could not at reduced batches: why
+    full_size_because: str | None = None
 
 
 @dataclass
@@ -419,6 +422,8 @@ def summary_text(report: Report) -> str:
                      f"{originals or 'not run'}; returned: "
                      + ("not run" if returned is None else "runs" if returned.fits else "FAILS")
                      + (f" ({len(limit.attempts)} plans tried)" if len(limit.attempts) > 1 else ""))
+        if limit.full_size_because:
+            lines.append(f"annotated and verified at full size, outside the limit: {limit.full_size_because}")
     reduced = report.reduced
     if reduced is not None:
         returned = limit.returned if limit is not None else None

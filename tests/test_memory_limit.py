@@ -210,3 +210,14 @@ def test_the_report_states_graphopts_own_memory_as_measured_from_outside(tmp_pat
     stated = max(own.main_process_bytes, own.largest_child_bytes)
     assert abs(stated - outside) <= 0.03 * outside, (stated / MIB, outside / MIB)
     assert own.largest_step_bytes > 0
+
+
+def test_a_batch_too_small_to_reduce_is_annotated_at_full_size_and_says_why():
+    """A batch of 2 has no two smaller batches to annotate at: the original, which does not run
+    under the limit, is annotated at full size outside it (on the host), and the reason is kept."""
+    model, inputs = training_example("mlp", batch=2, width=256, depth=16, d_in=128)
+    limit = initializer_bytes(model) + 64 * 1024
+    with prepare(model, OptimizeOptions(inputs=inputs, memory_limit_bytes=limit, verify=False)) as prepared:
+        assert not any(run.fits for run in prepared.original_limit_runs.values())
+        assert prepared.reduced is None and "batch (2) is too small" in prepared.full_size_because
+        assert prepared.annotations.tensor_bytes
