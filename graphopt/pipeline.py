@@ -361,7 +361,8 @@ class ReducedStep:
     parameters: frozenset
     inputs: dict
     base_dir: str                            # the workspace's folder (the weights file)
-    batches: tuple[int, int] | None = None   # (low, high): annotated at both, verified at high
+    batches: tuple[int | None, int] | None = None   # (low, high): annotated at both (low None: at high
+                                                    # alone), verified at high
     inputs_path: str | None = None           # the inputs at `batches[1]` (the first samples)
     reference_path: str | None = None        # the original twin's outputs at `batches[1]`
     rewritten_constants: int = 0
@@ -373,9 +374,9 @@ class ReducedStep:
     def start(cls, training: TrainingGraph, inputs: dict, workspace: Workspace) -> "ReducedStep":
         state = frozenset(fed_back_outputs(training.model).values())
         full, _ = batch_inputs(training.model, inputs, state)
-        if full < 3:
-            raise TwinError(f"its batch ({full}) is too small to annotate at two smaller ones (graphopt reduces the "
-                            "batch; a reduced sequence is not done yet)")
+        if full < 2:
+            raise TwinError(f"its batch ({full}) is too small to reduce (graphopt reduces the batch; a reduced "
+                            "sequence is not done yet)")
         return cls(full, state, frozenset(training.parameters) | state, inputs, workspace.folder)
 
     def twin(self, model: onnx.ModelProto, batch: int, shapes=None):
@@ -399,14 +400,14 @@ class ReducedStep:
         high = self.batches[1] if self.batches else self.full_batch // 2
         refused = None
         while True:
-            low = max(1, high // 2)
-            if low >= high:
+            low = high // 2 or None   # batch 1 alone: its shapes scaled on the tracked batch axis
+            if high < 1:
                 outside = initializer_bytes(model) + sum(int(np.asarray(v).nbytes) for v in self.inputs.values())
                 raise MemoryLimitError(
                     f"memory limit of {options.memory_limit_bytes} bytes is not met: the original does not run under "
-                    f"it, nor does its twin at batch {2 * high} (of {self.full_batch}), beside the weights and inputs "
+                    f"it, nor does its twin at batch 1 (of {self.full_batch}), beside the weights and inputs "
                     f"of {outside} bytes at most (ONNX Runtime: {_refusal(str(refused))}); nothing runs to annotate it")
-            twins = {b: self.twin(model, b, inferred) for b in (low, high)}
+            twins = {b: self.twin(model, b, inferred) for b in (low, high) if b}
             try:
                 measured = {high: self._annotate_twin(twins[high], options, workspace, label)}
                 break
@@ -416,9 +417,10 @@ class ReducedStep:
                 refused = exc
                 log.info("the twin at batch %d does not run under the memory limit: trying %d", high, high // 2)
                 high //= 2
-        measured[low] = self._annotate_twin(twins[low], options, workspace, label)
-        annotations = full_size_annotations(model, measured[low], measured[high], low, high, self.full_batch,
-                                            inferred)
+        if low:
+            measured[low] = self._annotate_twin(twins[low], options, workspace, label)
+        annotations = full_size_annotations(model, measured.get(low), measured[high], low, high, self.full_batch,
+                                            inferred, twins[high].positions)
         self.batches = (low, high)
         self.rewritten_constants = twins[high].rewritten_constants
         self.known_shapes = dict(annotations.tensor_shapes)
@@ -1021,7 +1023,8 @@ def _reduced_delivery(prepared: Prepared, chosen: Plan, rewritten: onnx.ModelPro
     reduced = prepared.reduced
     limit_report = report.memory_limit = MemoryLimit(options.memory_limit_bytes)
     limit_report.original = dict(prepared.original_limit_runs)
-    report.reduced = ReducedSize(full_batch=reduced.full_batch, annotated_batches=list(reduced.batches),
+    batches = [b for b in reduced.batches if b]
+    report.reduced = ReducedSize(full_batch=reduced.full_batch, annotated_batches=batches,
                                  verified_batch=reduced.batches[1] if options.verify else None,
                                  rewritten_constants=reduced.rewritten_constants)
     errors = "; ".join(f"{label.replace('original_', '').replace('_', ' ')}: {_refusal(run.error)}"
@@ -1044,9 +1047,9 @@ def _reduced_delivery(prepared: Prepared, chosen: Plan, rewritten: onnx.ModelPro
     report.outcome = OUTCOME_OPTIMIZED
     report.outcome_reason = (
         f"the original does not run under the memory limit of {_mib(limit_report.limit_bytes)} in any session "
-        f"({errors}); the optimized model runs under it ({REDUCED_TIMED_STEPS} steps at full size: the step "
-        f"{run.step_seconds:.3f} s, the process grew {_mib(run.rss_bytes or 0)}), annotated at batches "
-        f"{reduced.batches[0]} and {reduced.batches[1]} of {reduced.full_batch}"
+        f"({errors}); the optimized model runs under it ({REDUCED_TIMED_STEPS} steps at full size, the step "
+        f"{run.step_seconds:.3f} s), annotated at batches "
+        f"{' and '.join(map(str, batches))} of {reduced.full_batch}"
         + (f", its outputs identical to the original's at batch {reduced.batches[1]}" if options.verify else "")
         + _rejections(report))
     return chosen, rewritten
@@ -1270,7 +1273,8 @@ def _limit_run(workspace: Workspace, model_path: str, options: OptimizeOptions,
     run = run_within_limit(model_path, workspace.inputs_path, options.memory_limit_bytes, settings,
                            provider=options.provider, threads=options.threads, steps=steps)
     return LimitRun(fits=run.fits, cap_bytes=run.cap_bytes, outside_bytes=run.outside_bytes, error=run.error,
-                    shortfall_bytes=run.shortfall_bytes, rss_bytes=run.rss_bytes, step_seconds=run.step_seconds)
+                    shortfall_bytes=run.shortfall_bytes, rss_bytes=run.rss_bytes, step_seconds=run.step_seconds,
+                    session_rss_bytes=run.session_rss_bytes, steps_rss_bytes=run.steps_rss_bytes)
 
 
 def _fit_memory_limit(prepared: Prepared, chosen: Plan, rewritten: onnx.ModelProto, options: OptimizeOptions,

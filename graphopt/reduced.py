@@ -608,19 +608,41 @@ def extrapolate(shapes_low: dict[str, list[int]], shapes_high: dict[str, list[in
     return out
 
 
-def full_size_annotations(model: onnx.ModelProto, low, high, low_batch: int, high_batch: int, full_batch: int,
-                          inferred: dict[str, list[int]]):
+def scale_up(shapes: dict[str, list[int]], positions: dict[str, Position], batch: int,
+             full: int) -> dict[str, list[int]]:
+    """Each tensor's shape at batch `full` from its shape at `batch` alone: the batch axis its
+    twin tracked scaled, the others as they are."""
+    out = {}
+    for name, shape in shapes.items():
+        pos = positions.get(name)
+        scaled = list(shape)
+        if pos is not None and pos[0] < len(scaled):
+            scaled[pos[0]] = scaled[pos[0]] // batch * full
+        out[name] = scaled
+    return out
+
+
+def full_size_annotations(model: onnx.ModelProto, low, high, low_batch: int | None, high_batch: int,
+                          full_batch: int, inferred: dict[str, list[int]],
+                          positions: dict[str, Position] | None = None):
     """The annotations of `model` at its full batch from those of its twins at `low_batch` and
     `high_batch` (module docstring, step 4): every shape extrapolated (checked against the
     full-size `inferred` ones: a mismatch raises TwinError), bytes from shape and dtype; the
     order of the larger twin's run; each node's seconds at the larger twin scaled by its work,
-    taken as the largest ratio of full to twin bytes among the tensors it reads and writes."""
+    taken as the largest ratio of full to twin bytes among the tensors it reads and writes.
+    With one twin (`low` None: only batch 1 ran under the limit), each shape is scaled on the
+    axis the twin tracked the batch on (`positions`), checked against `inferred` the same way."""
     from .annotate import Annotations
-    shapes = extrapolate(low.tensor_shapes, high.tensor_shapes, low_batch, high_batch, full_batch)
+    if low is None:
+        shapes = scale_up(high.tensor_shapes, positions or {}, high_batch, full_batch)
+        measured = lambda name: f"{high.tensor_shapes[name]} at batch {high_batch}"  # noqa: E731
+    else:
+        shapes = extrapolate(low.tensor_shapes, high.tensor_shapes, low_batch, high_batch, full_batch)
+        measured = lambda name: (f"{low.tensor_shapes[name]} at batch {low_batch} and "  # noqa: E731
+                                 f"{high.tensor_shapes[name]} at batch {high_batch}")
     for name, shape in shapes.items():
         if name in inferred and inferred[name] != shape:
-            raise TwinError(f"tensor {name!r} measured {low.tensor_shapes[name]} at batch {low_batch} and "
-                            f"{high.tensor_shapes[name]} at batch {high_batch}, which does not extend to its full "
+            raise TwinError(f"tensor {name!r} measured {measured(name)}, which does not extend to its full "
                             f"shape {inferred[name]} at batch {full_batch}")
     names = {o for n in model.graph.node for o in n.output if o} | {i.name for i in model.graph.input} \
         | {t.name for t in model.graph.initializer}

@@ -264,6 +264,8 @@ class LimitRun(_Json):
     shortfall_bytes: int | None = None  # how much more the refused allocation needed than was left
     rss_bytes: int | None = None        # CPU: the process's resident growth over the session and its steps
     step_seconds: float | None = None   # the median step after the first (None: did not fit)
+    session_rss_bytes: int | None = None  # CPU: the growth once the session is open (weights, kernels)
+    steps_rss_bytes: int | None = None    # CPU: what the steps added to the open session at their peak
 
 
 @dataclass
@@ -431,8 +433,10 @@ def summary_text(report: Report) -> str:
                      f"{' and '.join(map(str, reduced.annotated_batches))} of {reduced.full_batch}"
                      + ("" if reduced.verified_batch is None else f", outputs verified at batch {reduced.verified_batch}")
                      + ("" if returned is None or returned.step_seconds is None else
-                        f"; returned model under the limit at full size: step {returned.step_seconds:.3f} s, "
-                        f"process grew {_mib(returned.rss_bytes or 0)}"))
+                        f"; returned model under the limit at full size: step {returned.step_seconds:.3f} s"
+                        + ("" if returned.steps_rss_bytes is None else
+                           f", its steps {_mib(returned.steps_rss_bytes)} resident beyond the open session's "
+                           f"{_mib(returned.session_rss_bytes or 0)}")))
     if report.outputs_match is not None:
         lines.append(f"outputs identical: {report.outputs_match} "
                      f"(max relative difference {report.max_relative_difference:.2e})")

@@ -122,8 +122,8 @@ def test_a_limit_below_the_weights_or_the_least_plan_is_refused_with_the_figures
     weights = initializer_bytes(model)
     with pytest.raises(MemoryLimitError, match=r"weights, inputs and state alone take \d+ bytes"):
         optimize(model, OptimizeOptions(inputs=inputs, memory_limit_bytes=weights // 2))
-    # the step's gradients alone need more than 2 MiB at any batch: not even a twin at batch 2 runs
-    with pytest.raises(MemoryLimitError, match=r"nor does its twin at batch 2 \(of 512\).*ONNX Runtime: Available"):
+    # the step's gradients alone need more than 2 MiB at any batch: not even a twin at batch 1 runs
+    with pytest.raises(MemoryLimitError, match=r"nor does its twin at batch 1 \(of 512\).*ONNX Runtime: Available"):
         optimize(model, OptimizeOptions(inputs=inputs, memory_limit_bytes=weights + 2 * MIB))
     # planned for it (annotated where the original runs): the least step peak the search found
     options = OptimizeOptions(inputs=inputs, memory_limit_bytes=weights + 64 * MIB, verify=False)
@@ -213,11 +213,11 @@ def test_the_report_states_graphopts_own_memory_as_measured_from_outside(tmp_pat
 
 
 def test_a_batch_too_small_to_reduce_is_annotated_at_full_size_and_says_why():
-    """A batch of 2 has no two smaller batches to annotate at: the original, which does not run
-    under the limit, is annotated at full size outside it (on the host), and the reason is kept."""
-    model, inputs = training_example("mlp", batch=2, width=256, depth=16, d_in=128)
+    """A batch of 1 has no smaller batch to annotate at: the original, which does not run under
+    the limit, is annotated at full size outside it (on the host), and the reason is kept."""
+    model, inputs = training_example("mlp", batch=1, width=256, depth=16, d_in=128)
     limit = initializer_bytes(model) + 64 * 1024
     with prepare(model, OptimizeOptions(inputs=inputs, memory_limit_bytes=limit, verify=False)) as prepared:
         assert not any(run.fits for run in prepared.original_limit_runs.values())
-        assert prepared.reduced is None and "batch (2) is too small" in prepared.full_size_because
+        assert prepared.reduced is None and "batch (1) is too small" in prepared.full_size_because
         assert prepared.annotations.tensor_bytes

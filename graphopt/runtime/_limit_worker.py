@@ -12,8 +12,10 @@ memory pattern on the first and allocates it on the second). Prints one JSON obj
 (the last line): ``fits``, and when it does not, ONNX Runtime's ``error`` and the
 ``shortfall_bytes`` it names; ``cap_bytes``, ``outside_bytes``; on the CPU ``rss_bytes``, the
 process's resident growth from before the session to the end of the steps (everything the
-process held for them, inside the cap or not); ``step_seconds``, the median step time after the
-first step.
+process held for them, inside the cap or not; after the HWM was reset once the session was open,
+so the peak of making it, when the weights are held twice, is not in it); ``session_rss_bytes``,
+the growth once the session is open; ``steps_rss_bytes``, what the steps added to that at their
+peak; ``step_seconds``, the median step time after the first step.
 """
 from __future__ import annotations
 
@@ -78,6 +80,12 @@ def main(argv: list[str] | None = None) -> int:
         feeds = {k: ort.OrtValue.ortvalue_from_numpy(v, device, args.device_id) for k, v in feeds_np.items()}
         out_names = [o.name for o in sess.get_outputs()]
         run, release = _step_runner(sess, model, feeds, out_names, device, args.device_id)
+        if have_hwm:
+            # what the steps add to the open session (apart from the peak of making it, when the
+            # weights are held twice: as read from the file and as ONNX Runtime's initializers)
+            result["session_rss_bytes"] = max(0, (status_kb("VmRSS") - rss_before) * 1024)
+            step_before = status_kb("VmRSS")
+            result["steps_hwm_reset"] = reset_peak_rss()
         seconds = []
         for _ in range(max(1, args.steps)):
             started = time.perf_counter()
@@ -95,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         result.update(fits=False, error=str(exc).strip().splitlines()[-1][-600:], shortfall_bytes=shortfall_bytes(exc))
     if rss_before is not None:
         result["rss_bytes"] = max(0, (status_kb("VmHWM") - rss_before) * 1024)
+        if result.pop("steps_hwm_reset", False):
+            result["steps_rss_bytes"] = max(0, (status_kb("VmHWM") - step_before) * 1024)
     result["process_peak_bytes"] = process_peak_bytes()
     sys.stdout.write("\n" + json.dumps(result) + "\n")
     sys.stdout.flush()

@@ -242,6 +242,8 @@ class LimitRun:
     outside_bytes: int              # held outside the arena: weights, inputs, state buffers
     rss_bytes: int | None = None    # CPU: the process's resident growth over the session and its steps
     step_seconds: float | None = None  # the median step after the first (None: did not fit)
+    session_rss_bytes: int | None = None  # CPU: the growth once the session is open (weights, kernels)
+    steps_rss_bytes: int | None = None    # CPU: what the steps added to the open session at their peak
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -270,4 +272,5 @@ def run_within_limit(
     return LimitRun(limit_bytes=int(d["limit_bytes"]), fits=bool(d["fits"]), error=d.get("error"),
                     shortfall_bytes=d.get("shortfall_bytes"), cap_bytes=int(d["cap_bytes"]),
                     outside_bytes=int(d["outside_bytes"]), rss_bytes=d.get("rss_bytes"),
-                    step_seconds=d.get("step_seconds"))
+                    step_seconds=d.get("step_seconds"), session_rss_bytes=d.get("session_rss_bytes"),
+                    steps_rss_bytes=d.get("steps_rss_bytes"))
