@@ -30,6 +30,10 @@ Contracts at delivery (checked, never assumed):
 - MEMORY LIMIT: what is returned ran under ONNX Runtime capped at the limit
   (`_fit_memory_limit`), else MemoryLimitError; a rewritten model that runs under it is
   returned when the original does not, even if its measured peak is not below the original's.
+  When the original runs under it in neither session, nothing runs it at full size: it is
+  annotated at reduced batches of its twin (each run capped at the limit), plans are verified
+  at the larger one against the original's twin, and the returned model is measured under the
+  limit alone (`ReducedStep`, `_reduced_delivery`).
 """
 from __future__ import annotations
 

@@ -48,7 +48,6 @@ _BROADCAST_OPS = {"Add", "Sub", "Mul", "Div", "Pow", "Where", "And", "Or", "Xor"
                   "Expand"}
 
 
-
 class TwinError(InvalidModelError):
     """No reduced twin can be made of this graph (the message says why)."""
 

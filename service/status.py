@@ -57,7 +57,7 @@ STATUS_BY_ERROR: list[tuple[type[BaseException], grpc.StatusCode]] = [
 # Library errors that cross the worker-process boundary by class name.
 LIBRARY_ERRORS = {cls.__name__: cls for cls in (
     errors.GraphoptError, errors.InvalidModelError, errors.InvalidOptionError, errors.LimitExceededError,
-    errors.UnsupportedOpError, errors.BudgetInfeasibleError, errors.VerificationError)}
+    errors.UnsupportedOpError, errors.BudgetInfeasibleError, errors.MemoryLimitError, errors.VerificationError)}
 
 
 def status_for(error: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -81,7 +81,7 @@ def error_from_worker(payload: dict) -> BaseException:
     """Rebuild the exception a worker reported ({"error": class name, "message": ...})."""
     cls = LIBRARY_ERRORS.get(payload.get("error", ""))
     message = payload.get("message", "")
-    if cls is errors.BudgetInfeasibleError:
+    if cls is not None and issubclass(cls, errors.BudgetInfeasibleError):
         error = cls(message, payload.get("least_feasible_peak_bytes"))
     elif cls is not None:
         error = cls(message)

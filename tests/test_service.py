@@ -517,3 +517,30 @@ def test_a_worker_that_dies_fails_only_its_call(tmp_path, models):
         assert server.wait_no_leftovers() == []
     finally:
         server.kill()
+
+
+def test_a_step_that_does_not_fit_comes_back_running_under_the_limit(client, models, tmp_path):
+    """`memory_limit_bytes` through the service at 0.9x what the original needs: the original
+    fails under it, the returned model runs under it (ONNX Runtime capped, in runs of their own
+    here), and the worker annotated it at reduced batches, never running it at full size. A
+    limit nothing meets is FAILED_PRECONDITION, as a budget is."""
+    from graphopt.inputs import save_inputs, synthesize_inputs
+    from graphopt.runtime.limit import initializer_bytes
+    from graphopt.runtime.measure import measure, run_within_limit
+    from graphopt.runtime.session import DEFAULT_SETTINGS
+    model = load_model(models["slow"])
+    inputs = synthesize_inputs(model)
+    inputs_path = tmp_path / "inputs.npz"
+    save_inputs(inputs_path, inputs)
+    step = measure(models["slow"], inputs_path, DEFAULT_SETTINGS, timing=False).peak_bytes
+    need = initializer_bytes(model) + sum(v.nbytes for v in inputs.values()) + step
+    with pytest.raises(grpc.RpcError) as refused:
+        client.optimize(models["slow"], tmp_path / "never.onnx", memory_limit_bytes=int(0.5 * need))
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "memory limit of" in refused.value.details() and not (tmp_path / "never.onnx").exists()
+    limit = int(0.9 * need)
+    report = client.optimize(models["slow"], tmp_path / "fits.onnx", memory_limit_bytes=limit)
+    assert report.outcome == "optimized" and report.memory_limit.met and report.reduced is not None
+    assert max(report.reduced.annotated_batches) < report.reduced.full_batch
+    assert not run_within_limit(models["slow"], inputs_path, limit, DEFAULT_SETTINGS).fits
+    assert run_within_limit(tmp_path / "fits.onnx", inputs_path, limit).fits
