@@ -236,7 +236,12 @@ def prepare(model: onnx.ModelProto, options: OptimizeOptions, *, reference: bool
                                                                                 workspace, reduced)
         expanded: dict[str, int] = {}
         if expand:
-            training, annotations, expanded = _expand_inlined(training, annotations, options, workspace, reduced)
+            try:
+                training, annotations, expanded = _expand_inlined(training, annotations, options, workspace,
+                                                                  reduced)
+            except TwinError as exc:   # (only at reduced batches) the graph is planned as it is
+                log.warning("function ops ONNX Runtime inlines at load are not written out: graphopt cannot "
+                            "annotate the expanded graph at a reduced batch (%s)", exc)
         graph = build_cost_graph(training, annotations.tensor_bytes, annotations.node_seconds,
                                  tensor_shapes=annotations.tensor_shapes, provider=annotations.provider)
         predicted = simulate(graph, [(name, 0) for name in annotations.execution_order if name in graph])
@@ -574,7 +579,9 @@ def _apply_graph_optimizations(training: TrainingGraph, annotations: Annotations
                "nodes_after": len(optimized.model.graph.node), "op_types": changes}
     try:
         optimized_annotations = _annotate(optimized, options, workspace, "graph-optimized", reduced)
-    except TwinError as exc:
+    except GraphoptError as exc:
+        if reduced is None or not (isinstance(exc, TwinError) or out_of_memory(str(exc))):
+            raise
         log.warning("ONNX Runtime's %s graph optimizations are not used: graphopt cannot annotate the optimized "
                     "graph at a reduced batch (%s); the graph is planned as given", level, exc)
         return training, annotations, {}
