@@ -412,10 +412,15 @@ class ReducedStep:
             low = high // 2 or None   # batch 1 alone: its shapes scaled on the tracked batch axis
             if high < 1:
                 outside = initializer_bytes(model) + sum(int(np.asarray(v).nbytes) for v in self.inputs.values())
+                # what every step writes whatever its batch: the gradients, the updated state
+                outputs = sum(int(np.prod(inferred[o.name], dtype=np.int64)) * np.dtype(
+                    onnx.helper.tensor_dtype_to_np_dtype(o.type.tensor_type.elem_type)).itemsize
+                    for o in model.graph.output if o.name in inferred and o.type.tensor_type.elem_type)
                 raise MemoryLimitError(
                     f"memory limit of {options.memory_limit_bytes} bytes is not met: the original does not run under "
                     f"it, nor does its twin at batch 1 (of {self.full_batch}), beside the weights and inputs "
-                    f"of {outside} bytes at most (ONNX Runtime: {_refusal(str(refused))}); nothing runs to annotate it")
+                    f"of {outside} bytes at most (ONNX Runtime: {_refusal(str(refused))}); the step's outputs (the "
+                    f"gradients, any updated state) alone take {outputs} bytes at every batch")
             twins = {b: self.twin(model, b, inferred) for b in (low, high) if b}
             try:
                 measured = {high: self._annotate_twin(twins[high], options, workspace, label)}
