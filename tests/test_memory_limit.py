@@ -123,7 +123,8 @@ def test_a_limit_below_the_weights_or_the_least_plan_is_refused_with_the_figures
     with pytest.raises(MemoryLimitError, match=r"weights, inputs and state alone take \d+ bytes"):
         optimize(model, OptimizeOptions(inputs=inputs, memory_limit_bytes=weights // 2))
     # the step's gradients alone need more than 2 MiB at any batch: not even a twin at batch 1 runs
-    with pytest.raises(MemoryLimitError, match=r"nor does its twin at batch 1 \(of 512\).*ONNX Runtime: Available.*gradients.*alone take \d+ bytes"):
+    refused = r"nor does its twin at batch 1 \(of 512\).*ONNX Runtime: Available.*gradients.*alone take \d+ bytes"
+    with pytest.raises(MemoryLimitError, match=refused):
         optimize(model, OptimizeOptions(inputs=inputs, memory_limit_bytes=weights + 2 * MIB))
     # planned for it (annotated where the original runs): the least step peak the search found
     options = OptimizeOptions(inputs=inputs, memory_limit_bytes=weights + 64 * MIB, verify=False)
