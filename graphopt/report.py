@@ -431,7 +431,8 @@ def summary_text(report: Report) -> str:
         returned = limit.returned if limit is not None else None
         lines.append(f"the original does not run under the limit: annotated at batches "
                      f"{' and '.join(map(str, reduced.annotated_batches))} of {reduced.full_batch}"
-                     + ("" if reduced.verified_batch is None else f", outputs verified at batch {reduced.verified_batch}")
+                     + ("" if reduced.verified_batch is None else
+                        f", outputs verified at batch {reduced.verified_batch}")
                      + ("" if returned is None or returned.step_seconds is None else
                         f"; returned model under the limit at full size: step {returned.step_seconds:.3f} s"
                         + ("" if returned.steps_rss_bytes is None else
