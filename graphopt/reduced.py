@@ -314,26 +314,28 @@ def _contraction(node, shapes, ins, y) -> dict[str, Position]:
     return {}
 
 
-def _backward(node, shapes, positions, produced, full: int) -> dict[str, Position]:
-    """Untracked inputs (made by a node) of a broadcasting or same-rank op whose output or other
-    input is tracked, on the aligned axis of the same size."""
+def _backward(node, shapes, positions, movable, full: int) -> dict[str, Position]:
+    """Untracked inputs that may take the batch (`movable`: made by a node, or constants that are
+    not parameters) of an op whose output or other input is tracked: Gather's and GatherND's
+    indices and data, a layout op's input (the reshape rule reversed), and a broadcasting or
+    same-rank op's inputs on the aligned axis of the same size."""
     op = node.op_type
     if op == "GatherND" and len(node.input) > 1 and node.output and node.output[0] in positions:
         indices = node.input[1]
-        if indices not in positions and indices in produced and indices in shapes:
+        if indices not in positions and indices in movable and indices in shapes:
             out_axis, outer = positions[node.output[0]]
             if out_axis < len(shapes[indices]) - 1:
                 return {indices: (out_axis, outer)}
     if op == "Gather" and len(node.input) > 1 and node.output and node.output[0] in positions:
         indices = node.input[1]
         data_rank = len(shapes.get(node.input[0], []))
-        if indices not in positions and indices in produced and indices in shapes and data_rank:
+        if indices not in positions and indices in movable and indices in shapes and data_rank:
             axis = attribute(node, "axis", 0) % data_rank
             out_axis, outer = positions[node.output[0]]
             if axis <= out_axis < axis + len(shapes[indices]):
                 return {indices: (out_axis - axis, outer)}
     if op == "Gather" and node.output and node.output[0] in positions and node.input[0] not in positions \
-            and node.input[0] in produced and node.input[0] in shapes and node.input[1] in shapes:
+            and node.input[0] in movable and node.input[0] in shapes and node.input[1] in shapes:
         data_rank, index_rank = len(shapes[node.input[0]]), len(shapes[node.input[1]])
         axis = attribute(node, "axis", 0) % data_rank
         out_axis, outer = positions[node.output[0]]
@@ -343,7 +345,7 @@ def _backward(node, shapes, positions, produced, full: int) -> dict[str, Positio
             return {node.input[0]: (here, outer)}
         return {}
     if op in _LAYOUT_OPS and node.output and node.output[0] in positions and node.input \
-            and node.input[0] not in positions and node.input[0] in produced and node.input[0] in shapes \
+            and node.input[0] not in positions and node.input[0] in movable and node.input[0] in shapes \
             and node.output[0] in shapes:
         found = _linear(positions[node.output[0]], shapes[node.output[0]], shapes[node.input[0]], full)
         return {node.input[0]: found} if found else {}
@@ -355,7 +357,7 @@ def _backward(node, shapes, positions, produced, full: int) -> dict[str, Positio
         return {}
     found: dict[str, Position] = {}
     for name in node.input:
-        if name in positions or name not in produced or name not in shapes:
+        if name in positions or name not in movable or name not in shapes:
             continue
         xs = shapes[name]
         for other, (axis, outer) in known:
@@ -367,6 +369,9 @@ def _backward(node, shapes, positions, produced, full: int) -> dict[str, Positio
     return found
 
 
+TRACK_PASSES = 4   # forward then backward, until nothing changes
+
+
 def track(model: onnx.ModelProto, shapes: dict[str, list[int]], batch_names: list[str],
           full: int, constants: dict, seeds: dict[str, Position] | None = None,
           keep: frozenset[str] | set[str] = frozenset()) -> dict[str, Position]:
@@ -375,11 +380,11 @@ def track(model: onnx.ModelProto, shapes: dict[str, list[int]], batch_names: lis
     positions: dict[str, Position] = {n: (0, 1) for n in batch_names}
     positions.update(seeds or {})
     nodes = list(model.graph.node)
-    produced = {o for n in nodes if n.op_type not in ("Shape", "Size") for o in n.output if o}
+    movable = {o for n in nodes if n.op_type not in ("Shape", "Size") for o in n.output if o}
     # a constant that meets the batch (a position table of batch x sequence entries, a mask, the
     # -1s of a loss gradient) is cut with it; the parameters (`keep`) never are
-    produced |= {t.name for t in model.graph.initializer if t.name not in keep and len(t.dims) >= 1}
-    for _ in range(4):
+    movable |= {t.name for t in model.graph.initializer if t.name not in keep and len(t.dims) >= 1}
+    for _ in range(TRACK_PASSES):
         before = dict(positions)
         for node in nodes:
             for out, pos in _forward(node, shapes, positions, full, constants).items():
@@ -387,7 +392,7 @@ def track(model: onnx.ModelProto, shapes: dict[str, list[int]], batch_names: lis
         # backward: a tensor made from nothing (ConstantOfShape, an Expand of a batchless value,
         # what is computed from them) holds the batch where it meets a tracked one
         for node in reversed(nodes):
-            for name, pos in _backward(node, shapes, positions, produced, full).items():
+            for name, pos in _backward(node, shapes, positions, movable, full).items():
                 positions.setdefault(name, pos)
         if positions == before:
             break
