@@ -222,3 +222,14 @@ def test_a_batch_too_small_to_reduce_is_annotated_at_full_size_and_says_why():
         assert not any(run.fits for run in prepared.original_limit_runs.values())
         assert prepared.reduced is None and "batch (1) is too small" in prepared.full_size_because
         assert prepared.annotations.tensor_bytes
+
+
+def test_a_budget_beside_a_limit_the_original_exceeds_is_said_to_be_unmeasured(limited):
+    """Where the original does not run under the limit, nothing runs without the cap, so the
+    budget (a peak measured without one) is planned for but not checked: the report says so."""
+    path, inputs_path, opt_path, limit, result = limited
+    model, inputs = training_example("mlp", batch=512, width=256, depth=16, d_in=128)
+    budget = result.report.predicted.optimized.peak_bytes * 2
+    report = optimize(model, OptimizeOptions(inputs=inputs, memory_limit_bytes=limit, budget_bytes=budget)).report
+    assert report.reduced is not None and report.memory_limit.met and report.budget_met is None
+    assert f"budget of {budget} bytes, which was not checked by measurement" in report.outcome_reason
