@@ -261,14 +261,18 @@ def run_within_limit(
     timeout_seconds: float = 600,
 ) -> LimitRun:
     """Run `steps` training steps of the saved model under `limit_bytes` in a fresh process
-    (graphopt/runtime/_limit_worker.py, graphopt/runtime/limit.py): whether they fit."""
+    (graphopt/runtime/_limit_worker.py, graphopt/runtime/limit.py), with glibc's allocator as
+    a trainer's process has it: whether they fit."""
     cmd = [sys.executable, "-m", "graphopt.runtime._limit_worker", os.fspath(model_path), os.fspath(inputs_path),
            "--limit", str(int(limit_bytes)), "--threads", str(int(threads)), "--steps", str(int(steps))]
     if settings is not None:
         cmd += ["--settings", settings.to_json()]
     if provider is not None:
         cmd += ["--provider", provider]
-    d = _run_worker(cmd, _worker_env(), model_path, timeout_seconds, "limit")
+    # the allocator as a trainer's process has it: ONNX Runtime's capped arena refused a step with
+    # glibc's defaults that it ran with the peak-measuring settings (`malloc_env`): the fused-AdamW
+    # U-Net example's plan for 0.5x its need ran under them, and `graphopt train` refused it
+    d = _run_worker(cmd, _worker_env(plain_allocator=True), model_path, timeout_seconds, "limit")
     return LimitRun(limit_bytes=int(d["limit_bytes"]), fits=bool(d["fits"]), error=d.get("error"),
                     shortfall_bytes=d.get("shortfall_bytes"), cap_bytes=int(d["cap_bytes"]),
                     outside_bytes=int(d["outside_bytes"]), rss_bytes=d.get("rss_bytes"),
