@@ -307,29 +307,41 @@ def _load_error(error: Exception) -> Exception:
 
 
 def _open_exposing(model: onnx.ModelProto, names: list[str], providers: list, threads: int,
-                   cap_bytes: int | None = None):
+                   cap_bytes: int | None = None, model_path: str | None = None):
     """A session (optimizations off) of ``model`` with ``names`` added as graph outputs. The
     outputs are added to ``model`` itself only while the session is made, then removed (a copy
-    of the model would duplicate its initializers)."""
+    of the model would duplicate its initializers). With ``model_path`` (the file ``model`` was
+    loaded from, its weights left on disk), the session opens from a file written beside it."""
     outputs = model.graph.output
     before = len(outputs)
     existing = {o.name for o in outputs}
+    written = None
     try:
         for name in names:
             if name not in existing:
                 outputs.append(onnx.ValueInfoProto(name=name))
                 existing.add(name)
-        return open_session(model, _SIZES_SETTINGS, providers=providers, threads=threads, cap_bytes=cap_bytes)
+        source = model
+        if model_path is not None:
+            fd, written = tempfile.mkstemp(prefix=".exposing-", suffix=".onnx",
+                                           dir=os.path.dirname(os.path.abspath(model_path)))
+            os.close(fd)
+            onnx.save(model, written)
+            source = written
+        return open_session(source, _SIZES_SETTINGS, providers=providers, threads=threads, cap_bytes=cap_bytes)
     except Exception as e:
         raise _load_error(e) from e
     finally:
         while len(outputs) > before:
             outputs.pop()
+        if written is not None:
+            os.unlink(written)
 
 
 def measure_exposed(model: onnx.ModelProto, inputs: dict[str, np.ndarray], names: list[str], *,
                     providers: list | None = None, threads: int = 1,
-                    chunk: int | None = None, cap_bytes: int | None = None) -> dict[str, np.ndarray]:
+                    chunk: int | None = None, cap_bytes: int | None = None,
+                    model_path: str | None = None) -> dict[str, np.ndarray]:
     """Run ``model`` (optimizations off) with ``names`` added as graph outputs, ``chunk``
     values per run (default :data:`EXPOSE_CHUNK`; 0 = all in one run), and return the arrays
     produced (optional outputs a node did not produce are left out). The real arrays, one
@@ -343,7 +355,7 @@ def measure_exposed(model: onnx.ModelProto, inputs: dict[str, np.ndarray], names
     out: dict[str, np.ndarray] = {}
     for lo in range(0, len(names), max(step, 1)):
         part = names[lo:lo + step]
-        sess = _open_exposing(model, part, providers, threads, cap_bytes)
+        sess = _open_exposing(model, part, providers, threads, cap_bytes, model_path)
         try:
             results = sess.run(part, inputs)
         except Exception as e:
@@ -357,14 +369,15 @@ def measure_exposed(model: onnx.ModelProto, inputs: dict[str, np.ndarray], names
 
 
 def _profile(model: onnx.ModelProto, inputs: dict[str, np.ndarray], settings: SessionSettings,
-             runs: int, providers: list, threads: int, cap_bytes: int | None = None) -> tuple[str, list[dict]]:
-    """Open ``model`` with ``settings`` and profiling on, run it ``runs`` times; the provider
-    and the kernel events of the last run."""
+             runs: int, providers: list, threads: int, cap_bytes: int | None = None,
+             model_path: str | None = None) -> tuple[str, list[dict]]:
+    """Open ``model`` (from ``model_path`` when given) with ``settings`` and profiling on, run it
+    ``runs`` times; the provider and the kernel events of the last run."""
     tmp = tempfile.mkdtemp(prefix="graphopt-profile-")
     try:
         try:
             sess = open_session(
-                model, settings, providers=providers, threads=threads,
+                model if model_path is None else model_path, settings, providers=providers, threads=threads,
                 profile_prefix=os.path.join(tmp, "profile"), cap_bytes=cap_bytes,
             )
         except Exception as e:
@@ -414,7 +427,7 @@ def _static_sizes(model: onnx.ModelProto, inputs: dict[str, np.ndarray]) -> tupl
 
 def measure_sizes(model: onnx.ModelProto, inputs: dict[str, np.ndarray], *,
                   kernels: list[dict] | None = None, providers: list | None = None,
-                  threads: int = 1, cap_bytes: int | None = None) -> _Sizes:
+                  threads: int = 1, cap_bytes: int | None = None, model_path: str | None = None) -> _Sizes:
     """Every value's size (module docstring, (b)). ``kernels``: the kernel events of a
     profiled run of ``model`` with optimizations off, if the caller has one (else one is
     made). The result's ``sources[name]`` says where each size came from (:data:`SOURCES`)."""
@@ -422,13 +435,13 @@ def measure_sizes(model: onnx.ModelProto, inputs: dict[str, np.ndarray], *,
         providers = default_providers()
     sizes, left = _static_sizes(model, inputs)
     if kernels is None:
-        _, kernels = _profile(model, inputs, _SIZES_SETTINGS, 1, providers, threads, cap_bytes)
+        _, kernels = _profile(model, inputs, _SIZES_SETTINGS, 1, providers, threads, cap_bytes, model_path)
     skip = {t.name for t in model.graph.initializer}
     _sizes_from_kernels(model, kernels, sizes, skip)
     unknown = [n for n in left if n not in sizes.bytes]
     if unknown:
         for name, arr in measure_exposed(model, inputs, unknown, providers=providers,
-                                         threads=threads, cap_bytes=cap_bytes).items():
+                                         threads=threads, cap_bytes=cap_bytes, model_path=model_path).items():
             sizes.add_array(name, arr, "exposed")
     return sizes
 
@@ -441,10 +454,13 @@ def annotate(
     providers: list | None = None,
     threads: int = 1,
     cap_bytes: int | None = None,
+    model_path: str | None = None,
 ) -> Annotations:
     """Measure ``model`` on ``inputs`` (see the module docstring for how). ``cap_bytes``: every
     session ONNX Runtime opens for it may hold at most that many bytes (`open_session`); a run
-    that needs more fails with its out-of-memory error."""
+    that needs more fails with its out-of-memory error. ``model_path``: the file ``model`` was
+    loaded from, which the sessions open, so that ``model`` need not hold the weights
+    (``onnx.load(..., load_external_data=False)``) nor be serialized for each session."""
     if providers is None:
         providers = default_providers()
     known = {i.name for i in model.graph.input}
@@ -454,11 +470,12 @@ def annotate(
     if not same_run:
         # Sizes first, from one profiled run with optimizations off (its session closed
         # before the timed one opens).
-        sizes = measure_sizes(model, inputs, providers=providers, threads=threads, cap_bytes=cap_bytes)
-    provider, kernels = _profile(model, inputs, settings, 2, providers, threads, cap_bytes)
+        sizes = measure_sizes(model, inputs, providers=providers, threads=threads, cap_bytes=cap_bytes,
+                              model_path=model_path)
+    provider, kernels = _profile(model, inputs, settings, 2, providers, threads, cap_bytes, model_path)
     if sizes is None:
         sizes = measure_sizes(model, inputs, kernels=kernels, providers=providers, threads=threads,
-                              cap_bytes=cap_bytes)
+                              cap_bytes=cap_bytes, model_path=model_path)
     ann = Annotations(provider=provider, settings=settings)
     ann.execution_order, ann.node_seconds = _order_and_seconds(kernels)
     ann.tensor_bytes, ann.tensor_shapes, ann.tensor_dtypes = sizes.bytes, sizes.shapes, sizes.dtypes

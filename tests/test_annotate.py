@@ -173,3 +173,30 @@ def test_sizes_match_real_arrays_on_real_training_graphs(name, tmp_path):
     exposed = [k for k, s in sizes.sources.items() if s == "exposed"]
     # What the profile cannot size is a handful of values (function ops inlined at load).
     assert len(exposed) <= 8, exposed
+
+
+def test_sizes_measured_from_the_file_with_its_weights_left_on_disk(tmp_path):
+    """The annotating child loads the graph without its weights and opens its sessions from the
+    file (one copy of the weights, ONNX Runtime's): every size, the exposed ones included (no
+    kernel events given, so every value is exposed from a file written beside the model), equals
+    what the model held in memory gives."""
+    from graphopt.examples import training_example
+
+    from graphopt.runtime.isolated import WEIGHTS_ON_DISK_MIN_BYTES
+
+    model, inputs = training_example("mlp", small=True)
+    path = tmp_path / "train.onnx"
+    on_disk = onnx.ModelProto()
+    on_disk.CopyFrom(model)
+    # as the workspace keeps them (isolated.Workspace.keep_weights_on_disk): shape constants inline
+    onnx.save(on_disk, path, save_as_external_data=True, all_tensors_to_one_file=True, location="weights.bin",
+              size_threshold=WEIGHTS_ON_DISK_MIN_BYTES)
+    graph_only = onnx.load(path, load_external_data=False)
+    assert sum(not t.HasField("raw_data") for t in graph_only.graph.initializer) >= 3
+    from_file = measure_sizes(graph_only, inputs, kernels=[], model_path=str(path))
+    in_memory = measure_sizes(model, inputs, kernels=[])
+    assert from_file.bytes == in_memory.bytes and from_file.shapes == in_memory.shapes
+    assert "exposed" in set(from_file.sources.values())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["train.onnx", "weights.bin"]
+    ann = annotate(graph_only, inputs, UNOPTIMIZED_SETTINGS, model_path=str(path))
+    assert ann.tensor_bytes == annotate(model, inputs, UNOPTIMIZED_SETTINGS).tensor_bytes

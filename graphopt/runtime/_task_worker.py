@@ -42,9 +42,11 @@ def run(task: str, args: dict) -> dict:
     inputs = load_inputs(args["inputs"])
     if task == "annotate":
         from graphopt.annotate import annotate
-        model = onnx.load(args["model"])
+        # the graph without its weights; the sessions open the file (one copy of the weights, ONNX
+        # Runtime's, instead of the proto's, its serialization's and ONNX Runtime's)
+        model = onnx.load(args["model"], load_external_data=False)
         ann = annotate(model, inputs, _settings(args["settings"]), providers=args.get("providers"),
-                       threads=args.get("threads", 1), cap_bytes=args.get("cap_bytes"))
+                       threads=args.get("threads", 1), cap_bytes=args.get("cap_bytes"), model_path=args["model"])
         with open(args["out"], "w") as f:
             f.write(ann.to_json())
         return {"tensors": len(ann.tensor_bytes)}
