@@ -191,6 +191,38 @@ def _swin(size: str = "tiny") -> RealModel:
     return _images(8, pixels, 1000, "swin_t", tv.models.swin_t(weights=None))
 
 
+class OutOnly(nn.Module):
+    """A torchvision segmentation model whose forward returns its ``"out"`` map (a tensor)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        return self.model(x)["out"]
+
+
+def _lraspp(size: str = "tiny") -> RealModel:
+    """LR-ASPP on a dilated MobileNetV3-Large backbone (torchvision's lraspp_mobilenet_v3_large,
+    random init): per-pixel logits upsampled (bilinear Resize) to the image, cross entropy
+    over the class axis 1 against a label per pixel. tiny: the backbone at width 0.25."""
+    tv = import_torchvision()
+    from torchvision.models.segmentation.lraspp import _lraspp_mobilenetv3
+    torch.manual_seed(SEED)
+    classes = 5 if size == "tiny" else 21
+    width = 0.25 if size == "tiny" else 1.0
+    backbone = tv.models.mobilenet_v3_large(weights=None, width_mult=width, dilated=True)
+    module = OutOnly(_lraspp_mobilenetv3(backbone, classes))
+    batch, pixels = {"tiny": (2, 64), "full": (4, 128), "large": (8, 224)}[size]
+    generator = torch.Generator().manual_seed(SEED)
+    x = torch.randn(batch, 3, pixels, pixels, generator=generator)
+    labels = torch.randint(0, classes, (batch, pixels, pixels), generator=generator)
+    perturb_constant_tensors(module)
+    module.eval()
+    return RealModel("lraspp_mobilenet_v3_large", module, {"x": x}, "cross_entropy", labels,
+                     class_axis=1, family="torchvision")
+
+
 # ----------------------------------------------------------------------- transformers --
 
 def _gpt2(size: str = "tiny") -> RealModel:
@@ -308,6 +340,8 @@ CORPUS: dict[str, Callable[[str], RealModel]] = {
     "googlenet": _tv("googlenet", aux_logits=False, init_weights=True),
     # VGG's classifier reads a 7 x 7 pool: 224 px is the smallest input the legacy exporter takes
     "vgg11_bn": _tv("vgg11_bn", image={"tiny": (1, 224), "full": (2, 224), "large": (8, 224)}),
+    # segmentation: a per-pixel head upsampled to the image
+    "lraspp_mobilenet_v3_large": _lraspp,
     # transformers
     "gpt2": _gpt2,
     "bert": _bert,
@@ -319,8 +353,9 @@ CORPUS: dict[str, Callable[[str], RealModel]] = {
 
 # the models whose tiny forms the tests build against torch on every run (one per kind of
 # structure: residual CNN, depthwise + squeeze-excite + hardswish, windowed attention with
-# strided slices, encoder-decoder with relative position buckets, GQA + RoPE decoder)
-TEST_SUBSET = ("resnet50", "mobilenet_v3_large", "swin_t", "gpt2", "t5", "llama")
+# strided slices, encoder-decoder with relative position buckets, GQA + RoPE decoder,
+# dilated convolutions under a bilinear-upsampled per-pixel head)
+TEST_SUBSET = ("resnet50", "mobilenet_v3_large", "swin_t", "gpt2", "t5", "llama", "lraspp_mobilenet_v3_large")
 
 
 def export(model: RealModel, exporter: str = "legacy") -> onnx.ModelProto:
