@@ -7,7 +7,10 @@ time against the original's, measured here without a limit (the step time timed 
 original's), the batches graphopt annotated at (`full`, or the two reduced batches when the
 original did not run under the limit), whether the outputs matched, and graphopt's largest process
 (the peak resident memory of its process tree, measured from outside it) against the original's
-step. With `--optimizer adamw` the models are built with the optimizer step inside and both are
+step; then the report's own account (graphopt/report.py GraphoptMemory): its largest child, the
+largest single session a child ran, the bound 1.25x that + the children's baseline, whether
+every process kept within it, and what the CLI's process held when optimize was called (the
+model as loaded: the caller's, which the bound leaves out and the outside figure includes). With `--optimizer adamw` the models are built with the optimizer step inside and both are
 trained `--steps` steps: the original without a limit, the returned model under it; the
 largest difference of their losses is printed.
 
@@ -91,6 +94,13 @@ def run_one(kind: str, name: str, args) -> dict:
             row["error"] = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else str(done.returncode)
             return row
         report = json.load(open(os.path.join(tmp, "r.json")))
+        own = report["graphopt_memory"]
+        # the report's bound (graphopt/report.py GraphoptMemory) and what the CLI's process held
+        # when optimize was called (the model as loaded, the interpreter), which the bound does
+        # not count but the outside measurement does
+        row.update(session_mib=(own["largest_session_bytes"] or 0) / MiB, bound_mib=(own["bound_bytes"] or 0) / MiB,
+                   within_bound=own["within_bound"], caller_mib=(own["main_process_start_bytes"] or 0) / MiB,
+                   largest_child_mib=(own["largest_child_bytes"] or 0) / MiB)
         # measured here, from outside graphopt, without a limit: the returned model's step peak, and
         # its step time against the original's (default session) timed in turn
         from graphopt.runtime.measure import time_steps
@@ -127,10 +137,11 @@ def main() -> None:
     jobs = [("example", n) for n in args.examples.split(",") if n] + [("corpus", n) for n in args.corpus.split(",") if n]
     print(f"{'model':22s} {'step':>7s} {'need':>7s} {'limit':>7s} {'original':>9s} {'returned':>9s} "
           f"{'ret. step':>9s} {'time':>6s} {'annotated':>9s} {'outputs':>7s} {'plans':>5s} {'graphopt':>9s} {'/step':>6s} "
-          f"{'secs':>6s}"
+          f"{'child':>7s} {'session':>7s} {'bound':>7s} {'within':>6s} {'caller':>7s} {'secs':>6s}"
           + ("  loss diff" if args.optimizer else ""), flush=True)
     print(f"{'':22s} {'MiB':>7s} {'MiB':>7s} {'MiB':>7s} {'at limit':>9s} {'at limit':>9s} {'MiB':>9s} "
-          f"{'x':>6s} {'at batch':>9s} {'same':>7s} {'tried':>5s} {'MiB':>9s} {'x':>6s} {'':>6s}", flush=True)
+          f"{'x':>6s} {'at batch':>9s} {'same':>7s} {'tried':>5s} {'MiB':>9s} {'x':>6s} "
+          f"{'MiB':>7s} {'MiB':>7s} {'MiB':>7s} {'':>6s} {'MiB':>7s} {'':>6s}", flush=True)
     for kind, name in jobs:
         command = [sys.executable, __file__, "--one", kind, name, "--size", args.size, "--exporter", args.exporter,
                    "--fraction", str(args.fraction), "--steps", str(args.steps)]
@@ -149,7 +160,8 @@ def main() -> None:
         line = (f"{head} {'runs' if r['returned_fits'] else 'FAILS':>9s} {r['returned_mib']:9.1f} "
                 f"{r['step_vs_default']:6.2f} {r['annotated_at']:>9s} {str(r['outputs_match']):>7s} {r['plans_tried']:5d} "
                 f"{r['graphopt_largest_mib']:9.1f} {r['graphopt_largest_mib'] / r['step_mib']:6.1f} "
-                f"{r['optimize_seconds']:6.0f}")
+                f"{r['largest_child_mib']:7.1f} {r['session_mib']:7.1f} {r['bound_mib']:7.1f} {str(r['within_bound']):>6s} "
+                f"{r['caller_mib']:7.1f} {r['optimize_seconds']:6.0f}")
         if args.optimizer:
             line += f"  {r['loss_max_difference']:.1e}"
         print(line, flush=True)

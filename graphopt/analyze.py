@@ -6,12 +6,15 @@ output; stashed = forward tensors that backward nodes read.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import networkx as nx
 import onnx
 
 from .errors import InvalidModelError, UnsupportedOpError
 from .ingest import KNOWN_DOMAINS, subgraphs
+
+if TYPE_CHECKING:
+    import networkx as nx
 
 FLOAT_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE,
                          onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16})
@@ -80,8 +83,9 @@ def _outer_names(graph: onnx.GraphProto, bound: frozenset, found: list[str]) -> 
     found.extend(o.name for o in graph.output if o.name not in local)   # an outer tensor passed out
 
 
-def node_graph(model: onnx.ModelProto) -> nx.DiGraph:
+def node_graph(model: onnx.ModelProto) -> "nx.DiGraph":
     """Node-level dependency graph (node name -> node name); checks missing tensors and cycles."""
+    import networkx as nx   # here, not at import: the measuring children read this module without it (17 MiB)
     produced = producers(model)
     resident = {i.name for i in model.graph.input} | {i.name for i in model.graph.initializer}
     graph = nx.DiGraph()
@@ -116,6 +120,7 @@ def _floating_resident(model: onnx.ModelProto) -> set[str]:
 
 def analyze(model: onnx.ModelProto, loss: str | None = None) -> TrainingGraph:
     """Check that `model` is a training graph and split it; node names must be unique."""
+    import networkx as nx
     graph = node_graph(model)   # well-formed first: known ops, every tensor produced, no cycle
     if not model.graph.output:
         raise InvalidModelError("the model has no outputs; a training graph outputs the loss, then gradients")

@@ -17,8 +17,9 @@ from .options import OptimizeOptions, Progress
 from .pipeline import (BUDGET_RETRIES, ORIGINAL_UNOPTIMIZED, OptimizeResult, Prepared, deliver, plan, prepare,
                        solver_exact)
 from .pipeline import plan as _plan   # analyze_model's argument `plan` is a flag
-from .report import OUTCOME_OPTIMIZED, OUTCOME_ORIGINAL, OUTCOME_UNMEASURED, GraphoptMemory, Report, summary_text
-from .runtime.rss import peak_rss_bytes, reset_peak_rss, tracking_children
+from .report import (OUTCOME_OPTIMIZED, OUTCOME_ORIGINAL, OUTCOME_UNMEASURED, OWN_MEMORY_FACTOR, GraphoptMemory, Report,
+                     summary_text)
+from .runtime.rss import ChildPeaks, peak_rss_bytes, process_peak_bytes, reset_peak_rss, rss_bytes, tracking_children
 from .runtime.isolated import save_model as save_model
 
 
@@ -29,25 +30,56 @@ def optimize(model: onnx.ModelProto, options: OptimizeOptions | None = None) -> 
     progress = options.progress or (lambda stage, fraction: None)
     started = time.perf_counter()
     reset_peak_rss()
+    main_start_bytes = rss_bytes()
     # every ONNX Runtime run in a fresh process, one at a time, models and outputs on disk
     with tracking_children() as children, prepare(model, options) as prepared:
         progress("plan", 0.3)
         chosen = plan(prepared, options)
         result = deliver(prepared, chosen, options)
-    result.report.graphopt_memory = _own_memory(result.report, children)
+    result.report.graphopt_memory = _own_memory(result.report, children, main_start_bytes)
     result.report.total_seconds = time.perf_counter() - started
     return result
 
 
-def _own_memory(report: Report, children: dict[str, int]) -> GraphoptMemory:
-    largest = max(children, key=children.get) if children else None
+def _own_memory(report: Report, children: ChildPeaks, main_start_bytes: int | None) -> GraphoptMemory:
+    by_kind = children.by_kind
+    largest = max(by_kind, key=by_kind.get) if by_kind else None
     measured = report.measured
     steps = [] if measured is None else [r.peak_bytes for r in (measured.original_default_session,
                                                                   measured.original_optimizations_off,
                                                                   measured.optimized)]
-    return GraphoptMemory(main_process_bytes=peak_rss_bytes(), largest_child_bytes=children.get(largest),
-                          largest_child=largest, children_bytes=dict(children),
-                          largest_step_bytes=max(steps) if steps else None)
+    own = GraphoptMemory(main_process_bytes=process_peak_bytes(), largest_child_bytes=by_kind.get(largest),
+                         largest_child=largest, children_bytes=dict(by_kind),
+                         largest_step_bytes=max(steps) if steps else None,
+                         main_process_start_bytes=main_start_bytes)
+    if children.largest_session_bytes and children.baseline_bytes:
+        own.largest_session_bytes = children.largest_session_bytes
+        own.largest_session = children.largest_session
+        own.baseline_bytes = children.baseline_bytes
+        own.bound_bytes = int(OWN_MEMORY_FACTOR * children.largest_session_bytes + children.baseline_bytes)
+    _judge_bound(own)
+    return own
+
+
+def _judge_bound(own: GraphoptMemory) -> None:
+    """within_bound: every child's peak, and what the calling process grew by since the call
+    began plus the baseline, at most bound_bytes (GraphoptMemory)."""
+    if own.bound_bytes is None:
+        return
+    held = list(own.children_bytes.values())
+    during_call = peak_rss_bytes()   # this process's peak counter was reset when the call began
+    if during_call is not None and own.main_process_start_bytes is not None:
+        held.append(max(0, during_call - own.main_process_start_bytes) + (own.baseline_bytes or 0))
+    own.within_bound = max(held) <= own.bound_bytes
+
+
+def restate_own_memory(report: Report) -> None:
+    """The report's account of the calling process again, after the caller's own work on the
+    result (the CLI saving the returned model): its peak so far, and the bound judged again."""
+    own = report.graphopt_memory
+    if own is not None:
+        own.main_process_bytes = process_peak_bytes()
+        _judge_bound(own)
 
 
 def analyze_model(model: onnx.ModelProto, options: OptimizeOptions | None = None, plan: bool = False) -> dict:

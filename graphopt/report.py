@@ -300,17 +300,38 @@ class ReducedSize(_Json):
     rewritten_constants: int            # constants of the twin that hold the batch, rewritten
 
 
+# graphopt's own memory: no process of a call may hold more than this many times the largest
+# single session it ran, plus the baseline (issue 24; see GraphoptMemory)
+OWN_MEMORY_FACTOR = 1.25
+
+
 @dataclass
 class GraphoptMemory(_Json):
     """graphopt's own memory in this call: the peak resident memory of its own process and of
     the largest of the child processes it ran (each reports its own peak), by kind (annotate,
     reference, verify, measure, timing, limit, graph-optimize), beside the largest training step
-    it measured (the original's and the returned model's peaks)."""
+    it measured (the original's and the returned model's peaks).
+
+    The bound: no process holds more than OWN_MEMORY_FACTOR x ``largest_session_bytes`` +
+    ``baseline_bytes``. ``largest_session_bytes``: the largest footprint of one session that a
+    child holding only that session reported (weights as ONNX Runtime holds them, its
+    structures, inputs and steps; the timing children run the session as users have it, arena
+    on). ``baseline_bytes``: the largest RSS of a child after its imports, before it loaded
+    anything. A child counts with its peak; the calling process with what it grew by during the
+    call (its peak during the call - ``main_process_start_bytes``) plus the baseline, since what it
+    held before the call (the caller's model, the interpreter) is not the call's.
+    ``main_process_bytes`` is that process's peak over its life (the CLI's: reading the model too)."""
     main_process_bytes: int | None
     largest_child_bytes: int | None
     largest_child: str | None
     children_bytes: dict[str, int] = field(default_factory=dict)
     largest_step_bytes: int | None = None
+    main_process_start_bytes: int | None = None
+    largest_session_bytes: int | None = None
+    largest_session: str | None = None  # the kind of child that ran it
+    baseline_bytes: int | None = None
+    bound_bytes: int | None = None
+    within_bound: bool | None = None    # None: no child reported a session to bound by
 
 
 @dataclass
@@ -451,6 +472,11 @@ def summary_text(report: Report) -> str:
                 f"its own {_mib(own.main_process_bytes or 0)}")
         if own.largest_step_bytes:
             line += f"; the largest step it measured {_mib(own.largest_step_bytes)}"
+        if own.within_bound is not None:
+            line += (f"; bound {OWN_MEMORY_FACTOR}x its largest session {_mib(own.largest_session_bytes or 0)} "
+                     f"({own.largest_session}) + "
+                     f"{_mib(own.baseline_bytes or 0)} baseline = {_mib(own.bound_bytes or 0)}: "
+                     + ("within" if own.within_bound else "EXCEEDED"))
         lines.append(line)
     if report.outcome == OUTCOME_ORIGINAL:
         lines.append("OUTCOME: NOT IMPROVED, the original model is returned: " + report.outcome_reason)

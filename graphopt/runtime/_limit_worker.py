@@ -45,10 +45,11 @@ def main(argv: list[str] | None = None) -> int:
     from graphopt.inputs import load_inputs
     from graphopt.runtime._measure_worker import _step_runner
     from graphopt.runtime.limit import initializer_bytes, out_of_memory, shortfall_bytes
-    from graphopt.runtime.rss import process_peak_bytes, reset_peak_rss, status_kb
+    from graphopt.runtime.rss import mark_session_start, reset_peak_rss, rss_bytes, session_footprint, status_kb
     from graphopt.runtime.session import (DEFAULT_SETTINGS, SessionSettings, default_providers, open_session,
                                           read_settings)
 
+    start_bytes = rss_bytes()   # after the imports, before anything is loaded
     model = onnx.load(args.model, load_external_data=False)
     settings = (SessionSettings.from_json(args.settings) if args.settings is not None
                 else read_settings(model) or DEFAULT_SETTINGS)
@@ -75,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     have_hwm = not cuda and reset_peak_rss()
     rss_before = status_kb("VmRSS") if have_hwm else None
+    mark_session_start()
     try:
         sess = open_session(args.model, settings, providers=[provider], threads=args.threads, cap_bytes=cap)
         feeds = {k: ort.OrtValue.ortvalue_from_numpy(v, device, args.device_id) for k, v in feeds_np.items()}
@@ -105,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         result["rss_bytes"] = max(0, (status_kb("VmHWM") - rss_before) * 1024)
         if result.pop("steps_hwm_reset", False):
             result["steps_rss_bytes"] = max(0, (status_kb("VmHWM") - step_before) * 1024)
-    result["process_peak_bytes"] = process_peak_bytes()
+    result.update(session_footprint(), start_bytes=start_bytes)
     sys.stdout.write("\n" + json.dumps(result) + "\n")
     sys.stdout.flush()
     return 0

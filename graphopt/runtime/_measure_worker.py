@@ -141,21 +141,35 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--device-id", type=int, default=0)
+    ap.add_argument("--arena", action="store_true",
+                    help="ONNX Runtime's CPU arena on, as a plain session has it (the timed run; its peak is not the "
+                         "step's: the arena keeps what it grew to)")
     args = ap.parse_args(argv)
 
     import numpy as np  # noqa: F401  (loaded before the baseline)
     import onnx
     import onnxruntime as ort
 
+    import graphopt.analyze  # noqa: F401  (_step_runner's import, counted in the baseline, not the session)
     from graphopt.inputs import load_inputs
+    from graphopt.runtime.rss import mark_session_start, rss_bytes, session_footprint
     from graphopt.runtime.session import (
         DEFAULT_SETTINGS, SessionSettings, default_providers, read_settings, session_options,
     )
 
+    start_bytes = rss_bytes()   # after the imports, before anything is loaded
+
+    model = onnx.load(args.model, load_external_data=False)
     if args.settings is not None:
         settings = SessionSettings.from_json(args.settings)
     else:
-        settings = read_settings(onnx.load(args.model, load_external_data=False)) or DEFAULT_SETTINGS
+        settings = read_settings(model) or DEFAULT_SETTINGS
+    # from here only the graph's inputs and outputs are read (_step_runner): the weights a file
+    # holds inside it go before the session opens
+    model.graph.ClearField("initializer")
+    model.graph.ClearField("node")
+    gc.collect()
+    _malloc_trim()
     provider = args.provider or default_providers()[0]
     cuda = provider == "CUDAExecutionProvider"
     if cuda:
@@ -164,10 +178,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         providers = [provider]
 
-    so = session_options(settings, threads=args.threads, arena=False)
+    so = session_options(settings, threads=args.threads, arena=args.arena)
     kwargs = {}
     if settings.disabled_optimizers:
         kwargs["disabled_optimizers"] = list(settings.disabled_optimizers)
+    mark_session_start()
     sess = ort.InferenceSession(args.model, so, providers=providers, **kwargs)
     if sess.get_providers()[0] != provider:
         raise RuntimeError(f"provider {provider} not used; session has {sess.get_providers()}")
@@ -180,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         feeds = {k: ort.OrtValue.ortvalue_from_numpy(v) for k, v in feeds_np.items()}
     out_names = [o.name for o in sess.get_outputs()]
-    run, release = _step_runner(sess, onnx.load(args.model, load_external_data=False), feeds, out_names,
+    run, release = _step_runner(sess, model, feeds, out_names,
                                 "cuda" if cuda else "cpu", args.device_id)
 
     result: dict = {"provider": provider, "settings": settings.to_dict()}
@@ -238,8 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         times.append(time.perf_counter() - t0)  # Run synchronizes the device at its end
         release()
     result["step_seconds"] = statistics.median(times)
-    from graphopt.runtime.rss import process_peak_bytes
-    result["process_peak_bytes"] = process_peak_bytes()
+    result.update(session_footprint(), start_bytes=start_bytes)
     sys.stdout.write("\n" + json.dumps(result) + "\n")
     sys.stdout.flush()
     return 0

@@ -73,13 +73,19 @@ def run(task: str, args: dict) -> dict:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = json.loads(sys.stdin.read())
+    from graphopt.runtime.rss import process_peak_bytes, rss_bytes
+    import onnx  # noqa: F401  (the baseline counts the libraries every task imports)
+    import onnxruntime  # noqa: F401
+    import graphopt.annotate  # noqa: F401
+    import graphopt.verify  # noqa: F401
+    start_bytes = rss_bytes()
     try:
         result = run(argv[0], args)
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises it typed
         result = {"error": {"type": type(exc).__name__, "message": str(exc),
                             "traceback": traceback.format_exc()}}
-    from graphopt.runtime.rss import process_peak_bytes
     result["process_peak_bytes"] = process_peak_bytes()
+    result["start_bytes"] = start_bytes
     print(json.dumps(result), flush=True)
     return 0
 

@@ -9,7 +9,8 @@ SPEC: {"inputs": NPZ, "provider": P|null, "threads": N,
 The worker opens session INDEX (as users have it: ONNX Runtime's CPU arena on, no malloc
 settings; profiling on when it has a prefix), runs one step to warm up and prints ``ready``;
 then, for each line ``run`` on stdin, runs one step and prints its seconds; on ``end`` it prints
-``{"process_peak_bytes": ..., "node_seconds": {...}}`` (node seconds for a profiled session:
+``{"process_peak_bytes": ..., "session_bytes": ..., "start_bytes": ..., "node_seconds": {...}}``
+(runtime/rss.py's `ChildPeaks` says what the memory fields are) (node seconds for a profiled session:
 each node's median seconds over its timed runs, `annotate.median_node_seconds`), and exits.
 
 One session per process, so that no process holds more than one session's memory (several in
@@ -36,7 +37,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from graphopt.annotate import median_node_seconds
     from graphopt.inputs import load_inputs
+    from graphopt.runtime.rss import mark_session_start, rss_bytes, session_footprint
     from graphopt.runtime.session import DEFAULT_SETTINGS, SessionSettings, default_providers, read_settings, session_options
+
+    start_bytes = rss_bytes()   # after the imports, before anything is loaded
 
     provider = spec.get("provider") or default_providers()[0]
     device = "cuda" if provider == "CUDAExecutionProvider" else "cpu"
@@ -54,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     so = session_options(settings, threads=int(spec.get("threads") or 1), arena=True,
                          profile_prefix=entry.get("profile_prefix"))
     kwargs = {"disabled_optimizers": list(settings.disabled_optimizers)} if settings.disabled_optimizers else {}
+    mark_session_start()
     sess = ort.InferenceSession(entry["model"], so, providers=providers, **kwargs)
     known = {i.name for i in sess.get_inputs()}
     feeds = {k: ort.OrtValue.ortvalue_from_numpy(v, device, 0) for k, v in load_inputs(spec["inputs"]).items()
@@ -69,8 +74,7 @@ def main(argv: list[str] | None = None) -> int:
             print(repr(time.perf_counter() - t0), flush=True)   # Run synchronizes the device at its end
             del outs
         elif command == "end":
-            from graphopt.runtime.rss import process_peak_bytes
-            result = {"process_peak_bytes": process_peak_bytes()}
+            result = dict(session_footprint(), start_bytes=start_bytes)
             if entry.get("profile_prefix"):
                 result["node_seconds"] = median_node_seconds(sess.end_profiling(), skip_runs=1)
             print(json.dumps(result), flush=True)
