@@ -11,7 +11,7 @@
 compose them. Every ONNX Runtime run happens in a fresh child process that holds one session,
 one run at a time (step timing keeps a process per session alive and runs them in turn), on
 files of the `Prepared`'s workspace (close it, or use it as a context manager); the weights
-stay in the workspace's file, not in this process (`Workspace.keep_weights_on_disk`).
+stay in the workspace's file, not in this process (`Workspace.copy_keeping_weights_on_disk`).
 
 Contracts at delivery (checked, never assumed):
 - OUTPUTS: a plan whose rewritten model's outputs differ from the original's is rejected
@@ -44,6 +44,7 @@ import time
 import dataclasses
 from dataclasses import dataclass, field
 
+import networkx  # noqa: F401  (analyze's graph library, imported with the planner: the measuring children never import it)
 import numpy as np
 import onnx
 
@@ -195,16 +196,14 @@ def prepare(model: onnx.ModelProto, options: OptimizeOptions, *, reference: bool
     options.check()
     progress = options.progress or (lambda stage, fraction: None)
     progress("analyze", 0.0)
-    working = onnx.ModelProto()
-    working.CopyFrom(model)
-    name_nodes(working)
-    training = analyze(working, options.loss)
-    inputs = options.inputs if options.inputs is not None else synthesize_inputs(working, options.input_dims)
+    inputs = options.inputs if options.inputs is not None else synthesize_inputs(model, options.input_dims)
     workspace = Workspace(inputs)
     try:
         # the weights stay in the workspace's file: this process holds the graph, the children
         # read the weights (`deliver` loads them back into the model it returns)
-        workspace.keep_weights_on_disk(working)
+        working = workspace.copy_keeping_weights_on_disk(model)
+        name_nodes(working)
+        training = analyze(working, options.loss)
         original_runs: dict = {}
         reduced = None
         if options.memory_limit_bytes is not None:
@@ -538,7 +537,7 @@ def _apply_graph_optimizations(training: TrainingGraph, annotations: Annotations
         # checks outputs on the CPU provider: elsewhere only BASIC's, which are standard operators
         level = "basic"
     try:
-        # its weights in `out`.data beside the workspace's, and left there (`keep_weights_on_disk`)
+        # its weights in `out`.data beside the workspace's, and left there (`copy_keeping_weights_on_disk`)
         run_task("graph-optimize", {"model": original, "out": out, "level": level, "providers": options.providers,
                                     "external_data": True})
         model = onnx.load(out, load_external_data=False)
@@ -1288,7 +1287,7 @@ def _as_returned(workspace: Workspace, model: onnx.ModelProto, label: str) -> st
     ONNX Runtime's verdict under the cap differs with the weights as external data (the fused-
     AdamW U-Net example's plan for 0.5x its need ran with them in the workspace's weights file,
     and failed, three runs of three, from the file `optimize -o` writes)."""
-    return workspace.save(workspace.with_weights(model, copy=True), label)
+    return workspace.save_with_weights(model, label)
 
 
 def limit_run(prepared: Prepared, model_path: str, options: OptimizeOptions,

@@ -188,7 +188,7 @@ def test_sizes_measured_from_the_file_with_its_weights_left_on_disk(tmp_path):
     path = tmp_path / "train.onnx"
     on_disk = onnx.ModelProto()
     on_disk.CopyFrom(model)
-    # as the workspace keeps them (isolated.Workspace.keep_weights_on_disk): shape constants inline
+    # as the workspace keeps them (isolated.Workspace.copy_keeping_weights_on_disk): shape constants inline
     onnx.save(on_disk, path, save_as_external_data=True, all_tensors_to_one_file=True, location="weights.bin",
               size_threshold=WEIGHTS_ON_DISK_MIN_BYTES)
     graph_only = onnx.load(path, load_external_data=False)

@@ -484,3 +484,64 @@ def test_run_outputs_deterministic_embedding_gradient():
     for _ in range(3):
         got = sess.run(None, {"idx": idx, "upd": upd})[0]
         assert compare_outputs({"grad": expected.astype(np.float32)}, {"grad": got}).match
+
+
+def test_a_model_saved_with_its_weights_one_tensor_at_a_time_is_the_model_loaded_whole(tmp_path):
+    """Workspace.save_with_weights streams the weights the workspace keeps into the file, one
+    tensor at a time (the graph then each initializer as a further occurrence of the graph), and
+    save_model writes a model in memory the same way: both files must parse to exactly the
+    model `with_weights` loads into memory as onnx.save writes it whole, initializers in their
+    order, small ones inline among them, and ONNX Runtime must give the same outputs."""
+    from graphopt.examples import training_example
+    from graphopt.runtime.isolated import Workspace, save_model
+    model, inputs = training_example("mlp", batch=8, width=64, depth=3, d_in=16)
+    with Workspace(inputs) as workspace:
+        working = workspace.copy_keeping_weights_on_disk(model)
+        assert any(t.data_location == T.EXTERNAL for t in working.graph.initializer)
+        assert any(t.data_location != T.EXTERNAL for t in working.graph.initializer)
+        streamed = workspace.save_with_weights(working, "streamed")
+        whole, pieces = str(tmp_path / "whole.onnx"), str(tmp_path / "pieces.onnx")
+        loaded = workspace.with_weights(working, copy=True)
+        onnx.save(loaded, whole)               # the whole serialization, as onnx writes it
+        save_model(loaded, pieces)             # an in-memory model written in pieces
+        assert onnx.load(streamed) == onnx.load(whole) == onnx.load(pieces)
+        back = onnx.load(streamed).graph.initializer
+        assert [t.name for t in back] == [t.name for t in model.graph.initializer]
+        for got, want in zip(back, model.graph.initializer):
+            np.testing.assert_array_equal(onnx.numpy_helper.to_array(got), onnx.numpy_helper.to_array(want))
+        onnx.checker.check_model(streamed)
+        names = [o.name for o in model.graph.output]
+        a = ort.InferenceSession(streamed, providers=["CPUExecutionProvider"]).run(names, inputs)
+        b = ort.InferenceSession(whole, providers=["CPUExecutionProvider"]).run(names, inputs)
+        for x, y in zip(a, b):
+            np.testing.assert_array_equal(x, y)
+
+
+def test_a_copy_keeping_its_weights_on_disk_is_made_without_a_second_copy_of_them(tmp_path):
+    """Workspace.copy_keeping_weights_on_disk (one initializer at a time) leaves the model it is
+    given untouched and gives what onnx.save makes of the model with its tensors of
+    WEIGHTS_ON_DISK_MIN_BYTES or more as external data: the same tensors in the weights file, the
+    same small ones inline, the same graph; the weights load back."""
+    from graphopt.examples import training_example
+    from graphopt.runtime.isolated import WEIGHTS_ON_DISK_MIN_BYTES, Workspace
+    model, inputs = training_example("mlp", batch=8, width=64, depth=3, d_in=16)
+    before = model.SerializeToString()
+    saved = onnx.ModelProto()
+    saved.CopyFrom(model)      # (onnx.save converts the model it writes to external data in place)
+    onnx.save(saved, tmp_path / "m.onnx", save_as_external_data=True, all_tensors_to_one_file=True,
+              location="w.bin", size_threshold=WEIGHTS_ON_DISK_MIN_BYTES)
+    whole = onnx.load(tmp_path / "m.onnx", load_external_data=False)
+    with Workspace(inputs) as workspace:
+        copied = workspace.copy_keeping_weights_on_disk(model)
+        assert model.SerializeToString() == before
+        assert [t.data_location for t in copied.graph.initializer] == [t.data_location for t in whole.graph.initializer]
+        assert any(t.data_location == T.EXTERNAL for t in copied.graph.initializer)
+        for a, b in zip(copied.graph.initializer, whole.graph.initializer):
+            assert (a.name, list(a.dims), a.data_type) == (b.name, list(b.dims), b.data_type)
+        for a, b in zip(copied.graph.initializer, whole.graph.initializer):
+            a.ClearField("external_data"), b.ClearField("external_data")
+        assert copied == whole
+        copied = workspace.copy_keeping_weights_on_disk(model)
+        loaded = workspace.with_weights(copied, copy=True)
+        for got, want in zip(loaded.graph.initializer, model.graph.initializer):
+            np.testing.assert_array_equal(onnx.numpy_helper.to_array(got), onnx.numpy_helper.to_array(want))

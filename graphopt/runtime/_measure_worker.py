@@ -93,6 +93,18 @@ def _nvml_index(device_id: int) -> int:
     return device_id
 
 
+def io_only(model):
+    """`model`'s graph inputs and outputs alone, in a message of its own, all that `_step_runner`
+    reads: the caller drops the model loaded whole (weights a file holds inside it) and returns
+    its memory (gc, malloc_trim) before a session opens; clearing its fields would not free it,
+    protobuf's arena keeps a message's memory until the message goes."""
+    import onnx
+    light = onnx.ModelProto()
+    light.graph.input.extend(model.graph.input)
+    light.graph.output.extend(model.graph.output)
+    return light
+
+
 def _step_runner(sess, model, feeds: dict, out_names: list[str], device: str, device_id: int):
     """(run(run_options=None), release()): one step, and dropping what it returned. A step that
     returns state to feed back writes those outputs into buffers allocated here, once."""
@@ -164,10 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         settings = SessionSettings.from_json(args.settings)
     else:
         settings = read_settings(model) or DEFAULT_SETTINGS
-    # from here only the graph's inputs and outputs are read (_step_runner): the weights a file
-    # holds inside it go before the session opens
-    model.graph.ClearField("initializer")
-    model.graph.ClearField("node")
+    model = io_only(model)
     gc.collect()
     _malloc_trim()
     provider = args.provider or default_providers()[0]

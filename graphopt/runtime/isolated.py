@@ -72,16 +72,93 @@ def run_task(task: str, args: dict, timeout_seconds: float | None = None) -> dic
 
 
 def save_model(model: onnx.ModelProto, path) -> None:
-    """Save a model; one over protobuf's 2 GB limit gets its weights as external data."""
+    """Save a model, its initializers serialized one at a time (`write_in_pieces`); one over
+    protobuf's 2 GB limit gets its weights as external data."""
     path = str(path)
     if model.ByteSize() > 2**31 - 2**24:
         onnx.save(model, path, save_as_external_data=True, all_tensors_to_one_file=True,
                   location=os.path.basename(path) + ".data")
-    else:
+    elif os.path.splitext(path)[1] in ("", ".onnx", ".pb"):
+        write_in_pieces(model, path)
+    else:                    # a text format onnx.save infers from the name
         onnx.save(model, path)
 
 
-# The file of a workspace that holds the weights of the models in it (`keep_weights_on_disk`),
+def write_in_pieces(model: onnx.ModelProto, path, weights_folder: str | None = None) -> None:
+    """The model file of `model`: the model without its initializers, then each initializer as a
+    further occurrence of its graph, serialized one at a time (a protobuf parser merges repeated
+    occurrences of a message field, appending to its repeated fields, so the file parses to the
+    model, initializers in their order), so that no serialization of the whole model, a copy of
+    all its weights, is ever held. With `weights_folder`, the data of initializers that reference
+    external data there is read into the file, one tensor at a time."""
+    from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
+    head = _copy_without(model, "graph")
+    head.graph.CopyFrom(_copy_without(model.graph, "initializer"))
+    with open(path, "wb") as f:
+        f.write(head.SerializeToString())
+        del head
+        for initializer in model.graph.initializer:
+            if weights_folder is not None and uses_external_data(initializer):
+                tensor = onnx.TensorProto()      # a message of its own, freed whole after the write
+                tensor.CopyFrom(initializer)
+                load_external_data_for_tensor(tensor, weights_folder)
+                del tensor.external_data[:]
+                tensor.data_location = onnx.TensorProto.DEFAULT
+                data = tensor.SerializeToString()
+                del tensor
+            else:
+                data = initializer.SerializeToString()
+            f.write(_length_delimited(_MODEL_GRAPH_TAG, _length_delimited(_GRAPH_INITIALIZER_TAG, data)))
+
+
+# protobuf's wire tags of ModelProto.graph (field 7) and GraphProto.initializer (field 5), both
+# length-delimited (wire type 2): `Workspace.save_with_weights` writes them itself
+_MODEL_GRAPH_TAG = bytes([7 << 3 | 2])
+_GRAPH_INITIALIZER_TAG = bytes([5 << 3 | 2])
+
+
+def _length_delimited(tag: bytes, payload: bytes) -> bytes:
+    """One length-delimited protobuf field: its tag, the payload's length as a varint, the payload."""
+    size, varint = len(payload), bytearray()
+    while True:
+        byte = size & 0x7F
+        size >>= 7
+        if size:
+            varint.append(byte | 0x80)
+        else:
+            varint.append(byte)
+            return tag + bytes(varint) + payload
+
+
+def _copy_without(message, field: str):
+    """A copy of a protobuf message without one of its fields (the others copied as they are)."""
+    copied = type(message)()
+    for descriptor, value in message.ListFields():
+        if descriptor.name == field:
+            continue
+        repeated = (descriptor.is_repeated if hasattr(descriptor, "is_repeated")    # protobuf 6
+                    else descriptor.label == descriptor.LABEL_REPEATED)
+        if repeated:
+            getattr(copied, descriptor.name).extend(value)
+        elif descriptor.type == descriptor.TYPE_MESSAGE:
+            getattr(copied, descriptor.name).CopyFrom(value)
+        else:
+            setattr(copied, descriptor.name, value)
+    return copied
+
+
+def _subgraph_references(graph: onnx.GraphProto) -> bool:
+    """Whether a subgraph of `graph` (If, Loop, Scan bodies) has an initializer with external data."""
+    from onnx.external_data_helper import uses_external_data
+    for node in graph.node:
+        for attr in node.attribute:
+            for sub in list(attr.graphs) + ([attr.g] if attr.HasField("g") else []):
+                if any(uses_external_data(t) for t in sub.initializer) or _subgraph_references(sub):
+                    return True
+    return False
+
+
+# The file of a workspace that holds the weights of the models in it (`copy_keeping_weights_on_disk`),
 # and the least size of a tensor moved there (smaller ones, such as shape constants, stay inline).
 WEIGHTS_FILE = "weights.bin"
 WEIGHTS_ON_DISK_MIN_BYTES = 1024
@@ -109,21 +186,54 @@ class Workspace:
         self._saved[label] = path
         return path
 
-    def keep_weights_on_disk(self, model: onnx.ModelProto) -> None:
-        """Move `model`'s initializers of WEIGHTS_ON_DISK_MIN_BYTES or more into the workspace's
-        weights file (`WEIGHTS_FILE`), leaving references: every model derived from it and saved
-        here carries references, not copies, and the children that load them from this folder
-        read the weights from the file. The parent then holds the graph, not the weights (a
-        5x-weights parent on the MLP example: 229 MiB for 15.6 MiB of weights)."""
-        from onnx.external_data_helper import convert_model_to_external_data, write_external_data_tensors
-        convert_model_to_external_data(model, all_tensors_to_one_file=True, location=WEIGHTS_FILE,
-                                       size_threshold=WEIGHTS_ON_DISK_MIN_BYTES, convert_attribute=False)
-        write_external_data_tensors(model, self.folder)
+    def copy_keeping_weights_on_disk(self, model: onnx.ModelProto) -> onnx.ModelProto:
+        """A copy of `model` (left untouched) whose initializers of WEIGHTS_ON_DISK_MIN_BYTES or
+        more are in the workspace's weights file (`WEIGHTS_FILE`), the copy holding references:
+        every model derived from it and saved here carries references, not copies, and the
+        children that load them from this folder read the weights from the file. This process
+        then holds the graph, not the weights (a 5x-weights parent on the MLP example: 229 MiB
+        for 15.6 MiB of weights). Made one initializer at a time: the graph is copied without
+        its initializers, and each is copied, its data written to the file and dropped, before
+        the next, so that no second copy of all the weights is ever held."""
+        import sys
+        from onnx.external_data_helper import save_external_data, set_external_data
+        working = _copy_without(model, "graph")
+        working.graph.CopyFrom(_copy_without(model.graph, "initializer"))
+        for tensor in model.graph.initializer:
+            # a message of its own (protobuf's arena of `working` would keep the data cleared in it)
+            kept = onnx.TensorProto()
+            kept.CopyFrom(tensor)
+            # the rule of onnx's convert_model_to_external_data (onnx.save with external data)
+            if kept.HasField("raw_data") and sys.getsizeof(kept.raw_data) >= WEIGHTS_ON_DISK_MIN_BYTES:
+                set_external_data(kept, WEIGHTS_FILE)
+                save_external_data(kept, self.folder)
+                kept.ClearField("raw_data")
+            working.graph.initializer.append(kept)
+        return working
+
+    def save_with_weights(self, model: onnx.ModelProto, label: str) -> str:
+        """`model` saved as ``label`` with the weights it references in this workspace written
+        into the file, as `with_weights` then `save` would, one tensor at a time
+        (`write_in_pieces`): this process holds one tensor's data at a time, not two copies of all
+        of them (the loaded model and its serialization). Over protobuf's 2 GB limit, or with
+        references in subgraphs: `save` (external data beside it). Its path."""
+        from onnx.external_data_helper import uses_external_data
+        referenced = sum(int(e.value) for t in model.graph.initializer if uses_external_data(t)
+                         for e in t.external_data if e.key == "length")
+        if model.ByteSize() + referenced > 2**31 - 2**24 or _subgraph_references(model.graph):
+            return self.save(self.with_weights(model, copy=True), label)
+        path = os.path.join(self.folder, f"{label}.onnx")
+        for stale in (path, path + ".data"):
+            if os.path.exists(stale):
+                os.remove(stale)
+        write_in_pieces(model, path, weights_folder=self.folder)
+        self._saved[label] = path
+        return path
 
     def with_weights(self, model: onnx.ModelProto, copy: bool = False) -> onnx.ModelProto:
         """`model` with the weights it references in this workspace loaded back into it (in
         place, or into a copy), for a model that leaves the workspace: every model the pipeline
-        derives from the one it was given (`keep_weights_on_disk`) references them."""
+        derives from the one it was given (`copy_keeping_weights_on_disk`) references them."""
         if copy:
             copied = onnx.ModelProto()
             copied.CopyFrom(model)
