@@ -166,8 +166,8 @@ def _inferred_shapes(model: onnx.ModelProto, input_shapes: dict[str, list[int]])
 
 def _constant_value(model: onnx.ModelProto, name: str) -> np.ndarray | None:
     for t in model.graph.initializer:
-        if t.name == name:
-            return numpy_helper.to_array(t)
+        if t.name == name:   # (one whose data lies in a file is not a small constant)
+            return None if t.data_location == onnx.TensorProto.EXTERNAL else numpy_helper.to_array(t)
     for n in model.graph.node:
         if n.op_type == "Constant" and n.output and n.output[0] == name:
             for a in n.attribute:

@@ -196,14 +196,15 @@ def prepare(model: onnx.ModelProto, options: OptimizeOptions, *, reference: bool
     options.check()
     progress = options.progress or (lambda stage, fraction: None)
     progress("analyze", 0.0)
-    inputs = options.inputs if options.inputs is not None else synthesize_inputs(model, options.input_dims)
-    workspace = Workspace(inputs)
+    workspace = Workspace()
     try:
         # the weights stay in the workspace's file: this process holds the graph, the children
         # read the weights (`deliver` loads them back into the model it returns)
         working = workspace.copy_keeping_weights_on_disk(model)
         name_nodes(working)
         training = analyze(working, options.loss)
+        inputs = options.inputs if options.inputs is not None else synthesize_inputs(working, options.input_dims)
+        workspace.save_inputs(inputs)
         original_runs: dict = {}
         reduced = None
         if options.memory_limit_bytes is not None:

@@ -168,13 +168,18 @@ class Workspace:
     """A temporary folder for one ``optimize`` call: the inputs saved once, models saved under
     labels, the original's reference outputs. Use as a context manager (removed on exit)."""
 
-    def __init__(self, inputs: dict) -> None:
-        from graphopt.inputs import save_inputs
+    def __init__(self, inputs: dict | None = None) -> None:
         self.folder = tempfile.mkdtemp(prefix="graphopt-")
         self.inputs_path = os.path.join(self.folder, "inputs.npz")
-        save_inputs(self.inputs_path, inputs)
+        if inputs is not None:
+            self.save_inputs(inputs)
         self.reference_path: str | None = None   # outputs of the original (optimizations off)
         self._saved: dict[str, str] = {}
+
+    def save_inputs(self, inputs: dict) -> None:
+        """The inputs every run of this workspace feeds (`inputs_path`), written once."""
+        from graphopt.inputs import save_inputs
+        save_inputs(self.inputs_path, inputs)
 
     def save(self, model: onnx.ModelProto, label: str) -> str:
         """Write ``model`` as ``label`` (replacing what was there); its path."""
