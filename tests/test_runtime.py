@@ -454,6 +454,33 @@ def test_compare_outputs_catches_a_difference():
     assert compare_outputs({}, {}).match
 
 
+def test_outputs_larger_than_a_block_compare_as_whole_arrays_do():
+    """compare_outputs reads an output a block at a time (verify.COMPARE_BLOCK_ELEMENTS): on
+    outputs of 3.5 blocks, with NaN and inf at the same places in different blocks and the
+    largest value and the largest difference in blocks of their own, the difference must be the
+    whole-array max|a-b| / max|a| over the finite places, computed here; a NaN or an inf that
+    differs in the last block, and only there, must still make it inf."""
+    from graphopt.verify import COMPARE_BLOCK_ELEMENTS as block
+    rng = np.random.default_rng(5)
+    a = rng.standard_normal(int(3.5 * block)).astype(np.float32).reshape(-1, 7)
+    b = a + rng.standard_normal(a.shape).astype(np.float32) * 1e-6
+    flat_a, flat_b = a.reshape(-1), b.reshape(-1)
+    flat_a[10] = flat_b[10] = np.nan
+    flat_a[block + 3] = flat_b[block + 3] = np.inf
+    flat_a[2 * block + 1] = flat_b[2 * block + 1] = 40.0   # the scale, in a block of its own
+    flat_b[3 * block + 5] = flat_a[3 * block + 5] + 0.5   # the worst difference, in the last block
+    finite = np.isfinite(flat_a)
+    expected = float(np.max(np.abs(flat_a[finite].astype(np.float64) - flat_b[finite]))) / 40.0
+    got = compare_outputs({"g": a}, {"g": b}, tolerance=1.0)
+    assert got.max_relative_difference == pytest.approx(expected, rel=1e-12)
+    assert got.max_relative_difference == pytest.approx(0.5 / 40.0, rel=1e-3)
+    late_nan, late_inf = b.copy(), b.copy()
+    late_nan.reshape(-1)[-1] = np.nan
+    late_inf.reshape(-1)[3 * block + 9] = -np.inf
+    assert math.isinf(compare_outputs({"g": a}, {"g": late_nan}).max_relative_difference)
+    assert math.isinf(compare_outputs({"g": a}, {"g": late_inf}).max_relative_difference)
+
+
 def test_run_outputs_deterministic_embedding_gradient():
     # The gradient of an embedding Gather is ScatterND(reduction="add") with repeated
     # indices; ORT's CPU kernel is wrong with >1 thread (docs/ort-facts.md section 6).
