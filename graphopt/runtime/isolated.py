@@ -24,6 +24,7 @@ import onnx
 from graphopt import errors
 from graphopt.errors import GraphoptError
 from graphopt.runtime.rss import record_child
+from graphopt.runtime.session import PROTOBUF_LIMIT_BYTES
 
 
 class IsolatedTaskError(GraphoptError):
@@ -75,7 +76,7 @@ def save_model(model: onnx.ModelProto, path) -> None:
     """Save a model, its initializers serialized one at a time (`write_in_pieces`); one over
     protobuf's 2 GB limit gets its weights as external data."""
     path = str(path)
-    if model.ByteSize() > 2**31 - 2**24:
+    if model.ByteSize() > PROTOBUF_LIMIT_BYTES:
         onnx.save(model, path, save_as_external_data=True, all_tensors_to_one_file=True,
                   location=os.path.basename(path) + ".data")
     elif os.path.splitext(path)[1] in ("", ".onnx", ".pb"):
@@ -112,7 +113,7 @@ def write_in_pieces(model: onnx.ModelProto, path, weights_folder: str | None = N
 
 
 # protobuf's wire tags of ModelProto.graph (field 7) and GraphProto.initializer (field 5), both
-# length-delimited (wire type 2): `Workspace.save_with_weights` writes them itself
+# length-delimited (wire type 2): `write_in_pieces` writes them itself
 _MODEL_GRAPH_TAG = bytes([7 << 3 | 2])
 _GRAPH_INITIALIZER_TAG = bytes([5 << 3 | 2])
 
@@ -136,9 +137,7 @@ def _copy_without(message, field: str):
     for descriptor, value in message.ListFields():
         if descriptor.name == field:
             continue
-        repeated = (descriptor.is_repeated if hasattr(descriptor, "is_repeated")    # protobuf 6
-                    else descriptor.label == descriptor.LABEL_REPEATED)
-        if repeated:
+        if descriptor.is_repeated:
             getattr(copied, descriptor.name).extend(value)
         elif descriptor.type == descriptor.TYPE_MESSAGE:
             getattr(copied, descriptor.name).CopyFrom(value)
@@ -225,7 +224,7 @@ class Workspace:
         from onnx.external_data_helper import uses_external_data
         referenced = sum(int(e.value) for t in model.graph.initializer if uses_external_data(t)
                          for e in t.external_data if e.key == "length")
-        if model.ByteSize() + referenced > 2**31 - 2**24 or _subgraph_references(model.graph):
+        if model.ByteSize() + referenced > PROTOBUF_LIMIT_BYTES or _subgraph_references(model.graph):
             return self.save(self.with_weights(model, copy=True), label)
         path = os.path.join(self.folder, f"{label}.onnx")
         for stale in (path, path + ".data"):

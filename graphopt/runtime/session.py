@@ -31,7 +31,7 @@ _EXEC_ORDERS = ("DEFAULT", "PRIORITY_BASED")
 
 # Models at or above this serialized size cannot go through protobuf bytes
 # (2 GiB limit); they are handed to ORT as a file with external data.
-_PROTO_LIMIT = 2**31 - 2**24
+PROTOBUF_LIMIT_BYTES = 2**31 - 2**24
 
 _FIELDS = (
     "graph_optimization_level",
@@ -273,7 +273,7 @@ def open_session(
     try:
         if is_path:
             return ort.InferenceSession(os.fspath(model), so, providers=providers, **kwargs)
-        if model.ByteSize() < _PROTO_LIMIT:
+        if model.ByteSize() < PROTOBUF_LIMIT_BYTES:
             return ort.InferenceSession(model.SerializeToString(), so, providers=providers, **kwargs)
         tmp = tempfile.mkdtemp(prefix="graphopt-model-")
         try:
