@@ -44,7 +44,8 @@ import time
 import dataclasses
 from dataclasses import dataclass, field
 
-import networkx  # noqa: F401  (analyze's graph library, imported with the planner: the measuring children never import it)
+# analyze's graph library, imported with the planner (the measuring children never import it)
+import networkx  # noqa: F401
 import numpy as np
 import onnx
 
