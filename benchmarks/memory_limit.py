@@ -54,6 +54,18 @@ def _model(kind: str, name: str, size: str, exporter: str, optimizer: str | None
     return train, real_zoo.model_feeds(model)
 
 
+def optimize_measured_from_outside(path: str, inputs_path: str, out: str, report_path: str, *flags: str):
+    """`graphopt optimize` (one thread) in a wrapper process of its own, whose children are
+    graphopt's process tree alone (every descendant is waited for by its parent, so the largest
+    counts): (the wrapper's CompletedProcess, the largest RSS of that tree in KiB)."""
+    wrapper = ("import resource, subprocess, sys; done = subprocess.run(sys.argv[1:]); "
+               "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(done.returncode)")
+    done = subprocess.run([sys.executable, "-c", wrapper, sys.executable, "-m", "graphopt.cli", "optimize", path,
+                           "--inputs", inputs_path, "-o", out, "--report", report_path, "--threads", "1", *flags],
+                          capture_output=True, text=True)
+    return done, int(done.stdout.strip().splitlines()[-1])
+
+
 def run_one(kind: str, name: str, args) -> dict:
     import numpy as np
     import onnx
@@ -81,15 +93,10 @@ def run_one(kind: str, name: str, args) -> dict:
         row.update(step_mib=step / MiB, need_mib=need / MiB, limit_mib=limit / MiB)
         row["original_fits"] = run_within_limit(path, inputs_path, limit, DEFAULT_SETTINGS).fits
         started = time.perf_counter()
-        # in a wrapper process of its own, whose children are graphopt's process tree alone
-        # (every descendant is waited for by its parent, so the largest counts)
-        wrapper = ("import resource, subprocess, sys; done = subprocess.run(sys.argv[1:]); "
-                   "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(done.returncode)")
-        done = subprocess.run([sys.executable, "-c", wrapper, sys.executable, "-m", "graphopt.cli", "optimize", path,
-                               "--inputs", inputs_path, "-o", out, "--report", os.path.join(tmp, "r.json"),
-                               "--threads", "1", "--memory-limit", str(limit)], capture_output=True, text=True)
+        done, largest_kib = optimize_measured_from_outside(path, inputs_path, out, os.path.join(tmp, "r.json"),
+                                                          "--memory-limit", str(limit))
         row["optimize_seconds"] = time.perf_counter() - started
-        row["graphopt_largest_mib"] = int(done.stdout.strip().splitlines()[-1]) / 1024
+        row["graphopt_largest_mib"] = largest_kib / 1024
         if done.returncode != 0:
             row["error"] = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else str(done.returncode)
             return row

@@ -42,7 +42,7 @@ def run_one(kind: str, name: str, args) -> dict:
     import onnx
 
     from graphopt.inputs import save_inputs
-    from memory_limit import _model
+    from memory_limit import _model, optimize_measured_from_outside
     train, inputs = _model(kind, name, args.size, args.exporter, None)
     row = {"model": name if kind == "example" else f"{name}-{args.exporter}"}
     with tempfile.TemporaryDirectory(prefix="graphopt-own-") as tmp:
@@ -51,14 +51,10 @@ def run_one(kind: str, name: str, args) -> dict:
         onnx.save(train, path)
         save_inputs(inputs_path, inputs)
         del train, inputs
-        wrapper = ("import resource, subprocess, sys; done = subprocess.run(sys.argv[1:]); "
-                   "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(done.returncode)")
         started = time.perf_counter()
-        done = subprocess.run([sys.executable, "-c", wrapper, sys.executable, "-m", "graphopt.cli", "optimize", path,
-                               "--inputs", inputs_path, "-o", out, "--report", report_path, "--threads", "1"],
-                              capture_output=True, text=True)
+        done, largest_kib = optimize_measured_from_outside(path, inputs_path, out, report_path)
         row["seconds"] = time.perf_counter() - started
-        row["outside_mib"] = int(done.stdout.strip().splitlines()[-1]) / 1024
+        row["outside_mib"] = largest_kib / 1024
         if done.returncode != 0:
             row["error"] = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else str(done.returncode)
             return row
