@@ -55,7 +55,8 @@ class Simulation:
     compute_seconds: float         # predicted step seconds: the steps' seconds, copies >= 1 times
                                    # the graph's recompute_factor
     recompute_seconds: float       # seconds spent in copies >= 1
-    live_bytes: list[int]          # bytes live while each step runs
+    live_bytes: np.ndarray         # bytes live while each step runs (int64; an array, not a list:
+                                   # solvers keep many plans, and a list costs 4x more per step)
 
 
 @dataclass
@@ -118,7 +119,7 @@ def simulate(graph: CostGraph, schedule: list[Step], tensor_bytes_by_id: np.ndar
     resolved to (a resident input: none), and a folded op's outputs (resident)."""
     n = len(schedule)
     if n == 0:
-        return Simulation(0, 0, 0.0, 0.0, [])
+        return Simulation(0, 0, 0.0, 0.0, np.zeros(0, dtype=np.int64))
     names, copy_list = zip(*schedule)
     ops = np.array(list(map(graph.op_id.__getitem__, names)), dtype=np.int64)
     copies = np.array(copy_list, dtype=np.int64)
@@ -189,7 +190,7 @@ def simulate(graph: CostGraph, schedule: list[Step], tensor_bytes_by_id: np.ndar
     peak = int(running[peak_step])
     if peak <= 0:
         peak, peak_step = 0, 0
-    return Simulation(peak, peak_step, compute, recompute, running.tolist())
+    return Simulation(peak, peak_step, compute, recompute, running)
 
 
 def priority_order(graph: CostGraph, schedule: list[Step]) -> list[Step]:

@@ -248,7 +248,7 @@ def test_simulate_frees_after_last_reader_and_keeps_outputs():
     sim = simulate(g, [(o, 0) for o in ["a", "b", "r", "c", "d", "e"]])
     # live: a:10; b:30; r:30 (alias); c:60 -> t2 freed; d: 10+30+5=45 -> t1 freed;
     # e: 30+5+7=42 -> t3 freed, unread stays
-    assert sim.live_bytes == [10, 30, 30, 60, 45, 42]
+    assert sim.live_bytes.tolist() == [10, 30, 30, 60, 45, 42]
     assert sim.peak_bytes == 60
 
 
