@@ -149,15 +149,42 @@ SOURCES = ("input", "initializer", "constant", "profile", "exposed")
 """Where a size in :func:`measure_sizes` came from (see the module docstring)."""
 
 
+def profile_events(path: str, *, keep_args: bool = True) -> tuple[list[dict], list[dict]]:
+    """(model_run events, kernel events) of the ONNX Runtime profile at ``path``, read one event
+    at a time: a profile holds every node's arguments for every run (shapes, thread statistics),
+    tens of MiB on a graph of thousands of nodes, and read whole it made the process that read it
+    larger than the session it profiled. ``keep_args=False`` drops the kernels' arguments."""
+    runs: list[dict] = []
+    kernels: list[dict] = []
+
+    def take(e: dict) -> None:
+        if e.get("cat") == "Session" and e.get("name") == "model_run":
+            runs.append(e)
+        elif e.get("cat") == "Node" and str(e.get("name", "")).endswith(_KERNEL_SUFFIX):
+            kernels.append(e if keep_args else {"name": e["name"], "ts": e["ts"], "dur": e.get("dur", 0)})
+    with open(path) as f:
+        for line in f:   # ONNX Runtime writes "[", then one event per line ending in ",", then "]"
+            line = line.strip().rstrip(",")
+            if line in ("", "[", "]"):
+                continue
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:
+                event = None
+            if not isinstance(event, dict):   # laid out otherwise: read whole
+                runs.clear()
+                kernels.clear()
+                f.seek(0)
+                for e in json.load(f):
+                    take(e)
+                break
+            take(event)
+    return runs, kernels
+
+
 def _kernel_events(path: str) -> list[dict]:
     """The kernel events of the last ``model_run`` in the profile at ``path``, in time order."""
-    with open(path) as f:
-        events = json.load(f)
-    runs = [e for e in events if e.get("cat") == "Session" and e.get("name") == "model_run"]
-    kernels = [
-        e for e in events
-        if e.get("cat") == "Node" and str(e.get("name", "")).endswith(_KERNEL_SUFFIX)
-    ]
+    runs, kernels = profile_events(path)
     if runs:
         last = max(runs, key=lambda e: e["ts"])
         lo, hi = last["ts"], last["ts"] + last.get("dur", 0)
@@ -183,13 +210,9 @@ def median_node_seconds(path: str, skip_runs: int = 1) -> dict[str, float]:
     first ``skip_runs`` (warm-up); a node that runs several kernels sums them per run. One
     profiled run's kernel times vary by 10-40% on a shared machine; the median of several
     does not."""
-    with open(path) as f:
-        events = json.load(f)
-    runs = sorted((e for e in events if e.get("cat") == "Session" and e.get("name") == "model_run"),
-                  key=lambda e: e["ts"])[skip_runs:]
-    kernels = sorted((e for e in events
-                      if e.get("cat") == "Node" and str(e.get("name", "")).endswith(_KERNEL_SUFFIX)),
-                     key=lambda e: e["ts"])
+    runs, kernels = profile_events(path, keep_args=False)
+    runs = sorted(runs, key=lambda e: e["ts"])[skip_runs:]
+    kernels.sort(key=lambda e: e["ts"])
     per_node: dict[str, list[float]] = {}
     for run in runs:
         lo, hi = run["ts"], run["ts"] + run.get("dur", 0)

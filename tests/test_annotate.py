@@ -16,7 +16,7 @@ from onnx import TensorProto as T
 from onnx import helper as h
 
 import real_zoo
-from graphopt.annotate import SOURCES, annotate, measure_exposed, measure_sizes
+from graphopt.annotate import SOURCES, annotate, measure_exposed, measure_sizes, profile_events
 from graphopt.build.train_graph import build_training_graph
 from graphopt.ingest import name_nodes
 from graphopt.inputs import synthesize_inputs
@@ -200,3 +200,30 @@ def test_sizes_measured_from_the_file_with_its_weights_left_on_disk(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["train.onnx", "weights.bin"]
     ann = annotate(graph_only, inputs, UNOPTIMIZED_SETTINGS, model_path=str(path))
     assert ann.tensor_bytes == annotate(model, inputs, UNOPTIMIZED_SETTINGS).tensor_bytes
+
+
+def test_profile_events_read_one_line_at_a_time_equal_the_profile_read_whole(tmp_path):
+    """graphopt reads ONNX Runtime's profiles one event per line (a profile read whole made a
+    timing process larger than the session it timed); against json.load of the same file, and
+    of the file rewritten on one line (the fallback when the layout is not one event a line)."""
+    model = mlp_training_graph()
+    inputs = synthesize_inputs(model)
+    so = ort.SessionOptions()
+    so.enable_profiling = True
+    so.profile_file_prefix = str(tmp_path / "p")
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    sess.run(None, inputs)
+    sess.run(None, inputs)
+    path = sess.end_profiling()
+    with open(path) as f:
+        events = json.load(f)
+    expected_runs = [e for e in events if e.get("name") == "model_run"]
+    expected_kernels = [e for e in events if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")]
+    assert len(expected_runs) == 2 and expected_kernels
+    one_line = tmp_path / "one_line.json"
+    one_line.write_text(json.dumps(events))
+    for source in (path, str(one_line)):
+        runs, kernels = profile_events(source)
+        assert runs == expected_runs and kernels == expected_kernels
+        _, light = profile_events(source, keep_args=False)
+        assert light == [{"name": e["name"], "ts": e["ts"], "dur": e.get("dur", 0)} for e in expected_kernels]

@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from graphopt.annotate import median_node_seconds
     from graphopt.inputs import load_inputs
-    from graphopt.runtime.rss import mark_session_start, rss_bytes, session_footprint
+    from graphopt.runtime.rss import mark_session_start, process_peak_bytes, rss_bytes, session_footprint
     from graphopt.runtime.session import DEFAULT_SETTINGS, SessionSettings, default_providers, read_settings, session_options
 
     start_bytes = rss_bytes()   # after the imports, before anything is loaded
@@ -76,7 +76,12 @@ def main(argv: list[str] | None = None) -> int:
         elif command == "end":
             result = dict(session_footprint(), start_bytes=start_bytes)
             if entry.get("profile_prefix"):
-                result["node_seconds"] = median_node_seconds(sess.end_profiling(), skip_runs=1)
+                # the session's memory is given back before its profile is read, and the process's
+                # peak is taken again after: reading the profile is this process's too
+                profile = sess.end_profiling()
+                del sess, feeds
+                result["node_seconds"] = median_node_seconds(profile, skip_runs=1)
+                result["process_peak_bytes"] = process_peak_bytes()
             print(json.dumps(result), flush=True)
             return 0
         else:
