@@ -63,6 +63,7 @@ EXPECTED_OPS = {
     "dropout_mlp": {"Dropout"},
     "randwire": {"Conv", "BatchNormalization", "Add"},
     "fpn": {"Split", "Resize", "Slice", "Pad", "Concat", "LeakyRelu", "Sigmoid"},
+    "convs": {"Conv", "ConvTranspose"},
 }
 RESULTS: dict[str, dict] = {}   # architecture -> worst errors, seconds (printed with -s)
 

@@ -507,10 +507,46 @@ def fpn():
     return ZooEntry("fpn", module, {"x": x}, "mse", torch.randn(2, 2, 12, 12, generator=g))
 
 
+class ConvForms(nn.Module):
+    """The convolution shapes whose weight gradients the builder writes in different forms
+    (graphopt/build/rules.py): a 3-channel stem (whole-map convolution), a dilated 3x3 over 8
+    channels (per tap), a strided depthwise 3x3 (per tap, elementwise), a grouped 3x3 (groups
+    of 4 channels: whole-map, grouped), a strided 1x1, a transposed 3x3 at stride 2, a strided
+    dilated Conv1d and a Conv3d."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.dilated = nn.Conv2d(8, 16, 3, padding=2, dilation=2, bias=False)
+        self.depthwise = nn.Conv2d(16, 16, 3, stride=2, padding=1, groups=16)
+        self.grouped = nn.Conv2d(16, 16, 3, padding=1, groups=4, bias=False)
+        self.pointwise = nn.Conv2d(16, 16, 1, stride=2)
+        self.up = nn.ConvTranspose2d(16, 8, 3, stride=2, padding=1, output_padding=1)
+        self.line = nn.Conv1d(8, 8, 5, stride=2, padding=4, dilation=2)
+        self.volume = nn.Conv3d(8, 8, 3, padding=1, bias=False)
+        self.head = nn.Linear(8 * 32, 4)
+
+    def forward(self, x):
+        x = torch.tanh(self.stem(x))                       # [N, 8, 16, 16]
+        x = torch.tanh(self.dilated(x))                    # [N, 16, 16, 16]
+        x = torch.tanh(self.grouped(self.depthwise(x)))    # [N, 16, 8, 8]
+        x = torch.tanh(self.up(self.pointwise(x)))         # [N, 16, 4, 4] -> [N, 8, 8, 8]
+        x = torch.tanh(self.line(x.reshape(x.shape[0], 8, 64)))                  # [N, 8, 32]
+        x = torch.tanh(self.volume(x.reshape(x.shape[0], 8, 2, 4, 4)))           # [N, 8, 2, 4, 4]
+        return self.head(x.reshape(x.shape[0], -1))
+
+
+def convs():
+    g = _gen(14)
+    module = ConvForms()
+    x = torch.randn(2, 3, 16, 16, generator=g)
+    return ZooEntry("convs", module, {"x": x}, "cross_entropy", _ce_labels(2, 4, g))
+
+
 ZOO: dict[str, Callable[[], ZooEntry]] = {
     "mlp": mlp, "vgg": vgg, "resnet": resnet, "densenet": densenet, "mobilenet": mobilenet,
     "unet": unet, "lstm": lstm, "bert": bert, "gpt": gpt, "vit": vit,
-    "dropout_mlp": dropout_mlp, "randwire": randwire, "fpn": fpn,
+    "dropout_mlp": dropout_mlp, "randwire": randwire, "fpn": fpn, "convs": convs,
 }
 
 
