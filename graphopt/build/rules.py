@@ -86,12 +86,15 @@ def weight_gradient(ctx, source, source_shape, adjoint, adjoint_shape, kernel, s
 # faster, 3 x 3 over 8-256 channels 1.6-2.6x at stride 1 and 0.9-1.6x at stride 2; over 3 channels
 # (a stem) it was slower (0.3-0.8x), so fewer channels keep the whole-map convolution.
 PER_TAP_MIN_CHANNELS = 8
+PER_TAP_WEIGHT_GRADIENTS = True   # False: every weight gradient as before (benchmarks/step_vs_eager.py compares)
 
 
 def per_tap_applies(source_shape, adjoint_shape, kernel, group) -> bool:
     """Whether `per_tap_weight_gradient` writes this weight gradient: an ungrouped or depthwise
     (one filter per channel) convolution with static shapes, over enough channels or with a
     1 x 1 kernel."""
+    if not PER_TAP_WEIGHT_GRADIENTS:
+        return False
     if any(shape is None or None in shape for shape in (source_shape, adjoint_shape, kernel)):
         return False
     channels = source_shape[1]

@@ -1,0 +1,148 @@
+"""The step time of graphopt's BUILT training graph under ONNX Runtime's default session, next to
+PyTorch eager's for the same model, parameters and inputs (issue 25, item 1), and where ONNX
+Runtime's step goes by operator type.
+
+    python benchmarks/step_vs_eager.py [--examples mlp,resnet] [--threads 1|all|N] [--rounds 7]
+
+For each bundled example (graphopt/examples.py) and its torch twin (benchmarks/torch_twins.py,
+the same parameters and inputs, the same loss):
+
+* the training graph as graphopt builds it, and built again with every Conv weight gradient as
+  the whole-map convolution it was before (graphopt.build.rules.PER_TAP_WEIGHT_GRADIENTS off);
+* each in a plain onnxruntime.InferenceSession (its defaults: all graph optimizations, the
+  arena), and the twin's eager step (forward, loss, backward; every .grad None before it);
+* timed in one process, in turn, `--rounds` rounds of one step each after a warm-up step; the
+  medians and their ratios over eager;
+* the worst relative difference of each built graph's gradients from torch's (max |a - b| over
+  max |b|, per parameter), so that a faster formulation that is wrong shows;
+* one profiled step of the built graph: the share of its kernel time per operator type (top 4).
+
+One thread by default (torch.set_num_threads, ORT's intra-op threads); `--threads all` uses
+every core.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+for _path in (ROOT, HERE):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
+
+EXAMPLES = ("mlp", "resnet", "densenet", "unet", "transformer", "randwire")
+
+
+def _session(model, threads: int, profile_prefix: str | None = None):
+    import onnxruntime as ort
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    if profile_prefix:
+        options.enable_profiling = True
+        options.profile_file_prefix = profile_prefix
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def _built(forward, per_tap: bool):
+    from graphopt.build import rules
+    from graphopt.build.train_graph import build_training_graph
+    saved = rules.PER_TAP_WEIGHT_GRADIENTS
+    rules.PER_TAP_WEIGHT_GRADIENTS = per_tap
+    try:
+        return build_training_graph(forward)
+    finally:
+        rules.PER_TAP_WEIGHT_GRADIENTS = saved
+
+
+def _op_type_shares(model, feeds, threads: int) -> list[tuple[str, float]]:
+    from graphopt.annotate import profile_events
+    with tempfile.TemporaryDirectory() as tmp:
+        session = _session(model, threads, os.path.join(tmp, "p"))
+        session.run(None, feeds)
+        session.run(None, feeds)
+        runs, kernels = profile_events(session.end_profiling())
+    last = max(runs, key=lambda e: e["ts"])
+    per_type: dict[str, float] = {}
+    for e in kernels:
+        if last["ts"] <= e["ts"] <= last["ts"] + last.get("dur", 0):
+            kind = e.get("args", {}).get("op_name", "?")
+            per_type[kind] = per_type.get(kind, 0.0) + float(e.get("dur", 0))
+    total = sum(per_type.values()) or 1.0
+    return sorted(((k, v / total) for k, v in per_type.items()), key=lambda kv: -kv[1])
+
+
+def run_one(name: str, threads: int, rounds: int) -> dict:
+    import numpy as np
+    import torch
+    from torch_twins import torch_inputs, twin_example
+    torch.set_num_threads(threads)
+    module, forward, inputs = twin_example(name)
+    models = {"per_tap": _built(forward, True), "whole_map": _built(forward, False)}
+    sessions = {}
+    for label, model in models.items():
+        session = _session(model, threads)
+        known = {i.name for i in session.get_inputs()}
+        sessions[label] = (session, {k: v for k, v in inputs.items() if k in known})
+    args = torch_inputs(module, inputs)
+    parameters = list(module.parameters())
+
+    def eager():
+        for p in parameters:
+            p.grad = None
+        module(*args).backward()
+
+    steps = {label: (lambda s=s, f=f: s.run(None, f)) for label, (s, f) in sessions.items()}
+    steps["eager"] = eager
+    for step in steps.values():   # warm-up
+        step()
+    seconds: dict[str, list[float]] = {label: [] for label in steps}
+    for _ in range(rounds):
+        for label, step in steps.items():
+            started = time.perf_counter()
+            step()
+            seconds[label].append(time.perf_counter() - started)
+    median = {label: statistics.median(v) for label, v in seconds.items()}
+    # the built graphs' gradients against torch's
+    eager()
+    expected = {pname: p.grad.detach().numpy().astype(np.float64)
+                for pname, p in module.onnx_parameters().items() if p.grad is not None}
+    worst = {}
+    for label, (session, feeds) in sessions.items():
+        names = [o.name for o in session.get_outputs()]
+        outputs = dict(zip(names, session.run(None, feeds)))
+        worst[label] = max((float(np.abs(outputs[f"{pname}_grad"].astype(np.float64) - g).max()) /
+                            (float(np.abs(g).max()) or 1.0)) for pname, g in expected.items()
+                           if f"{pname}_grad" in outputs)
+    session, feeds = sessions["per_tap"]
+    shares = _op_type_shares(models["per_tap"], feeds, threads)
+    return {"model": name, "seconds": median, "worst_gradient_difference": worst, "shares": shares[:4]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--examples", default=",".join(EXAMPLES))
+    parser.add_argument("--threads", default="1", help="1, N, or all (every core)")
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args()
+    threads = os.cpu_count() or 1 if args.threads == "all" else int(args.threads)
+    print(f"threads: {threads}; medians of {args.rounds} steps each, in turn, in one process")
+    print("| model | built, per-tap weight grads (s) | built, whole-map (s) | torch eager (s) | per-tap / eager | "
+          "whole-map / eager | worst gradient difference vs torch: per-tap, whole-map | where ORT's step goes (per-tap) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name in (n for n in args.examples.split(",") if n):
+        r = run_one(name, threads, args.rounds)
+        s = r["seconds"]
+        shares = ", ".join(f"{kind} {share:.0%}" for kind, share in r["shares"])
+        print(f"| {name} | {s['per_tap']:.3f} | {s['whole_map']:.3f} | {s['eager']:.3f} | "
+              f"{s['per_tap'] / s['eager']:.2f}x | {s['whole_map'] / s['eager']:.2f}x | "
+              f"{r['worst_gradient_difference']['per_tap']:.1e}, {r['worst_gradient_difference']['whole_map']:.1e} | {shares} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
