@@ -510,14 +510,17 @@ def fpn():
 class ConvForms(nn.Module):
     """The convolution shapes whose weight gradients the builder writes in different forms
     (graphopt/build/rules.py): a 3-channel stem (whole-map convolution), a dilated 3x3 over 8
-    channels (per tap), a strided depthwise 3x3 (per tap, elementwise), a grouped 3x3 (groups
-    of 4 channels: whole-map, grouped), a strided 1x1, a transposed 3x3 at stride 2, a strided
-    dilated Conv1d and a Conv3d."""
+    channels (per tap), a dilated 3x3 from 16 channels to 8 (per tap, the adjoint moved), a 1x1
+    (per tap; its input gradient a Conv), a strided depthwise 3x3 (per tap, elementwise), a
+    grouped 3x3 (groups of 4 channels: whole-map, grouped), a strided 1x1, a transposed 3x3 at
+    stride 2, a strided dilated Conv1d and a Conv3d."""
 
     def __init__(self):
         super().__init__()
         self.stem = nn.Conv2d(3, 8, 3, padding=1)
         self.dilated = nn.Conv2d(8, 16, 3, padding=2, dilation=2, bias=False)
+        self.narrow = nn.Conv2d(16, 8, 3, padding=2, dilation=2)
+        self.widen = nn.Conv2d(8, 16, 1)
         self.depthwise = nn.Conv2d(16, 16, 3, stride=2, padding=1, groups=16)
         self.grouped = nn.Conv2d(16, 16, 3, padding=1, groups=4, bias=False)
         self.pointwise = nn.Conv2d(16, 16, 1, stride=2)
@@ -529,6 +532,7 @@ class ConvForms(nn.Module):
     def forward(self, x):
         x = torch.tanh(self.stem(x))                       # [N, 8, 16, 16]
         x = torch.tanh(self.dilated(x))                    # [N, 16, 16, 16]
+        x = x + torch.tanh(self.widen(torch.tanh(self.narrow(x))))
         x = torch.tanh(self.grouped(self.depthwise(x)))    # [N, 16, 8, 8]
         x = torch.tanh(self.up(self.pointwise(x)))         # [N, 16, 4, 4] -> [N, 8, 8, 8]
         x = torch.tanh(self.line(x.reshape(x.shape[0], 8, 64)))                  # [N, 8, 32]
