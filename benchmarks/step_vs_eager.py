@@ -2,7 +2,8 @@
 PyTorch eager's for the same model, parameters and inputs (issue 25, item 1), and where ONNX
 Runtime's step goes by operator type.
 
-    python benchmarks/step_vs_eager.py [--examples mlp,resnet] [--threads 1|all|N] [--rounds 7]
+    python benchmarks/step_vs_eager.py [--examples mlp,resnet] [--corpus resnet50,mobilenet_v2]
+        [--size full] [--exporter legacy|dynamo] [--threads 1|all|N] [--rounds 7]
 
 For each bundled example (graphopt/examples.py) and its torch twin (benchmarks/torch_twins.py,
 the same parameters and inputs, the same loss):
@@ -13,9 +14,10 @@ the same parameters and inputs, the same loss):
   arena), and the twin's eager step (forward, loss, backward; every .grad None before it);
 * timed in one process, in turn, `--rounds` rounds of one step each after a warm-up step; the
   medians and their ratios over eager;
-* the worst relative difference of each built graph's gradients from torch's (max |a - b| over
+* (examples) the worst relative difference of each built graph's gradients from torch's (max |a - b| over
   max |b|, per parameter, floored at 1e-3 x the largest gradient), so that a faster formulation
-  that is wrong shows;
+  that is wrong shows; (corpus, tests/real_zoo.py's architectures and their eager step) against
+  torch float64, beside torch float32's own difference from it (real_zoo.gradient_check);
 * one profiled step of the built graph: the share of its kernel time per operator type (top 4).
 
 One thread by default (torch.set_num_threads, ORT's intra-op threads); `--threads all` uses
@@ -78,27 +80,14 @@ def _op_type_shares(model, feeds, threads: int) -> list[tuple[str, float]]:
     return sorted(((k, v / total) for k, v in per_type.items()), key=lambda kv: -kv[1])
 
 
-def run_one(name: str, threads: int, rounds: int) -> dict:
-    import numpy as np
-    import torch
-    from torch_twins import torch_inputs, twin_example
-    torch.set_num_threads(threads)
-    module, forward, inputs = twin_example(name)
-    models = {"per_tap": _built(forward, True), "whole_map": _built(forward, False)}
-    sessions = {}
+def _timed(models: dict, feeds: dict, eager, threads: int, rounds: int) -> dict:
+    """Median seconds of a step of each model's default session and of `eager`, in turn."""
+    steps = {}
     for label, model in models.items():
         session = _session(model, threads)
         known = {i.name for i in session.get_inputs()}
-        sessions[label] = (session, {k: v for k, v in inputs.items() if k in known})
-    args = torch_inputs(module, inputs)
-    parameters = list(module.parameters())
-
-    def eager():
-        for p in parameters:
-            p.grad = None
-        module(*args).backward()
-
-    steps = {label: (lambda s=s, f=f: s.run(None, f)) for label, (s, f) in sessions.items()}
+        fed = {k: v for k, v in feeds.items() if k in known}
+        steps[label] = (lambda s=session, f=fed: s.run(None, f))
     steps["eager"] = eager
     for step in steps.values():   # warm-up
         step()
@@ -108,8 +97,26 @@ def run_one(name: str, threads: int, rounds: int) -> dict:
             started = time.perf_counter()
             step()
             seconds[label].append(time.perf_counter() - started)
-    median = {label: statistics.median(v) for label, v in seconds.items()}
-    # the built graphs' gradients against torch's
+    return {label: statistics.median(v) for label, v in seconds.items()}
+
+
+def run_example(name: str, threads: int, rounds: int) -> dict:
+    import numpy as np
+    import torch
+    from torch_twins import torch_inputs, twin_example
+    torch.set_num_threads(threads)
+    module, forward, inputs = twin_example(name)
+    models = {"per_tap": _built(forward, True), "whole_map": _built(forward, False)}
+    args = torch_inputs(module, inputs)
+    parameters = list(module.parameters())
+
+    def eager():
+        for p in parameters:
+            p.grad = None
+        module(*args).backward()
+
+    median = _timed(models, inputs, eager, threads, rounds)
+    # the built graphs' gradients against torch's (float32, the twin's)
     eager()
     expected = {pname: p.grad.detach().numpy().astype(np.float64)
                 for pname, p in module.onnx_parameters().items() if p.grad is not None}
@@ -117,35 +124,83 @@ def run_one(name: str, threads: int, rounds: int) -> dict:
     # both sides: its denominator is floored at 1e-3 x the model's largest gradient
     floor = 1e-3 * max(float(np.abs(g).max()) for g in expected.values())
     worst = {}
-    for label, (session, feeds) in sessions.items():
+    for label, model in models.items():
+        session = _session(model, threads)
+        known = {i.name for i in session.get_inputs()}
         names = [o.name for o in session.get_outputs()]
-        outputs = dict(zip(names, session.run(None, feeds)))
+        outputs = dict(zip(names, session.run(None, {k: v for k, v in inputs.items() if k in known})))
         worst[label] = max((float(np.abs(outputs[f"{pname}_grad"].astype(np.float64) - g).max()) /
                             max(float(np.abs(g).max()), floor)) for pname, g in expected.items()
                            if f"{pname}_grad" in outputs)
-    session, feeds = sessions["per_tap"]
+    shares = _op_type_shares(models["per_tap"], inputs, threads)
+    return {"model": name, "seconds": median, "worst_gradient_difference": worst, "against": "torch float32",
+            "shares": shares[:4]}
+
+
+def run_corpus(name: str, size: str, exporter: str, threads: int, rounds: int) -> dict:
+    """A real architecture of tests/real_zoo.py: its gradients against torch float64
+    (real_zoo.gradient_check; `floor` is torch float32's own difference from float64)."""
+    import torch
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    import real_zoo
+    from graphopt.build.train_graph import build_training_graph
+    torch.set_num_threads(threads)
+    model = real_zoo.CORPUS[name](size)
+    forward = real_zoo.export(model, exporter)
+    from graphopt.build import rules
+    models = {}
+    for label, per_tap in (("per_tap", True), ("whole_map", False)):
+        saved, rules.PER_TAP_WEIGHT_GRADIENTS = rules.PER_TAP_WEIGHT_GRADIENTS, per_tap
+        try:
+            models[label] = build_training_graph(forward, loss="cross_entropy", class_axis=model.class_axis)
+        finally:
+            rules.PER_TAP_WEIGHT_GRADIENTS = saved
+    feeds = real_zoo.model_feeds(model)
+    module = real_zoo._train_mode(model.module)
+    args = list(model.inputs.values())
+    axis_of = model.class_axis
+
+    def eager():
+        module.zero_grad(set_to_none=True)
+        out = module(*args)
+        axis = axis_of if axis_of is not None else (1 if out.dim() == 2 else out.dim() - 1)
+        torch.nn.functional.cross_entropy(out.movedim(axis, 1), model.labels).backward()
+
+    median = _timed(models, feeds, eager, threads, rounds)
+    worst, floor = {}, 0.0
+    for label, train in models.items():
+        check = real_zoo.gradient_check(model, forward, train, threads=threads, sensitivity_samples=0)
+        worst[label] = check["grad_error_fp64"]
+        floor = check["torch_fp32_vs_fp64"]
     shares = _op_type_shares(models["per_tap"], feeds, threads)
-    return {"model": name, "seconds": median, "worst_gradient_difference": worst, "shares": shares[:4]}
+    return {"model": f"{name} ({exporter})", "seconds": median, "worst_gradient_difference": worst,
+            "against": f"torch float64 (torch float32: {floor:.1e})", "shares": shares[:4]}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--examples", default=",".join(EXAMPLES))
+    parser.add_argument("--corpus", default="", help="real architectures of tests/real_zoo.py, e.g. resnet50,mobilenet_v2")
+    parser.add_argument("--size", default="full", choices=("tiny", "full", "large"))
+    parser.add_argument("--exporter", default="legacy", choices=("legacy", "dynamo"))
     parser.add_argument("--threads", default="1", help="1, N, or all (every core)")
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
     threads = os.cpu_count() or 1 if args.threads == "all" else int(args.threads)
     print(f"threads: {threads}; medians of {args.rounds} steps each, in turn, in one process")
     print("| model | built, per-tap weight grads (s) | built, whole-map (s) | torch eager (s) | per-tap / eager | "
-          "whole-map / eager | worst gradient difference vs torch: per-tap, whole-map | where ORT's step goes (per-tap) |")
+          "whole-map / eager | worst gradient difference: per-tap, whole-map (against) | where ORT's step goes (per-tap) |")
     print("|---|---|---|---|---|---|---|---|")
-    for name in (n for n in args.examples.split(",") if n):
-        r = run_one(name, threads, args.rounds)
+    jobs = [(run_example, (n, threads, args.rounds)) for n in args.examples.split(",") if n]
+    jobs += [(run_corpus, (n, args.size, args.exporter, threads, args.rounds)) for n in args.corpus.split(",") if n]
+    for run, job in jobs:
+        r = run(*job)
         s = r["seconds"]
         shares = ", ".join(f"{kind} {share:.0%}" for kind, share in r["shares"])
-        print(f"| {name} | {s['per_tap']:.3f} | {s['whole_map']:.3f} | {s['eager']:.3f} | "
+        print(f"| {r['model']} | {s['per_tap']:.3f} | {s['whole_map']:.3f} | {s['eager']:.3f} | "
               f"{s['per_tap'] / s['eager']:.2f}x | {s['whole_map'] / s['eager']:.2f}x | "
-              f"{r['worst_gradient_difference']['per_tap']:.1e}, {r['worst_gradient_difference']['whole_map']:.1e} | {shares} |", flush=True)
+              f"{r['worst_gradient_difference']['per_tap']:.1e}, {r['worst_gradient_difference']['whole_map']:.1e} "
+              f"({r['against']}) | {shares} |", flush=True)
 
 
 if __name__ == "__main__":
