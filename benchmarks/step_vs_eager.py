@@ -43,7 +43,9 @@ EXAMPLES = ("mlp", "resnet", "densenet", "unet", "transformer", "randwire")
 
 def _session(model, threads: int, profile_prefix: str | None = None):
     import onnxruntime as ort
+    ort.set_default_logger_severity(3)   # no warning per initializer that is also an input
     options = ort.SessionOptions()
+    options.log_severity_level = 3
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
     if profile_prefix:
