@@ -27,6 +27,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 
 from onnx_ad import rules as _onnx_ad_rules
 from onnx_ad._build import UnsupportedOperator, attribute
@@ -86,6 +87,10 @@ def weight_gradient(ctx, source, source_shape, adjoint, adjoint_shape, kernel, s
 # faster, 3 x 3 over 8-256 channels 1.6-2.6x at stride 1 and 0.9-1.6x at stride 2; over 3 channels
 # (a stem) it was slower (0.3-0.8x), so fewer channels keep the whole-map convolution.
 PER_TAP_MIN_CHANNELS = 8
+# A depthwise weight gradient per tap up to this many taps (3 x 3): with its 7 x 7 depthwise layers
+# per tap, ConvNeXt-T's step took 1.74x torch eager's against 1.53x whole-map
+# (benchmarks/step_vs_eager.py, one thread)
+DEPTHWISE_MAX_TAPS = 9
 PER_TAP_WEIGHT_GRADIENTS = True   # False: every weight gradient as before (benchmarks/step_vs_eager.py compares)
 
 
@@ -100,8 +105,9 @@ def per_tap_applies(source_shape, adjoint_shape, kernel, group) -> bool:
     channels = source_shape[1]
     if group != 1 and not group == channels == adjoint_shape[1]:
         return False
-    return all(k == 1 for k in kernel) or channels // group >= PER_TAP_MIN_CHANNELS or (
-        group != 1 and channels >= PER_TAP_MIN_CHANNELS)
+    if group != 1:   # depthwise: a Slice, a Mul and a ReduceSum per tap
+        return channels >= PER_TAP_MIN_CHANNELS and math.prod(kernel) <= DEPTHWISE_MAX_TAPS
+    return all(k == 1 for k in kernel) or channels >= PER_TAP_MIN_CHANNELS
 
 
 def per_tap_weight_gradient(ctx, source, source_shape, adjoint, adjoint_shape, kernel, strides, dilations,
