@@ -16,6 +16,11 @@ built graph's own peak stays near PyTorch eager's (benchmarks/builder_vs_eager.p
   start of the step for every layer (Swin-T full: 182 -> 134 MiB).
 * outputs_written_in_place: a graph output that is a Reshape of an intermediate is a copy in
   ONNX Runtime; the producer writes the gradient output itself.
+* masks_as_products: Where(mask, g, 0) (the gradients of Clip, ReLU6, Max/Min masks) ->
+  g * Cast(mask): ONNX Runtime's CPU Where broadcasts the scalar zero element by element, 50x
+  slower than Cast and Mul on a [8, 144, 16, 16, 1] gradient (7.49 against 0.15 ms, one
+  thread); MobileNetV2's step spent 37% of its time in Where. The same values for finite
+  gradients; a non-finite one masked out becomes NaN instead of 0 (training has diverged there).
 * loss_first: the loss-only nodes go last in the file, so ORT's default order computes the
   loss right after the forward instead of after the backward.
 
@@ -493,4 +498,57 @@ def transposed_weights_into_gemm(model: onnx.ModelProto, shapes: dict[str, list]
         replaced += 1
     if replaced:
         _splice(graph, every, before, dead)
+    return replaced
+
+
+def masks_as_products(model: onnx.ModelProto, loss: str) -> int:
+    """Where(mask, g, zero) -> Mul(g, Cast(mask)) and Where(mask, zero, g) -> Mul(g, Cast(Not(mask)))
+    where `zero` is a constant of zeros with one element (the module docstring says why), in the
+    backward only (what the `loss` does not read: a forward Where may mask out infinities, such
+    as attention scores, which a product would turn into NaN). In place; returns how many Where
+    nodes went."""
+    graph = model.graph
+    producers = {o: n for n in graph.node for o in n.output if o}
+    forward, stack = set(), [loss]
+    while stack:
+        name = stack.pop()
+        if name in forward:
+            continue
+        forward.add(name)
+        producer = producers.get(name)
+        if producer is not None:
+            stack.extend(i for i in producer.input if i)
+    constants = small_constants(model, max_elements=1)
+    names = Names(model)
+    replaced, dead, before = 0, set(), {}
+    for node in graph.node:
+        if node.op_type != "Where" or node.domain not in ("", "ai.onnx") or len(node.input) != 3 \
+                or node.output[0] in forward:
+            continue
+        zero_at = [k for k in (1, 2) if node.input[k] in constants and constants[node.input[k]].size == 1
+                   and not np.any(constants[node.input[k]]) and constants[node.input[k]].dtype.kind == "f"]
+        if len(zero_at) != 1:
+            continue
+        zero = constants[node.input[zero_at[0]]]
+        mask = node.input[0]
+        added = []
+        if zero_at[0] == 1:   # Where(mask, 0, g): g where the mask is false
+            negated = names.fresh(mask + "_not")
+            added.append(helper.make_node("Not", [mask], [negated], name=names.fresh(node.name + "_not")))
+            mask = negated
+        as_float = names.fresh(mask + "_as_float")
+        added.append(helper.make_node("Cast", [mask], [as_float], name=names.fresh(node.name + "_cast"),
+                                      to=helper.np_dtype_to_tensor_dtype(zero.dtype)))
+        kept = node.input[3 - zero_at[0]]
+        # the zero's shape may add leading axes of 1 to the output: Where broadcast all three
+        product = node.output[0] if zero.ndim == 0 else names.fresh(node.output[0] + "_product")
+        added.append(helper.make_node("Mul", [kept, as_float], [product], name=names.fresh(node.name + "_mul")))
+        if zero.ndim:
+            added.append(helper.make_node("Add", [product, node.input[zero_at[0]]], [node.output[0]],
+                                          name=names.fresh(node.name + "_shaped")))
+        before[id(node)] = added
+        dead.add(id(node))
+        replaced += 1
+    if replaced:
+        _splice(graph, list(graph.node), before, dead)
     return replaced

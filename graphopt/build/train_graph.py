@@ -38,7 +38,7 @@ from . import rules
 from .deterministic import scatter_nd_rows_to_elements, static_shapes
 from .graph_util import Names, infer_shapes, sequence_splits_to_split, small_constants
 from .embedding_grad import lean_embedding_gradients
-from .lean import (gradients_early, loss_first, outputs_written_in_place, pads_sum_to_concat,
+from .lean import (gradients_early, loss_first, masks_as_products, outputs_written_in_place, pads_sum_to_concat,
                    recompute_gelu_intermediates, transposed_products,
                    transposed_weights_into_gemm)
 from .file_order import default_order, leanest_file_order
@@ -579,7 +579,8 @@ def _finish(model, loss, loss_shape, loss_type, params, initializers, extras, ty
     scatter_nd_rows_to_elements(model)
     shapes = static_shapes(model)
     if pads_sum_to_concat(model, shapes) + transposed_products(model, shapes) \
-            + lean_embedding_gradients(model, shapes) + transposed_weights_into_gemm(model, shapes):
+            + lean_embedding_gradients(model, shapes) + transposed_weights_into_gemm(model, shapes) \
+            + masks_as_products(model, loss):
         model = cleanup_graph(model)
         shapes = static_shapes(model)
     if outputs_written_in_place(model, shapes):
