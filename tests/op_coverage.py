@@ -18,7 +18,7 @@ START, END = "<!-- op-coverage:start -->", "<!-- op-coverage:end -->"
 # where an operator's gradient comes from, when not from onnx-ad's rule as it is
 GRAPHOPT_RULES = {
     "BatchNormalization": "graphopt (training mode: through the batch statistics; reads only the input)",
-    "Conv": "onnx-ad; graphopt for a grouped weight",
+    "Conv": "onnx-ad (inputs, 3-channel weights); graphopt for weights per tap, grouped weights, 1x1 inputs",
     "ConvTranspose": "onnx-ad for the input; graphopt for the weight",
     "Relu": "graphopt (reads the output, not the input)",
     "LeakyRelu": "graphopt (reads the output)",
