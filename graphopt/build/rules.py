@@ -82,8 +82,8 @@ def weight_gradient(ctx, source, source_shape, adjoint, adjoint_shape, kernel, s
 
 
 # A weight gradient written per kernel tap (`per_tap_weight_gradient`) where the input has at
-# least this many channels per group, or the kernel is 1 x 1: measured (onnxruntime 1.32, CPU,
-# one thread, against the whole-map convolution of `weight_gradient`): 1 x 1 kernels 4.7-12x
+# least this many channels per group, or the kernel is 1 x 1: measured by hand (onnxruntime 1.32,
+# CPU, one thread, one weight gradient alone, against the whole-map convolution of `weight_gradient`): 1 x 1 kernels 4.7-12x
 # faster, 3 x 3 over 8-256 channels 1.6-2.6x at stride 1 and 0.9-1.6x at stride 2; over 3 channels
 # (a stem) it was slower (0.3-0.8x), so fewer channels keep the whole-map convolution.
 PER_TAP_MIN_CHANNELS = 8
@@ -91,7 +91,9 @@ PER_TAP_MIN_CHANNELS = 8
 # per tap, ConvNeXt-T's step took 1.74x torch eager's against 1.53x whole-map
 # (benchmarks/step_vs_eager.py, one thread)
 DEPTHWISE_MAX_TAPS = 9
-PER_TAP_WEIGHT_GRADIENTS = True   # False: every weight gradient as before (benchmarks/step_vs_eager.py compares)
+# False: every Conv gradient as before (weights as whole-map convolutions, 1 x 1 inputs as
+# ConvTranspose); benchmarks/step_vs_eager.py and builder_vs_eager.py compare the two
+PER_TAP_WEIGHT_GRADIENTS = True
 
 
 def per_tap_applies(source_shape, adjoint_shape, kernel, group) -> bool:
@@ -123,8 +125,9 @@ def per_tap_weight_gradient(ctx, source, source_shape, adjoint, adjoint_shape, k
     k*dilation in zeros the size of the padded source (a Pad of F channels, not a Slice of C),
     multiplied with the whole source. Each Gemm takes the larger operand first: measured
     (onnxruntime 1.32, CPU, one thread) a [16, K] @ [128, K]^T product took 1.77 ms against 0.88
-    the other way round. One tap's moved copy is alive at a time beside the two transposed
-    copies the whole-map convolution holds too."""
+    the other way round. In the file's order one tap's moved copy is alive at a time beside the
+    two transposed copies the whole-map convolution holds too (under a plain session ONNX
+    Runtime's transpose optimizer makes it hold more: README, "What it costs in memory")."""
     op, ints = ctx.b.op, ctx.b.ints
     spatial = len(kernel)
     channels = source_shape[1]
