@@ -9,6 +9,7 @@ original's is never returned. `analyze_model` annotates and predicts without rew
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 
 import onnx
@@ -18,7 +19,7 @@ from .pipeline import (BUDGET_RETRIES, ORIGINAL_UNOPTIMIZED, OptimizeResult, Pre
                        solver_exact)
 from .pipeline import plan as _plan   # analyze_model's argument `plan` is a flag
 from .report import (OUTCOME_OPTIMIZED, OUTCOME_ORIGINAL, OUTCOME_UNMEASURED, OWN_MEMORY_FACTOR, GraphoptMemory, Report,
-                     summary_text)
+                     StageSeconds, summary_text)
 from .runtime.rss import ChildPeaks, peak_rss_bytes, process_peak_bytes, reset_peak_rss, rss_bytes, tracking_children
 from .runtime.isolated import save_model as save_model
 
@@ -27,18 +28,45 @@ def optimize(model: onnx.ModelProto, options: OptimizeOptions | None = None) -> 
     """Annotate, plan, rewrite, verify and measure `model` (left untouched); deliver under the
     contracts of graphopt/pipeline.py."""
     options = options or OptimizeOptions()
-    progress = options.progress or (lambda stage, fraction: None)
+    clock = StageClock(options.progress)
+    options = dataclasses.replace(options, progress=clock)
     started = time.perf_counter()
     reset_peak_rss()
     main_start_bytes = rss_bytes()
     # every ONNX Runtime run in a fresh process, one at a time, models and outputs on disk
     with tracking_children() as children, prepare(model, options) as prepared:
-        progress("plan", 0.3)
+        clock("plan", 0.3)
         chosen = plan(prepared, options)
         result = deliver(prepared, chosen, options)
     result.report.graphopt_memory = _own_memory(result.report, children, main_start_bytes)
     result.report.total_seconds = time.perf_counter() - started
+    result.report.stages = clock.stages()
     return result
+
+
+class StageClock:
+    """A progress callback that passes each stage on to `progress` and times it: wall seconds,
+    and CPU seconds of this process and of the children it waited for (`os.times`), from one
+    stage's message to the next (`stages`: the last one ends when it is called)."""
+
+    def __init__(self, progress=None) -> None:
+        self.progress = progress
+        self._marks: list[tuple[str, float, float]] = []   # (stage, wall, cpu) at its start
+
+    @staticmethod
+    def _cpu_seconds() -> float:
+        t = os.times()
+        return t.user + t.system + t.children_user + t.children_system
+
+    def __call__(self, stage: str, fraction: float) -> None:
+        self._marks.append((stage, time.perf_counter(), self._cpu_seconds()))
+        if self.progress is not None:
+            self.progress(stage, fraction)
+
+    def stages(self) -> list[StageSeconds]:
+        ends = self._marks[1:] + [("", time.perf_counter(), self._cpu_seconds())]
+        return [StageSeconds(stage, wall_seconds=end_wall - wall, cpu_seconds=end_cpu - cpu)
+                for (stage, wall, cpu), (_, end_wall, end_cpu) in zip(self._marks, ends)]
 
 
 def _own_memory(report: Report, children: ChildPeaks, main_start_bytes: int | None) -> GraphoptMemory:

@@ -335,6 +335,15 @@ class GraphoptMemory(_Json):
 
 
 @dataclass
+class StageSeconds(_Json):
+    """One stage of `optimize`, from its progress message to the next: wall seconds, and CPU
+    seconds of this process and of the children it waited for (ONNX Runtime runs in children)."""
+    stage: str
+    wall_seconds: float
+    cpu_seconds: float
+
+
+@dataclass
 class Report(_Json):
     """Everything `optimize` says about its work (see the module docstring)."""
     loss: str
@@ -377,6 +386,7 @@ class Report(_Json):
     reduced: ReducedSize | None = None  # the step annotated and verified at reduced batches
     graphopt_memory: GraphoptMemory | None = None
     total_seconds: float = 0.0
+    stages: list[StageSeconds] = field(default_factory=list)   # where total_seconds went, in order
 
     def to_dict(self) -> dict:
         return {f.name: _to_json(getattr(self, f.name)) for f in dataclasses.fields(self)}
@@ -478,6 +488,8 @@ def summary_text(report: Report) -> str:
                      f"{_mib(own.baseline_bytes or 0)} baseline = {_mib(own.bound_bytes or 0)}: "
                      + ("within" if own.within_bound else "EXCEEDED"))
         lines.append(line)
+    if report.stages:
+        lines.append(stages_line(report.stages, report.total_seconds))
     if report.outcome == OUTCOME_ORIGINAL:
         lines.append("OUTCOME: NOT IMPROVED, the original model is returned: " + report.outcome_reason)
     elif report.outcome == OUTCOME_UNMEASURED:
@@ -487,7 +499,19 @@ def summary_text(report: Report) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["Report", "summary_text", "OUTCOME_OPTIMIZED", "OUTCOME_ORIGINAL", "OUTCOME_UNMEASURED",
+def stages_line(stages: list[StageSeconds], total_seconds: float) -> str:
+    """One line of where `optimize`'s time went: each stage's wall seconds (its label up to a
+    colon; repeated labels summed, in the order first seen) and the CPU seconds of all of them."""
+    wall: dict[str, float] = {}
+    for s in stages:
+        label = s.stage.split(":")[0]
+        wall[label] = wall.get(label, 0.0) + s.wall_seconds
+    cpu = sum(s.cpu_seconds for s in stages)
+    return (f"time {total_seconds:.1f} s ({cpu:.1f} s CPU): "
+            + ", ".join(f"{label} {seconds:.1f} s" for label, seconds in wall.items()))
+
+
+__all__ = ["Report", "summary_text", "stages_line", "StageSeconds", "OUTCOME_OPTIMIZED", "OUTCOME_ORIGINAL", "OUTCOME_UNMEASURED",
            "NodeCounts", "Predicted", "PredictedRun", "AnnotationSummary", "Measured", "MeasuredRun", "Ratios",
            "PredictionError", "OutputsDiffer", "Deviation", "OrderResult", "PlanTried", "OrderReport",
            "RejectedForOutputs", "BudgetAttempt", "PlanMeasured", "RejectedPlan", "Objective", "OverheadAttempt",

@@ -7,7 +7,7 @@ import pytest
 
 from graphopt.errors import BudgetInfeasibleError
 from graphopt.examples import EXAMPLES, training_example
-from graphopt.optimize import OptimizeOptions, optimize
+from graphopt.optimize import OptimizeOptions, optimize, summary_text
 from graphopt.pipeline import measure_model, prepare, rewrite_plan
 from graphopt.search import chen_sqrt
 
@@ -44,6 +44,20 @@ def test_measured_peak_saving(name):
     # (randwire highest: its random wiring leaves little to recompute), / default 0.18-0.58.
     assert ratios.peak_vs_default_session <= 0.65, ratios
     assert ratios.peak_vs_optimizations_off <= 0.85, ratios
+
+
+def test_report_says_where_the_time_went():
+    """Each stage's wall and CPU seconds: together the whole call; the plan stage holds the
+    search; ONNX Runtime's work, done in children, is counted in CPU time."""
+    report = report_for("mlp")
+    stages = {s.stage: s for s in report.stages}
+    assert {"annotate", "time", "plan", "verify", "measure"} <= set(stages), list(stages)
+    wall = sum(s.wall_seconds for s in report.stages)
+    assert 0.95 * report.total_seconds <= wall <= report.total_seconds
+    assert stages["plan"].wall_seconds >= report.search_seconds
+    # a measuring child works while this process waits: its CPU seconds are the stage's
+    assert stages["measure"].cpu_seconds >= 0.3 * stages["measure"].wall_seconds, stages["measure"]
+    assert "time" in summary_text(report).splitlines()[-2]
 
 
 _chen = {}
