@@ -47,7 +47,9 @@ def _input_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input-dims", action="append", default=[], metavar="NAME=D1,D2,...",
                         help="values of symbolic input dimensions, e.g. x=4,3,224,224 (repeatable)")
     parser.add_argument("--inputs", type=Path, help="inputs as .npz (default: synthesized)")
-    parser.add_argument("--threads", type=int, default=1, help="ONNX Runtime intra-op threads (default 1)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="ONNX Runtime intra-op threads of the runs that time and measure (default: the "
+                             "machine's cores; outputs are always verified at one thread)")
 
 
 def _load_inputs(args, model):
@@ -90,7 +92,10 @@ def options_from_args(args, **extra):
     --no-verify, --no-measure: verify, measure); `extra` sets inputs and progress."""
     from .inputs import parse_input_dims
     from .optimize import OptimizeOptions
-    values = {"loss": args.loss, "strategy": args.strategy, "threads": args.threads,
+    from .runtime.session import machine_cores
+    # in this process: the machine's cores by default; on a server, whose jobs run side by side: one
+    threads = args.threads or (1 if getattr(args, "server", None) else machine_cores())
+    values = {"loss": args.loss, "strategy": args.strategy, "threads": threads,
               "input_dims": parse_input_dims(args.input_dims)}
     for flag, name in (("budget", "budget_bytes"), ("memory_limit", "memory_limit_bytes"),
                        ("tolerance", "tolerance"), ("objective", "objective"),
@@ -173,7 +178,8 @@ def cmd_measure(args) -> int:
     with tempfile.TemporaryDirectory(prefix="graphopt-") as tmp:
         inputs_path = Path(tmp) / "inputs.npz"
         save_inputs(inputs_path, inputs)
-        m = measure(args.model, inputs_path, settings, threads=args.threads, repeats=args.repeats)
+        from .runtime.session import machine_cores
+        m = measure(args.model, inputs_path, settings, threads=args.threads or machine_cores(), repeats=args.repeats)
     result = {"model": str(args.model), "peak_bytes": m.peak_bytes, "step_seconds": m.step_seconds,
               "provider": m.provider, "method": m.method, "session": settings.to_dict()}
     print(json.dumps(result, indent=2) if args.json else
@@ -396,7 +402,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strategy", default=DEFAULT_STRATEGY, choices=sorted(STRATEGIES))
     p.add_argument("--loss", help="name of the loss output (default: the first output)")
     p.add_argument("--input-dims", action="append", default=[], metavar="NAME=D1,D2,...")
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads (default: the machine's cores)")
     _server_options(p)
     p.set_defaults(func=cmd_analyze)
 
@@ -439,7 +445,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log", type=Path, help="CSV of step,loss")
     p.add_argument("--out", type=Path, help="write the graph with the trained parameters and state as defaults")
     p.add_argument("--provider", help="ONNX Runtime execution provider (default: CUDA when present, else CPU)")
-    p.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads (default: ONNX Runtime's)")
+    p.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads (default: ONNX Runtime's, one per "
+                                               "physical core)")
     p.add_argument("--memory-limit", type=parse_bytes, metavar="BYTES",
                    help="what the training may hold at once on its device (e.g. 1GiB): ONNX Runtime's arena is "
                         "capped at it less the weights, state and batch; a step that needs more fails")

@@ -970,7 +970,7 @@ def _new_report(prepared: Prepared, chosen: Plan, rewritten: onnx.ModelProto, op
         objective=_objective(prepared, chosen, options),
         annotations=AnnotationSummary(annotations.provider, len(annotations.tensor_bytes),
                                       len(annotations.node_seconds)),
-        provider=annotations.provider, session=PLANNED_SETTINGS.to_dict(),
+        provider=annotations.provider, threads=options.threads, session=PLANNED_SETTINGS.to_dict(),
         base_order=BaseOrder(chosen.notes.get("base_order", prepared.base_order), dict(prepared.base_order_peaks),
                              dict(chosen.notes.get("base_order_peak_bytes", {}))))
     _describe(report, chosen, rewritten)

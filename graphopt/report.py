@@ -356,6 +356,7 @@ class Report(_Json):
     predicted: Predicted
     annotations: AnnotationSummary
     provider: str = ""                  # where ONNX Runtime ran (annotation and measurement)
+    threads: int = 1                    # its intra-op threads there (outputs verified at one)
     outcome: str = ""                   # OUTCOME_*
     outcome_reason: str = ""
     budget_bytes: int | None = None
@@ -431,7 +432,8 @@ def summary_text(report: Report) -> str:
     rejected = report.rejected
     if report.measured is not None:
         m = report.measured
-        lines.append(f"measured peak of one training step in ONNX Runtime ({report.provider}"
+        lines.append(f"measured peak of one training step in ONNX Runtime ({report.provider}, "
+                     f"{report.threads} thread{'s' if report.threads != 1 else ''}"
                      + (f", {report.measurement_method}" if report.measurement_method else "") + "):")
         rows = [("original_default_session", m.original_default_session),
                 ("original_optimizations_off", m.original_optimizations_off)]

@@ -8,6 +8,7 @@ import pytest
 
 from graphopt.examples import forward_example, training_example
 from graphopt.report import Report, summary_text
+from graphopt.runtime.session import machine_cores
 
 
 def graphopt(*args, check=True):
@@ -37,6 +38,9 @@ def test_optimize_writes_model_and_report(small_training, tmp_path):
         assert key in report
     assert report["order_followed"] is True and report["provider"] == "CPUExecutionProvider"
     assert report["measurement_method"] == report["measured"]["optimized"]["method"] != ""
+    # timed and measured at the machine's cores by default, and said so
+    assert report["threads"] == machine_cores()
+    assert f"({report['provider']}, {machine_cores()} thread" in proc.stdout
     # the JSON reads back as the typed report, and the summary printed is the one renderer's
     typed = Report.from_dict(report)
     assert typed.to_dict() == report

@@ -215,6 +215,15 @@ def session_options(
     return so
 
 
+def machine_cores() -> int:
+    """The cores this process may run on (its CPU affinity; a container's CPU set): the CLI's
+    default ONNX Runtime intra-op threads for the runs that judge a plan."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
 def default_providers() -> list[str]:
     """CUDAExecutionProvider first when this onnxruntime has it, then CPU."""
     avail = ort.get_available_providers()

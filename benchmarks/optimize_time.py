@@ -1,0 +1,84 @@
+"""Where `graphopt optimize`'s time goes (issue 25, item 4), model by model.
+
+    python benchmarks/optimize_time.py [--examples mlp,resnet] [--corpus resnet50,gpt2]
+        [--size full] [--exporter legacy] [--threads N]
+
+Each model's training graph (the bundled examples, tests/real_zoo.py's corpus) is written to
+a folder and optimized by the CLI as a user runs it (`graphopt optimize`, its defaults; a fresh
+process per model); its report's `stages` give each stage's wall seconds, and the plan stage's
+CPU seconds are the search's. Printed side by side: the original's step under ONNX Runtime's
+default session (the report's baseline), optimize's wall time and its ratio to that step (the
+issue's goal: at most 30x), the search's CPU seconds (goal: at most 2 s), the stages, the
+outcome.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+for _path in (ROOT, HERE):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
+
+
+def run_one(kind: str, name: str, args) -> dict:
+    import onnx
+
+    from graphopt.inputs import save_inputs
+    from memory_limit import _model
+    train, inputs = _model(kind, name, args.size, args.exporter, None)
+    row = {"model": name if kind == "example" else f"{name}-{args.exporter}"}
+    with tempfile.TemporaryDirectory(prefix="graphopt-time-") as tmp:
+        path, inputs_path, out, report_path = (os.path.join(tmp, f) for f in
+                                               ("train.onnx", "inputs.npz", "opt.onnx", "r.json"))
+        onnx.save(train, path)
+        save_inputs(inputs_path, inputs)
+        del train, inputs
+        cmd = [sys.executable, "-m", "graphopt.cli", "optimize", path, "--inputs", inputs_path, "-o", out,
+               "--report", report_path] + (["--threads", str(args.threads)] if args.threads else [])
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            row["error"] = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else str(done.returncode)
+            return row
+        report = json.load(open(report_path))
+    stages: dict[str, float] = {}
+    for s in report["stages"]:
+        label = s["stage"].split(":")[0]
+        stages[label] = stages.get(label, 0.0) + s["wall_seconds"]
+    plan_cpu = sum(s["cpu_seconds"] for s in report["stages"] if s["stage"] == "plan")
+    row.update(step=report["objective"]["baseline_step_seconds"], total=report["total_seconds"],
+               search_cpu=plan_cpu, stages=stages, outcome=report["outcome"], threads=report["threads"])
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--examples", default="mlp,resnet,densenet,unet,transformer,randwire")
+    parser.add_argument("--corpus", default="")
+    parser.add_argument("--size", default="full", choices=("tiny", "full", "large"))
+    parser.add_argument("--exporter", default="legacy", choices=("legacy", "dynamo"))
+    parser.add_argument("--threads", type=int, default=None, help="default: the CLI's (the machine's cores)")
+    args = parser.parse_args()
+    jobs = [("example", n) for n in args.examples.split(",") if n] + [("corpus", n) for n in args.corpus.split(",") if n]
+    print("| model | threads | default-session step (s) | optimize (s) | optimize / step | search CPU (s) | "
+          "stages (wall s) | outcome |")
+    print("|---|---|---|---|---|---|---|---|")
+    for kind, name in jobs:
+        row = run_one(kind, name, args)
+        if "error" in row:
+            print(f"| {row['model']} | | | | | | error: {row['error']} | |", flush=True)
+            continue
+        stages = ", ".join(f"{k} {v:.1f}" for k, v in row["stages"].items() if v >= 0.05)
+        print(f"| {row['model']} | {row['threads']} | {row['step']:.3f} | {row['total']:.1f} | "
+              f"{row['total'] / row['step']:.0f}x | {row['search_cpu']:.1f} | {stages} | {row['outcome']} |",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
