@@ -375,20 +375,18 @@ def test_auto_says_exact_only_at_the_peak_floor():
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_auto_reuses_budgetless_seeds_without_changing_its_plans(seed):
-    """auto solves the seeds that take no budget once per graph and reuses them for later
-    budgets: every plan is the one a fresh copy of the graph gets (a cache keyed wrongly, or
-    holding a seed that takes a budget, gives another plan)."""
+@pytest.mark.parametrize("name", ["auto", "kusumoto"])
+def test_what_no_budget_changes_is_reused_without_changing_plans(name, seed):
+    """auto's seeds that take no budget, and Kusumoto's model, lower sets and least-peak chain,
+    are made once per graph and reused for later budgets: every plan is the one a fresh copy of
+    the graph gets (a cache keyed wrongly, or holding what a budget changes, gives another)."""
+    solve = STRATEGIES[name]
     graph = branching_cost_graph(60, seed)
-    least = auto(graph)
+    least = solve(graph)
     budgets = [None] + [least.peak_bytes + (store_all(graph).peak_bytes - least.peak_bytes) * k // 4
                         for k in (1, 2, 3)]
-    warm = []
-    for budget in budgets:
-        plan = auto(graph, budget_bytes=budget)
-        warm.append(plan)
+    warm = [solve(graph, budget_bytes=budget) for budget in budgets]
     for budget, plan in zip(budgets, warm):
-        cold = auto(CostGraph.from_dict(graph.to_dict()), budget_bytes=budget)
+        cold = solve(CostGraph.from_dict(graph.to_dict()), budget_bytes=budget)
         assert (cold.checkpoints, cold.peak_bytes, cold.recompute_seconds) == \
             (plan.checkpoints, plan.peak_bytes, plan.recompute_seconds), budget
-        assert cold.notes["seeds"] == auto(graph, budget_bytes=budget).notes["seeds"]

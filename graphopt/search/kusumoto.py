@@ -70,7 +70,9 @@ most `max_lower_sets`); approximate: the n+1 lower sets {} and "ancestor closure
 """
 from __future__ import annotations
 
+import dataclasses
 import time
+import weakref
 from dataclasses import dataclass, field
 
 from ..costgraph import CostGraph
@@ -593,6 +595,17 @@ def _least_peak(model: Model, family: list[int]) -> int:
 # ----------------------------------------------------------------------------- strategies
 
 
+# per graph, per (exact, max_lower_sets): (model, lower sets, exact, least-peak result, its plan)
+_LEAST: "weakref.WeakKeyDictionary[CostGraph, dict]" = weakref.WeakKeyDictionary()
+
+
+def _plan_for(graph: CostGraph, model: Model, family: list[int], is_exact: bool, result, internal) -> Plan:
+    peak, seconds, chain = result
+    _, _, kept = evaluate_chain(model, chain)
+    return make_plan(graph, "kusumoto", kept, model_peak_bytes=peak, model_recompute_seconds=seconds,
+                     exact=is_exact, lower_sets=len(family), segments=len(chain), internal_budget_bytes=internal)
+
+
 def _solve(graph: CostGraph, budget_bytes: int | None, exact: bool, max_lower_sets: int,
            max_rounds: int = 8) -> Plan:
     started = time.perf_counter()
@@ -601,21 +614,23 @@ def _solve(graph: CostGraph, budget_bytes: int | None, exact: bool, max_lower_se
         # same plan (the model below needs a backward position)
         return make_plan(graph, "kusumoto", graph.candidate_checkpoints, exact=True,
                          search_seconds=time.perf_counter() - started)
-    model = build_model(graph)
-    family = lower_sets(model, max_lower_sets) if exact else None
-    is_exact = family is not None
-    if family is None:
-        family = closure_lower_sets(model)
+    # what no budget changes (the model, its lower sets and stage costs, the least-peak chain)
+    # is made once per graph: a step-time limit asks for several budgets on the same graph
+    known = _LEAST.setdefault(graph, {})
+    if (exact, max_lower_sets) not in known:
+        model = build_model(graph)
+        family = lower_sets(model, max_lower_sets) if exact else None
+        is_exact = family is not None
+        if family is None:
+            family = closure_lower_sets(model)
+        least = solve_dp(model, family, None)
+        known[exact, max_lower_sets] = (model, family, is_exact, least, _plan_for(graph, model, family, is_exact,
+                                                                                  least, None))
+    model, family, is_exact, least, least_plan = known[exact, max_lower_sets]
+    least_plan = dataclasses.replace(least_plan, notes=dict(least_plan.notes))
 
     def plan_for(result, internal):
-        peak, seconds, chain = result
-        _, _, kept = evaluate_chain(model, chain)
-        return make_plan(graph, "kusumoto", kept, model_peak_bytes=peak, model_recompute_seconds=seconds,
-                         exact=is_exact, lower_sets=len(family), segments=len(chain),
-                         internal_budget_bytes=internal)
-
-    least = solve_dp(model, family, None)
-    least_plan = plan_for(least, None)
+        return _plan_for(graph, model, family, is_exact, result, internal)
     if budget_bytes is None:
         best = least_plan
     else:
