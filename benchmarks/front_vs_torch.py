@@ -44,6 +44,12 @@ wins the level; the ratio to the side's own baseline peak is printed beside it.
 level. The summary line counts those models ("graphopt below torch at equal overhead on N of
 M examples"); a second count uses a majority of the levels instead.
 
+**At equal peak, in absolute seconds** (issue 25, item 5: the comparison users make): for
+each of torch's points (eager, each ``torch.compile`` budget), graphopt's fastest measured point
+whose peak is at or below that point's, its step time in seconds beside torch's (same machine,
+same thread), and their ratio; "-" when no graphopt point is that low. The summary line
+counts the torch points graphopt matches or beats in time at no more memory.
+
 Step times on a shared 2-core machine are noisy: the load average is printed before and
 after, and a point near a level's boundary can fall on either side of it from run to run.
 """
@@ -275,6 +281,18 @@ def compare(graphopt: dict, torch: dict, levels=LEVELS) -> dict:
             "below_at_majority": bool(both) and 2 * won > len(both)}
 
 
+def at_equal_peak(graphopt: dict, torch: dict) -> list[dict]:
+    """For each torch point (its baseline first): graphopt's fastest point whose peak is at or
+    below it (None when none is), in absolute step seconds."""
+    g_pts, rows = with_overheads(graphopt), []
+    for t in with_overheads(torch):
+        fitting = [g for g in g_pts if g["peak_bytes"] <= t["peak_bytes"]]
+        g = min(fitting, key=lambda p: (p["step_seconds"], p["peak_bytes"])) if fitting else None
+        rows.append({"torch": t, "graphopt": g,
+                     "seconds_ratio": None if g is None else g["step_seconds"] / t["step_seconds"]})
+    return rows
+
+
 # ----------------------------------------------------------------------------- tables --
 
 def _mib(n) -> str:
@@ -340,6 +358,35 @@ def points_table(name: str, r: dict) -> str:
     return "\n".join(lines)
 
 
+def equal_peak_table(name: str, r: dict) -> str:
+    """Per torch point: graphopt's fastest point at no more peak, absolute seconds side by side."""
+    lines = ["| %s: torch point | torch MiB / s | graphopt point at <= its peak | graphopt MiB / s | "
+             "graphopt s / torch s |" % name, "|---|---:|---|---:|---:|"]
+    for row in at_equal_peak(r["graphopt"], r["torch"]):
+        t, g = row["torch"], row["graphopt"]
+        lines.append("| %s | %s / %.3f | %s | %s | %s |" % (
+            _short(t["label"]), _mib(t["peak_bytes"]), t["step_seconds"], "-" if g is None else _short(g["label"]),
+            "-" if g is None else "%s / %.3f" % (_mib(g["peak_bytes"]), g["step_seconds"]),
+            "-" if g is None else "%.2fx" % row["seconds_ratio"]))
+    return "\n".join(lines)
+
+
+def equal_peak_lines(results: dict) -> list[str]:
+    out = []
+    for name, r in results.items():
+        if not r.get("comparison"):
+            continue
+        rows = at_equal_peak(r["graphopt"], r["torch"])
+        matched = [x for x in rows if x["graphopt"] is not None]
+        faster = [x for x in matched if x["seconds_ratio"] <= 1.0]
+        out.append("%s at equal peak: graphopt has a point at or below %d of torch's %d points' peaks, as fast or "
+                   "faster on %d; seconds ratio %s" % (
+                       name, len(matched), len(rows), len(faster),
+                       "-" if not matched else "%.2f-%.2fx" % (min(x["seconds_ratio"] for x in matched),
+                                                               max(x["seconds_ratio"] for x in matched))))
+    return out
+
+
 def verdict_lines(results: dict, levels) -> list[str]:
     compared = {n: r["comparison"] for n, r in results.items() if r.get("comparison")}
     out = []
@@ -361,9 +408,10 @@ def report_text(results: dict, levels, load_before, load_after) -> str:
              "(graphopt: the original under ORT's default session; torch: eager), MiB, graphopt vs torch; "
              "**g** / **t**: whose peak is lower", "", summary_table(results, levels), ""]
     parts += verdict_lines(results, levels) + [""]
+    parts += ["At equal peak, absolute step seconds (same machine, one thread):", ""] + equal_peak_lines(results) + [""]
     for name, r in results.items():
         if r.get("comparison"):
-            parts += [level_table(name, r), "", points_table(name, r), ""]
+            parts += [level_table(name, r), "", equal_peak_table(name, r), "", points_table(name, r), ""]
     parts.append("load average before %s, after %s" % (_load(load_before), _load(load_after)))
     return "\n".join(parts)
 

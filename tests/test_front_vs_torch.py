@@ -72,3 +72,26 @@ def test_tables_render():
     text = fvt.report_text({"mlp": r}, (1.05, 2.0), (1.0, 1.0, 1.0), (1.0, 1.0, 1.0))
     assert "| mlp |" in text and "60.0 vs 50.0 **t**" in text
     assert "graphopt below torch at equal overhead on 0 of 1 examples" in text
+
+
+def test_at_equal_peak_takes_graphopt_fastest_point_at_no_more_memory():
+    """Each torch point against graphopt's fastest point whose peak is at or below it, in
+    absolute seconds; checked against a filter of every point, on random sides."""
+    import random
+    rng = random.Random(0)
+    for _ in range(50):
+        g = _side(rng.randint(20, 100), rng.uniform(0.2, 1.0),
+                  [(f"g{i}", rng.randint(5, 100), rng.uniform(0.2, 2.0)) for i in range(rng.randint(0, 6))])
+        t = _side(rng.randint(20, 100), rng.uniform(0.2, 1.0),
+                  [(f"t{i}", rng.randint(5, 100), rng.uniform(0.2, 2.0)) for i in range(rng.randint(0, 6))])
+        rows = fvt.at_equal_peak(g, t)
+        g_pts, t_pts = fvt.with_overheads(g), fvt.with_overheads(t)
+        assert [r["torch"]["label"] for r in rows] == [p["label"] for p in t_pts]
+        for row, tp in zip(rows, t_pts):
+            pairs = [gp for gp in g_pts if gp["peak_bytes"] <= tp["peak_bytes"]]
+            if not pairs:
+                assert row["graphopt"] is None and row["seconds_ratio"] is None
+                continue
+            fastest = min(gp["step_seconds"] for gp in pairs)
+            assert row["graphopt"]["step_seconds"] == fastest and row["graphopt"]["peak_bytes"] <= tp["peak_bytes"]
+            assert row["seconds_ratio"] == pytest.approx(fastest / tp["step_seconds"])
