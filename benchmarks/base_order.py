@@ -20,8 +20,9 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+for _path in (ROOT, HERE):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
 
 MiB = 2 ** 20
 
@@ -67,18 +68,16 @@ def run_one(kind: str, name: str, size: str, exporter: str, measure: bool) -> di
 
 
 def main() -> None:
+    from memory_limit import add_model_arguments, model_jobs
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--examples", default="mlp,resnet,densenet,unet,transformer,randwire")
-    parser.add_argument("--corpus", default="")
-    parser.add_argument("--size", default="full", choices=("tiny", "full", "large"))
-    parser.add_argument("--exporter", default="legacy", choices=("legacy", "dynamo"))
+    add_model_arguments(parser)
     parser.add_argument("--measure", action="store_true", help="also optimize end to end and measure")
     parser.add_argument("--one", nargs=2, help=argparse.SUPPRESS)   # (kind, name): in the worker process
     args = parser.parse_args()
     if args.one:
         print(json.dumps(run_one(*args.one, args.size, args.exporter, args.measure)))
         return
-    jobs = [("example", n) for n in args.examples.split(",") if n] + [("corpus", n) for n in args.corpus.split(",") if n]
+    jobs = model_jobs(args)
     header = (f"{'model':22s} {'orig(ORT)':>9s} {'SA file':>8s} {'SA ORT':>8s} {'least file':>10s} "
               f"{'least ORT':>9s} {'plan':>8s} {'from':>11s}"
               + ("  measured: default / off / returned MiB (predicted), step, outcome" if args.measure else ""))

@@ -54,6 +54,34 @@ def _model(kind: str, name: str, size: str, exporter: str, optimizer: str | None
     return train, real_zoo.model_feeds(model)
 
 
+def add_model_arguments(parser) -> None:
+    """The models a benchmark of this family runs: bundled examples, corpus models, their size
+    and exporter (`model_jobs`, `write_model`)."""
+    parser.add_argument("--examples", default="mlp,resnet,densenet,unet,transformer,randwire")
+    parser.add_argument("--corpus", default="")
+    parser.add_argument("--size", default="full", choices=("tiny", "full", "large"))
+    parser.add_argument("--exporter", default="legacy", choices=("legacy", "dynamo"))
+
+
+def model_jobs(args) -> list[tuple[str, str]]:
+    """(kind, name) of every model `add_model_arguments`' flags name, examples first."""
+    return ([("example", n) for n in args.examples.split(",") if n]
+            + [("corpus", n) for n in args.corpus.split(",") if n])
+
+
+def write_model(kind: str, name: str, args, folder: str) -> tuple[str, str, str]:
+    """The training graph of (kind, name) and its inputs written in `folder`: (the row's label,
+    the model's path, the inputs' path)."""
+    import onnx
+
+    from graphopt.inputs import save_inputs
+    train, inputs = _model(kind, name, args.size, args.exporter, None)
+    path, inputs_path = os.path.join(folder, "train.onnx"), os.path.join(folder, "inputs.npz")
+    onnx.save(train, path)
+    save_inputs(inputs_path, inputs)
+    return (name if kind == "example" else f"{name}-{args.exporter}"), path, inputs_path
+
+
 def optimize_measured_from_outside(path: str, inputs_path: str, out: str, report_path: str, *flags: str):
     """`graphopt optimize` (one thread) in a wrapper process of its own, whose children are
     graphopt's process tree alone (every descendant is waited for by its parent, so the largest
@@ -129,10 +157,7 @@ def run_one(kind: str, name: str, args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--examples", default="mlp,resnet,densenet,unet,transformer,randwire")
-    parser.add_argument("--corpus", default="")
-    parser.add_argument("--size", default="full", choices=("tiny", "full", "large"))
-    parser.add_argument("--exporter", default="legacy", choices=("legacy", "dynamo"))
+    add_model_arguments(parser)
     parser.add_argument("--fraction", type=float, default=0.6, help="the limit, as a fraction of the original's need")
     parser.add_argument("--optimizer", choices=("sgd", "adamw"), help="build the optimizer step in, and train")
     parser.add_argument("--steps", type=int, default=4)
@@ -141,7 +166,7 @@ def main() -> None:
     if args.one:
         print(json.dumps(run_one(*args.one, args)))
         return
-    jobs = [("example", n) for n in args.examples.split(",") if n] + [("corpus", n) for n in args.corpus.split(",") if n]
+    jobs = model_jobs(args)
     print(f"{'model':22s} {'step':>7s} {'need':>7s} {'limit':>7s} {'original':>9s} {'returned':>9s} "
           f"{'ret. step':>9s} {'time':>6s} {'annotated':>9s} {'outputs':>7s} {'plans':>5s} {'graphopt':>9s} {'/step':>6s} "
           f"{'child':>7s} {'session':>7s} {'bound':>7s} {'within':>6s} {'caller':>7s} {'secs':>6s}"

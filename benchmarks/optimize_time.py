@@ -28,18 +28,11 @@ for _path in (ROOT, HERE):
 
 
 def run_one(kind: str, name: str, args) -> dict:
-    import onnx
-
-    from graphopt.inputs import save_inputs
-    from memory_limit import _model
-    train, inputs = _model(kind, name, args.size, args.exporter, None)
-    row = {"model": name if kind == "example" else f"{name}-{args.exporter}"}
+    from memory_limit import write_model
     with tempfile.TemporaryDirectory(prefix="graphopt-time-") as tmp:
-        path, inputs_path, out, report_path = (os.path.join(tmp, f) for f in
-                                               ("train.onnx", "inputs.npz", "opt.onnx", "r.json"))
-        onnx.save(train, path)
-        save_inputs(inputs_path, inputs)
-        del train, inputs
+        label, path, inputs_path = write_model(kind, name, args, tmp)
+        row = {"model": label}
+        out, report_path = os.path.join(tmp, "opt.onnx"), os.path.join(tmp, "r.json")
         cmd = [sys.executable, "-m", "graphopt.cli", "optimize", path, "--inputs", inputs_path, "-o", out,
                "--report", report_path] + (["--threads", str(args.threads)] if args.threads else [])
         done = subprocess.run(cmd, capture_output=True, text=True)
@@ -58,14 +51,12 @@ def run_one(kind: str, name: str, args) -> dict:
 
 
 def main() -> None:
+    from memory_limit import add_model_arguments, model_jobs
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--examples", default="mlp,resnet,densenet,unet,transformer,randwire")
-    parser.add_argument("--corpus", default="")
-    parser.add_argument("--size", default="full", choices=("tiny", "full", "large"))
-    parser.add_argument("--exporter", default="legacy", choices=("legacy", "dynamo"))
+    add_model_arguments(parser)
     parser.add_argument("--threads", type=int, default=None, help="default: the CLI's (the machine's cores)")
     args = parser.parse_args()
-    jobs = [("example", n) for n in args.examples.split(",") if n] + [("corpus", n) for n in args.corpus.split(",") if n]
+    jobs = model_jobs(args)
     print("| model | threads | default-session step (s) | optimize (s) | optimize / step | search CPU (s) | "
           "stages (wall s) | outcome |")
     print("|---|---|---|---|---|---|---|---|")

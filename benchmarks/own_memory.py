@@ -39,18 +39,11 @@ MiB = 2 ** 20
 
 
 def run_one(kind: str, name: str, args) -> dict:
-    import onnx
-
-    from graphopt.inputs import save_inputs
-    from memory_limit import _model, optimize_measured_from_outside
-    train, inputs = _model(kind, name, args.size, args.exporter, None)
-    row = {"model": name if kind == "example" else f"{name}-{args.exporter}"}
+    from memory_limit import optimize_measured_from_outside, write_model
     with tempfile.TemporaryDirectory(prefix="graphopt-own-") as tmp:
-        path, inputs_path, out, report_path = (os.path.join(tmp, f) for f in
-                                               ("train.onnx", "inputs.npz", "opt.onnx", "r.json"))
-        onnx.save(train, path)
-        save_inputs(inputs_path, inputs)
-        del train, inputs
+        label, path, inputs_path = write_model(kind, name, args, tmp)
+        row = {"model": label}
+        out, report_path = os.path.join(tmp, "opt.onnx"), os.path.join(tmp, "r.json")
         started = time.perf_counter()
         done, largest_kib = optimize_measured_from_outside(path, inputs_path, out, report_path)
         row["seconds"] = time.perf_counter() - started
@@ -71,17 +64,15 @@ def run_one(kind: str, name: str, args) -> dict:
 
 
 def main() -> None:
+    from memory_limit import add_model_arguments, model_jobs
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--examples", default="mlp,resnet,densenet,unet,transformer,randwire")
-    parser.add_argument("--corpus", default="")
-    parser.add_argument("--size", default="full", choices=("tiny", "full", "large"))
-    parser.add_argument("--exporter", default="legacy", choices=("legacy", "dynamo"))
+    add_model_arguments(parser)
     parser.add_argument("--one", nargs=2, help=argparse.SUPPRESS)   # (kind, name): in the worker process
     args = parser.parse_args()
     if args.one:
         print(json.dumps(run_one(*args.one, args)))
         return
-    jobs = [("example", n) for n in args.examples.split(",") if n] + [("corpus", n) for n in args.corpus.split(",") if n]
+    jobs = model_jobs(args)
     print("| model | step measured MiB | outside MiB | largest child MiB | largest session MiB | baseline MiB "
           "| bound MiB | within (report) | caller MiB | outside ok | outcome | s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
