@@ -648,13 +648,10 @@ def plan(prepared: Prepared, options: OptimizeOptions, budget_bytes=_OPTIONS_BUD
     strategy = strategy or options.strategy
     started = time.perf_counter()
 
-    limited = budget is None and limit is not None and STRATEGIES[strategy].takes_budget
-    # the leanest base order's least peak (each order's least-peak plan is remembered: `_remembered`)
-    least_bytes = min(_remembered(prepared, strategy, graph)(graph).peak_bytes
-                      for graph in prepared.base_graphs.values()) if limited else None
-
     def within_limit(graph, solve):
         low = solve(graph)
+        # the leanest base order's least peak (each order's least-peak plan is remembered: `_remembered`)
+        least_bytes = min(_remembered(prepared, strategy, g)(g).peak_bytes for g in prepared.base_graphs.values())
         if low.simulation.compute_seconds > limit and low.peak_bytes > (1 + BISECTED_ORDERS_MARGIN) * least_bytes:
             # an order far leaner than this one: its least peak within the limit is searched only there
             return low
@@ -674,7 +671,7 @@ def plan(prepared: Prepared, options: OptimizeOptions, budget_bytes=_OPTIONS_BUD
             return found
         least.notes["exact"] = False   # least peak was its objective, not least time under the budget
         return least
-    if limited:
+    if budget is None and limit is not None and STRATEGIES[strategy].takes_budget:
         chosen = _best_over_orders(prepared, strategy, within_limit, None, limit)
     else:
         chosen = _best_over_orders(prepared, strategy, within_budget, budget, None)

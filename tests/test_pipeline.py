@@ -99,8 +99,15 @@ def test_budget_met_by_measurement(fraction):
     assert report.outputs_match and report.order_followed
     assert report.measured.optimized.peak_bytes <= budget, report.budget_attempts
     assert report.budget_met
-    # least time under the budget: less recomputation than the least-peak plan
-    assert report.predicted.optimized.recompute_seconds <= least.predicted.optimized.recompute_seconds
+    # least time under the budget: no more recomputation than the least-peak plan (which fits any
+    # budget above its peak). The two runs annotate and time separately, and the machine's speed
+    # moves between them (the same plan predicted at 0.953 and 1.090 s of recomputation), so each
+    # is taken over its own run's original step, and 10% is allowed; a budget search that ends on
+    # a plan recomputing several times more (6.3x the step against 1.7x before the least-peak plan
+    # was a candidate) fails.
+    def recompute_share(r):
+        return r.predicted.optimized.recompute_seconds / r.predicted.original_optimizations_off.step_seconds
+    assert recompute_share(report) <= 1.10 * recompute_share(least), (recompute_share(report), recompute_share(least))
 
 
 def test_impossible_budget_names_the_least_peak():
