@@ -100,14 +100,14 @@ def test_budget_met_by_measurement(fraction):
     assert report.measured.optimized.peak_bytes <= budget, report.budget_attempts
     assert report.budget_met
     # least time under the budget: no more recomputation than the least-peak plan (which fits any
-    # budget above its peak). The two runs annotate and time separately, and the machine's speed
-    # moves between them (the same plan predicted at 0.953 and 1.090 s of recomputation), so each
-    # is taken over its own run's original step, and 10% is allowed; a budget search that ends on
-    # a plan recomputing several times more (6.3x the step against 1.7x before the least-peak plan
-    # was a candidate) fails.
+    # budget above its peak). The two runs annotate and time separately, and each node's measured
+    # time moves between them, not only the machine's speed: taken over each run's own original
+    # step, the shares still differed by 1.18x in one CI run (2.04 against 1.74). So 1.5x is
+    # allowed; a budget search that ends on a plan recomputing several times more (6.3x the step
+    # against 1.7x before the least-peak plan was a candidate, 3.7x the share) fails.
     def recompute_share(r):
         return r.predicted.optimized.recompute_seconds / r.predicted.original_optimizations_off.step_seconds
-    assert recompute_share(report) <= 1.10 * recompute_share(least), (recompute_share(report), recompute_share(least))
+    assert recompute_share(report) <= 1.5 * recompute_share(least), (recompute_share(report), recompute_share(least))
 
 
 def test_impossible_budget_names_the_least_peak():
