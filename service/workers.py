@@ -57,16 +57,28 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
+def _process_bytes(pid: int) -> int:
+    """One process's share of resident memory: its proportional set size (a page shared by n
+    processes counts 1/n in each; measuring processes are forked from a warm parent and share
+    its imported libraries), else its resident set when smaps_rollup cannot be read."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * PAGE_BYTES
+    except (OSError, ValueError, IndexError):
+        return 0   # it ended meanwhile
+
+
 def resident_bytes(pid: int) -> int:
-    """The resident memory of `pid` and all its descendants (a worker and its measuring processes)."""
-    total = 0
-    for process in _descendants(pid):
-        try:
-            with open(f"/proc/{process}/statm") as f:
-                total += int(f.read().split()[1]) * PAGE_BYTES
-        except (OSError, ValueError, IndexError):
-            pass   # it ended meanwhile
-    return total
+    """The resident memory of `pid` and all its descendants (a worker, its warm parent and its
+    measuring processes), each page counted once (`_process_bytes`)."""
+    return sum(_process_bytes(process) for process in _descendants(pid))
 
 
 class Worker:

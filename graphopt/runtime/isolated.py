@@ -16,7 +16,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 
 import onnx
@@ -25,6 +24,7 @@ from graphopt import errors
 from graphopt.errors import GraphoptError
 from graphopt.runtime.rss import record_child
 from graphopt.runtime.session import PROTOBUF_LIMIT_BYTES
+from graphopt.runtime.warm import run_module
 
 
 class IsolatedTaskError(GraphoptError):
@@ -41,8 +41,6 @@ TASK_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": 
 
 def _env() -> dict[str, str]:
     env = dict(os.environ)
-    pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.update(TASK_MALLOC_ENV)
     return env
 
@@ -50,10 +48,9 @@ def _env() -> dict[str, str]:
 def run_task(task: str, args: dict, timeout_seconds: float | None = None) -> dict:
     """Run ``task`` of :mod:`graphopt.runtime._task_worker` with ``args`` (JSON) in a child;
     its JSON result. A graphopt error in the child is raised here with its type and message."""
-    cmd = [sys.executable, "-m", "graphopt.runtime._task_worker", task]
     try:
-        proc = subprocess.run(cmd, input=json.dumps(args), capture_output=True, text=True,
-                              timeout=timeout_seconds, env=_env())
+        proc = run_module("graphopt.runtime._task_worker", [task], input=json.dumps(args),
+                          timeout=timeout_seconds, env=_env())
     except subprocess.TimeoutExpired:
         raise IsolatedTaskError(f"{task} of {args.get('model')} timed out after {timeout_seconds} s") from None
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]

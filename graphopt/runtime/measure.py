@@ -13,12 +13,12 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 from dataclasses import dataclass
 
 from graphopt.errors import GraphoptError
 from graphopt.runtime.rss import record_child
 from graphopt.runtime.session import SessionSettings, default_providers
+from graphopt.runtime.warm import WarmProcess, popen_module, run_module
 
 
 class MeasurementError(GraphoptError):
@@ -54,8 +54,6 @@ def _worker_env(plain_allocator: bool = False) -> dict[str, str]:
     env = dict(os.environ)
     for key in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"):
         env.pop(key, None)
-    pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     if plain_allocator:
         return env
     # buffers come from mmap and go back to the OS when freed, so RSS follows what ORT
@@ -64,9 +62,10 @@ def _worker_env(plain_allocator: bool = False) -> dict[str, str]:
     return env
 
 
-def _run_worker(cmd: list[str], env: dict[str, str], model_path, timeout_seconds: float, kind: str) -> dict:
+def _run_worker(module: str, argv: list[str], env: dict[str, str], model_path, timeout_seconds: float,
+                kind: str) -> dict:
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_seconds, env=env)
+        proc = run_module(module, argv, env=env, timeout=timeout_seconds)
     except subprocess.TimeoutExpired as e:
         tail = (e.stderr or b"")
         tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
@@ -108,15 +107,14 @@ def measure(
     picks CUDA when available, else CPU. ``timing=False``: the peak only (step_seconds NaN;
     `time_steps` times sessions against each other).
     """
-    cmd = [sys.executable, "-m", "graphopt.runtime._measure_worker",
-           os.fspath(model_path), os.fspath(inputs_path),
-           "--threads", str(int(threads))]
+    worker = "graphopt.runtime._measure_worker"
+    cmd = [os.fspath(model_path), os.fspath(inputs_path), "--threads", str(int(threads))]
     if settings is not None:
         cmd += ["--settings", settings.to_json()]
     if provider is not None:
         cmd += ["--provider", provider]
     # Peak: in a process whose large buffers go back to the OS, so RSS follows what ORT holds.
-    peak = _run_worker(cmd + ["--repeats", "1"], _worker_env(), model_path, timeout_seconds, "measure")
+    peak = _run_worker(worker, cmd + ["--repeats", "1"], _worker_env(), model_path, timeout_seconds, "measure")
     # Step time: in a process with the allocator as users have it (returning every buffer to
     # the OS makes each step pay page faults, which is not what a training loop sees) and ONNX
     # Runtime's CPU arena on, as a plain session has it (with it off, glibc keeps the heap of each
@@ -125,7 +123,7 @@ def measure(
     if not timing:
         d = dict(peak, step_seconds=float("nan"))
     else:
-        timed = _run_worker(cmd + ["--repeats", str(int(repeats)), "--arena"], _worker_env(plain_allocator=True),
+        timed = _run_worker(worker, cmd + ["--repeats", str(int(repeats)), "--arena"], _worker_env(plain_allocator=True),
                             model_path, timeout_seconds, "measure")
         d = dict(peak, step_seconds=timed["step_seconds"])
     return Measurement(
@@ -184,7 +182,7 @@ def time_steps(
         with open(spec_path, "w") as f:
             json.dump({"inputs": os.fspath(inputs_path), "provider": provider, "threads": int(threads),
                        "sessions": entries}, f)
-        workers: list[tuple[subprocess.Popen, object]] = []
+        workers: list[tuple[subprocess.Popen | WarmProcess, object]] = []
         timer = threading.Timer(timeout_seconds, lambda: [w.kill() for w, _ in workers])
         timer.start()
 
@@ -202,10 +200,8 @@ def time_steps(
         try:
             for k in range(len(entries)):   # one after another: a session's creation is not timed
                 stderr = tempfile.TemporaryFile("w+", dir=tmp)
-                workers.append((subprocess.Popen(
-                    [sys.executable, "-m", "graphopt.runtime._timing_worker", spec_path, str(k)],
-                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True,
-                    env=_worker_env(plain_allocator=True)), stderr))
+                workers.append((popen_module("graphopt.runtime._timing_worker", [spec_path, str(k)],
+                                             env=_worker_env(plain_allocator=True), stderr=stderr), stderr))
                 if reply(k) != "ready":
                     raise MeasurementError(f"timing worker of {entries[k]['model']} did not start")
             runs: list[list[float]] = [[] for _ in entries]
@@ -266,7 +262,7 @@ def run_within_limit(
     """Run `steps` training steps of the saved model under `limit_bytes` in a fresh process
     (graphopt/runtime/_limit_worker.py, graphopt/runtime/limit.py), with glibc's allocator as
     a trainer's process has it: whether they fit."""
-    cmd = [sys.executable, "-m", "graphopt.runtime._limit_worker", os.fspath(model_path), os.fspath(inputs_path),
+    cmd = [os.fspath(model_path), os.fspath(inputs_path),
            "--limit", str(int(limit_bytes)), "--threads", str(int(threads)), "--steps", str(int(steps))]
     if settings is not None:
         cmd += ["--settings", settings.to_json()]
@@ -275,7 +271,8 @@ def run_within_limit(
     # the allocator as a trainer's process has it: ONNX Runtime's capped arena refused a step with
     # glibc's defaults that it ran with the peak-measuring settings (`malloc_env`): the fused-AdamW
     # U-Net example's plan for 0.5x its need ran under them, and `graphopt train` refused it
-    d = _run_worker(cmd, _worker_env(plain_allocator=True), model_path, timeout_seconds, "limit")
+    d = _run_worker("graphopt.runtime._limit_worker", cmd, _worker_env(plain_allocator=True), model_path,
+                    timeout_seconds, "limit")
     return LimitRun(limit_bytes=int(d["limit_bytes"]), fits=bool(d["fits"]), error=d.get("error"),
                     shortfall_bytes=d.get("shortfall_bytes"), cap_bytes=int(d["cap_bytes"]),
                     outside_bytes=int(d["outside_bytes"]), rss_bytes=d.get("rss_bytes"),
