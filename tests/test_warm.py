@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 
 import onnx
 import pytest
@@ -86,3 +87,16 @@ def test_a_dead_warm_parent_is_replaced(monkeypatch):
     assert done.returncode == 0 and "error" in json.loads(done.stdout.splitlines()[-1])
     second = warm.warm_parent()
     assert second is not first and second.proc.pid != first.proc.pid and second.alive()
+
+
+def test_a_caller_that_ends_leaves_no_warm_process_behind():
+    script = ("from graphopt.runtime import warm\n"
+              "assert warm.warm_parent() is not None\n"
+              "print(warm.run_module('graphopt.runtime._task_worker', ['x'], input='{}').returncode)\n")
+    env = dict(os.environ, **{warm.SWITCH_ENV: "1"})
+    caller = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env,
+                              start_new_session=True)
+    out, _ = caller.communicate(timeout=120)
+    assert caller.returncode == 0 and out.strip() == "0"
+    with pytest.raises(ProcessLookupError):   # the group: the caller, its warm parent, their children
+        os.killpg(caller.pid, 0)

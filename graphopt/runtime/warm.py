@@ -26,6 +26,7 @@ that ended it) into its status pipe, which is how ``wait`` learns it.
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
 import importlib
 import io
@@ -166,6 +167,7 @@ class WarmParent:
 
     def close(self) -> None:
         try:
+            self._reader.close()   # the socket's descriptor stays open while its file object is
             self._sock.close()
         finally:
             try:
@@ -178,6 +180,7 @@ class WarmParent:
 _PARENT: WarmParent | None = None
 _PARENT_PID: int | None = None
 _PARENT_LOCK = threading.Lock()
+_ATEXIT_REGISTERED: list[bool] = []
 
 
 def warm_parent() -> WarmParent | None:
@@ -194,6 +197,10 @@ def warm_parent() -> WarmParent | None:
         _PARENT = None
         try:
             _PARENT, _PARENT_PID = WarmParent(), os.getpid()
+            if not _ATEXIT_REGISTERED:
+                # a caller that ends waits for its warm parent to end (a CLI leaves nothing behind)
+                atexit.register(stop_warm_parent)
+                _ATEXIT_REGISTERED.append(True)
         except (OSError, RuntimeError) as e:
             print(f"graphopt: no warm parent ({e}); each run starts a fresh interpreter", file=sys.stderr)
             return None
