@@ -284,10 +284,58 @@ def _mallopt(env: dict[str, str]) -> None:
             raise OSError(f"mallopt({key}={value}) failed")
 
 
-def _child(request: dict, fds: list[int], inherited: list[int]) -> None:
+def _file_pages_present() -> list[tuple[int, int]]:
+    """(address, length) runs of this process's file-backed pages that are mapped (resident in
+    its page tables), from /proc/self/pagemap; [] where it cannot be read."""
+    runs: list[tuple[int, int]] = []
+    page = os.sysconf("SC_PAGE_SIZE")
+    try:
+        with open("/proc/self/maps") as maps, open("/proc/self/pagemap", "rb") as pagemap:
+            for line in maps:
+                fields = line.split()
+                if len(fields) < 6 or not fields[5].startswith("/") or "r" not in fields[1]:
+                    continue
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                pagemap.seek(start // page * 8)
+                entries = pagemap.read((end - start) // page * 8)
+                run_start = None
+                for i in range(len(entries) // 8):
+                    present = entries[8 * i + 7] & 0x80
+                    address = start + i * page
+                    if present and run_start is None:
+                        run_start = address
+                    elif not present and run_start is not None:
+                        runs.append((run_start, address - run_start))
+                        run_start = None
+                if run_start is not None:
+                    runs.append((run_start, end - run_start))
+    except OSError:
+        return []
+    return runs
+
+
+MADV_POPULATE_READ = 22   # Linux 5.14+
+
+
+def _map_file_pages(runs: list[tuple[int, int]]) -> None:
+    """Map in this forked child the file pages its parent had mapped (fork copies the page
+    tables of private writable memory, not those of file mappings such as the libraries' code):
+    the child starts as a process that did the imports itself, and what its session faults in
+    is the session's, not libraries the parent had already touched (a timing child's session
+    measured 46.5 MiB forked without this, 38.3 MiB in a fresh interpreter)."""
+    if not runs:
+        return
+    madvise = ctypes.CDLL("libc.so.6", use_errno=True).madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    for address, length in runs:
+        madvise(address, length, MADV_POPULATE_READ)   # best effort: an older kernel leaves them unmapped
+
+
+def _child(request: dict, fds: list[int], inherited: list[int], file_pages: list[tuple[int, int]]) -> None:
     """In the forked child: become the worker `request` names; never returns."""
     code = 1
     try:
+        _map_file_pages(file_pages)
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         for fd in inherited:
@@ -330,6 +378,7 @@ def serve(fd: int) -> int:
     sock = socket.socket(fileno=fd)
     for name in PRELOADED_MODULES:
         importlib.import_module(name)
+    file_pages = _file_pages_present()
     wake_read, wake_write = os.pipe()
     os.set_blocking(wake_write, False)
     signal.signal(signal.SIGCHLD, lambda *_: None)
@@ -380,7 +429,7 @@ def serve(fd: int) -> int:
                     continue
                 pid = os.fork()
                 if pid == 0:
-                    _child(request, fds, [sock.fileno(), wake_read, wake_write, *status_of.values()])
+                    _child(request, fds, [sock.fileno(), wake_read, wake_write, *status_of.values()], file_pages)
                 for received in fds[:3]:
                     os.close(received)
                 status_of[pid] = fds[3]
