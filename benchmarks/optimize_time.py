@@ -10,15 +10,24 @@ CPU seconds are the search's. Printed side by side: the original's step under ON
 default session (the report's baseline), optimize's wall time and its ratio to that step (the
 issue's goal: at most 30x), the search's CPU seconds (goal: at most 2 s), the stages, the
 outcome.
+
+    python benchmarks/optimize_time.py --against-fresh 3 [--examples mlp,resnet]
+
+runs each model's `graphopt optimize` N times with warm measuring processes (the default,
+graphopt/runtime/warm.py) and N times with a fresh interpreter per ONNX Runtime run
+(GRAPHOPT_WARM_PROCESSES=0), in turn, and prints the medians of the whole command's wall
+seconds and the median of the pairs' ratios.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -27,19 +36,28 @@ for _path in (ROOT, HERE):
         sys.path.insert(0, _path)
 
 
+def _optimize(path: str, inputs_path: str, tmp: str, args, env: dict | None = None) -> tuple[dict, float]:
+    """`graphopt optimize` on the model: (its report, or {"error": ...}; the command's wall seconds)."""
+    out, report_path = os.path.join(tmp, "opt.onnx"), os.path.join(tmp, "r.json")
+    cmd = [sys.executable, "-m", "graphopt.cli", "optimize", path, "--inputs", inputs_path, "-o", out,
+           "--report", report_path] + (["--threads", str(args.threads)] if args.threads else [])
+    start = time.perf_counter()
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    wall = time.perf_counter() - start
+    if done.returncode != 0:
+        return {"error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else str(done.returncode)}, wall
+    with open(report_path) as f:
+        return json.load(f), wall
+
+
 def run_one(kind: str, name: str, args) -> dict:
     from memory_limit import write_model
     with tempfile.TemporaryDirectory(prefix="graphopt-time-") as tmp:
         label, path, inputs_path = write_model(kind, name, args, tmp)
         row = {"model": label}
-        out, report_path = os.path.join(tmp, "opt.onnx"), os.path.join(tmp, "r.json")
-        cmd = [sys.executable, "-m", "graphopt.cli", "optimize", path, "--inputs", inputs_path, "-o", out,
-               "--report", report_path] + (["--threads", str(args.threads)] if args.threads else [])
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0:
-            row["error"] = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else str(done.returncode)
-            return row
-        report = json.load(open(report_path))
+        report, _ = _optimize(path, inputs_path, tmp, args)
+        if "error" in report:
+            return dict(row, error=report["error"])
     stages: dict[str, float] = {}
     for s in report["stages"]:
         label = s["stage"].split(":")[0]
@@ -50,13 +68,42 @@ def run_one(kind: str, name: str, args) -> dict:
     return row
 
 
+def against_fresh(kind: str, name: str, args) -> str:
+    """One table row: warm measuring processes against a fresh interpreter per run, in turn."""
+    from memory_limit import write_model
+    warm_env = dict(os.environ, GRAPHOPT_WARM_PROCESSES="1")
+    fresh_env = dict(os.environ, GRAPHOPT_WARM_PROCESSES="0")
+    walls: dict[str, list[float]] = {"warm": [], "fresh": []}
+    steps = []
+    with tempfile.TemporaryDirectory(prefix="graphopt-time-") as tmp:
+        label, path, inputs_path = write_model(kind, name, args, tmp)
+        for _ in range(args.against_fresh):
+            for which, env in (("warm", warm_env), ("fresh", fresh_env)):
+                report, wall = _optimize(path, inputs_path, tmp, args, env)
+                if "error" in report:
+                    return f"| {label} | error ({which}): {report['error']} | | | |"
+                walls[which].append(wall)
+                steps.append(report["objective"]["baseline_step_seconds"])
+    ratio = statistics.median(w / f for w, f in zip(walls["warm"], walls["fresh"]))
+    return (f"| {label} | {statistics.median(steps):.3f} | {statistics.median(walls['warm']):.1f} | "
+            f"{statistics.median(walls['fresh']):.1f} | {ratio:.2f} |")
+
+
 def main() -> None:
     from memory_limit import add_model_arguments, model_jobs
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(parser)
     parser.add_argument("--threads", type=int, default=None, help="default: the CLI's (the machine's cores)")
+    parser.add_argument("--against-fresh", type=int, default=0, metavar="N",
+                        help="N runs each, in turn: warm measuring processes against a fresh interpreter per run")
     args = parser.parse_args()
     jobs = model_jobs(args)
+    if args.against_fresh:
+        print("| model | default-session step (s) | optimize, warm (s) | optimize, fresh (s) | warm / fresh |")
+        print("|---|---|---|---|---|")
+        for kind, name in jobs:
+            print(against_fresh(kind, name, args), flush=True)
+        return
     print("| model | threads | default-session step (s) | optimize (s) | optimize / step | search CPU (s) | "
           "stages (wall s) | outcome |")
     print("|---|---|---|---|---|---|---|---|")

@@ -1119,7 +1119,17 @@ def _measured_delivery(prepared: Prepared, chosen: Plan, rewritten: onnx.ModelPr
     # overhead of each original session over the baseline (timed against each other in prepare)
     original_overhead = {"original_default_session": 1.0,
                          "original_optimizations_off": timing.optimizations_off_seconds / timing.default_session_seconds}
-    optimized, overhead = measure_plan(prepared, rewritten, options)
+    report.plans_measured = []
+
+    def timed(candidate: Plan, model: onnx.ModelProto, why: str) -> tuple[Measurement, float]:
+        """`measure_plan`, the prediction and the measurement recorded in the report."""
+        m, ratio = measure_plan(prepared, model, options)
+        report.plans_measured.append(PlanMeasured(
+            **_summary(candidate), measured_peak_bytes=m.peak_bytes, why=why,
+            predicted_step_seconds=candidate.simulation.compute_seconds, measured_step_seconds=m.step_seconds))
+        return m, ratio
+
+    optimized, overhead = timed(chosen, rewritten, "planned")
     checked_ok = _checker(prepared, options, report, tried)
 
     limit_report = None
@@ -1133,7 +1143,7 @@ def _measured_delivery(prepared: Prepared, chosen: Plan, rewritten: onnx.ModelPr
                                                   progress)
             if fitted is not chosen:
                 chosen = fitted
-                optimized, overhead = measure_plan(prepared, rewritten, options)
+                optimized, overhead = timed(chosen, rewritten, "memory limit")
 
     budget = options.budget_bytes
     if budget is not None:
@@ -1154,7 +1164,7 @@ def _measured_delivery(prepared: Prepared, chosen: Plan, rewritten: onnx.ModelPr
             if found is None:
                 break
             chosen, rewritten = retry, found.model
-            optimized, overhead = measure_plan(prepared, rewritten, options)
+            optimized, overhead = timed(chosen, rewritten, "budget retry")
             attempts.append(BudgetAttempt(target, chosen.peak_bytes, optimized.peak_bytes))
         report.budget_attempts = attempts
         _describe(report, chosen, rewritten)
@@ -1176,12 +1186,12 @@ def _measured_delivery(prepared: Prepared, chosen: Plan, rewritten: onnx.ModelPr
                                       chosen.peak_bytes, optimized.peak_bytes)]
         measured = [(chosen, rewritten, optimized, overhead)]
 
-        def measure_candidate(candidate: Plan, planned_for_seconds: float | None) -> bool:
+        def measure_candidate(candidate: Plan, planned_for_seconds: float | None, why: str) -> bool:
             """Check and measure `candidate`; recorded in attempts_t and measured (False: not accepted)."""
             found = checked_ok(candidate)
             if found is None:
                 return False
-            m, m_overhead = measure_plan(prepared, found.model, options)
+            m, m_overhead = timed(candidate, found.model, why)
             attempts_t.append(OverheadAttempt(planned_for_seconds, candidate.simulation.compute_seconds,
                                               m_overhead - 1, candidate.peak_bytes, m.peak_bytes))
             measured.append((candidate, found.model, m, m_overhead))
@@ -1196,14 +1206,14 @@ def _measured_delivery(prepared: Prepared, chosen: Plan, rewritten: onnx.ModelPr
                      f"planning for {planned_for:.4g} s", 0.78)
             retry = plan(prepared, options, seconds_limit=planned_for)
             if (retry.checkpoints == chosen.checkpoints and retry.refresh_gap == chosen.refresh_gap
-                    or not measure_candidate(retry, planned_for)):
+                    or not measure_candidate(retry, planned_for, "time retry")):
                 break
             chosen, rewritten, optimized, overhead = measured[-1]
         if (all(m[3] > 1 + allowed for m in measured) and budget is None and limit_report is None
                 and chosen.recompute_ops):
             # nothing recomputed costs least time, and often still less memory than the original
             progress(f"no plan measured within {1 + allowed:.2f}x: trying store-all", 0.8)
-            if measure_candidate(store_all(prepared.graph), None):
+            if measure_candidate(store_all(prepared.graph), None, "store-all"):
                 chosen, rewritten, optimized, overhead = measured[-1]
         report.overhead_attempts = attempts_t
         fits = [m for m in measured if m[3] <= 1 + allowed]
@@ -1228,15 +1238,13 @@ def _measured_delivery(prepared: Prepared, chosen: Plan, rewritten: onnx.ModelPr
     original_fits = limit_report is None or limit_report.original[best_original].fits
     if deliverable and within_limit and optimized.peak_bytes >= bar and budget is None and limit_report is None:
         # the next plan (less recomputation) may still beat the original
-        report.plans_measured = [PlanMeasured(**_summary(chosen), measured_peak_bytes=optimized.peak_bytes)]
         for fallback in fallback_plans(prepared, chosen):
             progress(f"the plan measured {optimized.peak_bytes} bytes, not below the original's {bar}: "
                      f"trying {fallback.strategy}", 0.85)
             found = checked_ok(fallback)
             if found is None:
                 continue
-            m, m_overhead = measure_plan(prepared, found.model, options)
-            report.plans_measured.append(PlanMeasured(**_summary(fallback), measured_peak_bytes=m.peak_bytes))
+            m, m_overhead = timed(fallback, found.model, f"fallback {fallback.strategy}")
             if m.peak_bytes < optimized.peak_bytes:
                 chosen, rewritten, optimized, overhead = fallback, found.model, m, m_overhead
                 _describe(report, chosen, rewritten)

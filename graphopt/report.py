@@ -226,11 +226,24 @@ class BudgetAttempt(_Json):
 
 @dataclass
 class PlanMeasured(_Json):
+    """A plan measured in ONNX Runtime: the cost model's prediction against the measurement.
+    Step seconds are in the baseline's (the default session's, `Objective.baseline_step_seconds`):
+    the measured ones are the plan's step over the original's timed in turn with it, times that."""
     strategy: str
     checkpoints: int
     recompute_nodes: int
     predicted_peak_bytes: int
     measured_peak_bytes: int
+    why: str = ""       # the first plan, a retry for the budget or the time limit, store-all, a fallback
+    predicted_step_seconds: float | None = None
+    measured_step_seconds: float | None = None
+
+    @property
+    def step_time_error(self) -> float | None:
+        """predicted / measured step seconds - 1 (None: not timed)."""
+        if self.predicted_step_seconds is None or not self.measured_step_seconds:
+            return None
+        return self.predicted_step_seconds / self.measured_step_seconds - 1
 
 
 @dataclass
@@ -376,7 +389,7 @@ class Report(_Json):
     budget_attempts: list[BudgetAttempt] | None = None
     objective: Objective | None = None
     overhead_attempts: list[OverheadAttempt] | None = None
-    plans_measured: list[PlanMeasured] | None = None
+    plans_measured: list[PlanMeasured] | None = None   # every plan measured, in order
     rejected: RejectedPlan | None = None
     measured: Measured | None = None    # None: measurement off
     measurement_method: str | None = None   # how the peaks were taken (VmHWM, nvml, ...)
@@ -448,6 +461,12 @@ def summary_text(report: Report) -> str:
         lines.append(f"returned / original: peak {r.peak_vs_default_session:.2f}x (default session), "
                      f"{r.peak_vs_optimizations_off:.2f}x (optimizations off); step time "
                      f"{r.step_time_vs_default_session:.2f}x / {r.step_time_vs_optimizations_off:.2f}x")
+    if report.plans_measured:
+        lines.append("plans measured, predicted against measured: " + "; ".join(
+            f"{p.why or p.strategy} peak {_mib(p.predicted_peak_bytes)} / {_mib(p.measured_peak_bytes)}"
+            + ("" if p.step_time_error is None else
+               f", step {p.predicted_step_seconds:.3f} / {p.measured_step_seconds:.3f} s ({p.step_time_error:+.0%})")
+            for p in report.plans_measured))
     limit = report.memory_limit
     if limit is not None:
         originals = ", ".join(f"{label.replace('original_', '').replace('_', ' ')} "

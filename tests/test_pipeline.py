@@ -150,6 +150,22 @@ def test_default_objective_states_its_point_and_never_returns_over_the_limit():
         assert report.outputs_match and report.order_followed
     assert report.overhead_attempts and all(a.measured_overhead >= -1 for a in report.overhead_attempts)
     assert report.prediction_error.optimized_step_time is not None
+    # every plan measured is stated, predicted against measured, peak and step: those for the limit
+    # are its attempts, one for one (the attempts' overheads are over the baseline, timed in turn)
+    measured = report.plans_measured
+    assert measured and measured[0].why == "planned"
+    assert all(p.predicted_step_seconds > 0 and p.measured_step_seconds > 0 for p in measured), measured
+    for_limit = [p for p in measured if p.why in ("planned", "time retry", "store-all")]
+    assert [(p.predicted_peak_bytes, p.measured_peak_bytes) for p in for_limit] == \
+        [(a.predicted_peak_bytes, a.measured_peak_bytes) for a in report.overhead_attempts]
+    for p, a in zip(for_limit, report.overhead_attempts):
+        assert p.predicted_step_seconds == pytest.approx(a.predicted_step_seconds)
+        assert p.measured_step_seconds == pytest.approx((1 + a.measured_overhead) * objective.baseline_step_seconds)
+    if report.outcome == "optimized":
+        returned = report.measured.optimized
+        assert (returned.peak_bytes, returned.step_seconds) in [(p.measured_peak_bytes, p.measured_step_seconds)
+                                                                for p in measured]
+    assert "predicted against measured" in summary_text(report)
 
 
 def test_max_overhead_bounds_the_predicted_step_time():
