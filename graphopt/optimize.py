@@ -22,6 +22,7 @@ from .report import (OUTCOME_OPTIMIZED, OUTCOME_ORIGINAL, OUTCOME_UNMEASURED, OW
                      StageSeconds, summary_text)
 from .runtime.rss import ChildPeaks, peak_rss_bytes, process_peak_bytes, reset_peak_rss, rss_bytes, tracking_children
 from .runtime.isolated import save_model as save_model
+from .runtime.warm import children_cpu_seconds
 
 
 def optimize(model: onnx.ModelProto, options: OptimizeOptions | None = None) -> OptimizeResult:
@@ -46,7 +47,8 @@ def optimize(model: onnx.ModelProto, options: OptimizeOptions | None = None) -> 
 
 class StageClock:
     """A progress callback that passes each stage on to `progress` and times it: wall seconds,
-    and CPU seconds of this process and of the children it waited for (`os.times`), from one
+    and CPU seconds of this process and of the children it waited for (`os.times`, and
+    `warm.children_cpu_seconds` for those forked by the warm parent), from one
     stage's message to the next (`stages`: the last one ends when it is called)."""
 
     def __init__(self, progress=None) -> None:
@@ -56,7 +58,7 @@ class StageClock:
     @staticmethod
     def _cpu_seconds() -> float:
         t = os.times()
-        return t.user + t.system + t.children_user + t.children_system
+        return t.user + t.system + t.children_user + t.children_system + children_cpu_seconds()
 
     def __call__(self, stage: str, fraction: float) -> None:
         self._marks.append((stage, time.perf_counter(), self._cpu_seconds()))

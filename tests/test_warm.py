@@ -117,3 +117,19 @@ def test_a_caller_that_ends_leaves_no_warm_process_behind():
     assert caller.returncode == 0 and out.strip() == "0"
     with pytest.raises(ProcessLookupError):   # the group: the caller, its warm parent, their children
         os.killpg(caller.pid, 0)
+
+
+def test_a_warm_childs_cpu_is_counted(resnet_files, monkeypatch):
+    # the report's stages count the CPU of the children that did ONNX Runtime's work; a warm
+    # child is the warm parent's, so its CPU comes back with its exit status (wait4's rusage)
+    monkeypatch.setenv(warm.SWITCH_ENV, "0")
+    before = os.times()
+    measure(*resnet_files, timing=False)
+    after = os.times()
+    cold = after.children_user + after.children_system - before.children_user - before.children_system
+    monkeypatch.setenv(warm.SWITCH_ENV, "1")
+    warm.warm_parent()
+    before_warm = warm.children_cpu_seconds()
+    measure(*resnet_files, timing=False)
+    hot = warm.children_cpu_seconds() - before_warm
+    assert 0.4 * cold <= hot <= 1.5 * cold, (cold, hot)

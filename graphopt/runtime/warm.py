@@ -22,7 +22,8 @@ interpreter as before.
 The parent is a single-threaded loop over one Unix socket: a request (JSON, with the child's
 stdin, stdout, stderr and a status pipe as file descriptors) is answered with the child's
 pid; when the child ends, the parent reaps it and writes its exit code (negative: the signal
-that ended it) into its status pipe, which is how ``wait`` learns it.
+that ended it) and its CPU seconds into its status pipe, which is how ``wait`` learns them
+(`children_cpu_seconds` adds those up).
 """
 from __future__ import annotations
 
@@ -71,6 +72,22 @@ def cold_env(env: dict[str, str]) -> dict[str, str]:
 
 # -- the caller's side ------------------------------------------------------------------------------
 
+_CHILDREN_CPU_SECONDS = [0.0]
+_CHILDREN_CPU_LOCK = threading.Lock()
+
+
+def _add_children_cpu(seconds: float) -> None:
+    with _CHILDREN_CPU_LOCK:
+        _CHILDREN_CPU_SECONDS[0] += seconds
+
+
+def children_cpu_seconds() -> float:
+    """User and system CPU seconds of the warm children this process has waited for (they are
+    the warm parent's children, so `os.times` of this process does not count them)."""
+    with _CHILDREN_CPU_LOCK:
+        return _CHILDREN_CPU_SECONDS[0]
+
+
 class WarmProcess:
     """A child forked by the warm parent: the parts of ``subprocess.Popen`` graphopt uses."""
 
@@ -92,7 +109,10 @@ class WarmProcess:
                 break
             data += chunk
         os.close(self._status_fd)
-        self.returncode = int(data) if data.strip() else LOST_RETURNCODE
+        fields = data.split()
+        self.returncode = int(fields[0]) if fields else LOST_RETURNCODE
+        if len(fields) > 1:
+            _add_children_cpu(float(fields[1]))
         return True
 
     def poll(self) -> int | None:
@@ -396,7 +416,7 @@ def serve(fd: int) -> int:
                 os.read(wake_read, 4096)
                 while status_of:
                     try:
-                        pid, status = os.waitpid(-1, os.WNOHANG)
+                        pid, status, usage = os.wait4(-1, os.WNOHANG)
                     except ChildProcessError:
                         break
                     if pid == 0:
@@ -404,7 +424,8 @@ def serve(fd: int) -> int:
                     out = status_of.pop(pid, None)
                     if out is not None:
                         try:
-                            os.write(out, b"%d\n" % os.waitstatus_to_exitcode(status))
+                            os.write(out, b"%d %.6f\n" % (os.waitstatus_to_exitcode(status),
+                                                           usage.ru_utime + usage.ru_stime))
                         except OSError:
                             pass
                         os.close(out)
