@@ -292,6 +292,9 @@ def base_order_graphs(graph, execution_order: list[str]) -> dict:
 # at least 3, once they took the seconds given).
 TIMING_ROUNDS = 5
 TIMING_MAX_SECONDS = 40.0
+# ... and fewer (at least 3) once every session's step over the default session's, round by
+# round, lies within 2% of its median: more rounds would not move the medians the report gives
+TIMING_SETTLE = 0.02
 
 
 def _time_baseline(prepared: Prepared, options: OptimizeOptions) -> None:
@@ -308,7 +311,7 @@ def _time_baseline(prepared: Prepared, options: OptimizeOptions) -> None:
     if prepared.graph_optimizations:
         sessions.append((workspace.path("graph-optimized"), ORIGINAL_UNOPTIMIZED))
     times = time_steps(sessions, workspace.inputs_path, provider=options.provider, threads=options.threads,
-                       rounds=TIMING_ROUNDS, max_seconds=TIMING_MAX_SECONDS, profile=(2,))
+                       rounds=TIMING_ROUNDS, max_seconds=TIMING_MAX_SECONDS, profile=(2,), settle=TIMING_SETTLE)
     (ours,) = times.node_seconds
     default_seconds = times.step_seconds[0]
     # each session against the default one by the median of the rounds' ratios (the runs of one
@@ -889,7 +892,7 @@ def measure_plan(prepared: Prepared, model: onnx.ModelProto, options: OptimizeOp
     times = time_steps([(prepared.workspace.path("original"), DEFAULT_SETTINGS),
                         (prepared.workspace.path("measured"), None)], prepared.workspace.inputs_path,
                        provider=options.provider, threads=options.threads, rounds=TIMING_ROUNDS,
-                       max_seconds=TIMING_MAX_SECONDS)
+                       max_seconds=TIMING_MAX_SECONDS, settle=TIMING_SETTLE)
     ratio = times.ratio(1, 0)
     # in the baseline's seconds (the machine's speed moves between processes; the ratio is what
     # was measured against the baseline), so that the report's step times divide as its ratios

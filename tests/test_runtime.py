@@ -392,6 +392,25 @@ def test_time_steps_times_sessions_in_turn_with_a_profiled_twin(tmp_path):
     assert times.provider == "CPUExecutionProvider"
 
 
+def test_time_steps_stops_once_the_ratios_have_settled(tmp_path):
+    """`settle`: the rounds stop at MIN_ROUNDS once every ratio to the first session lies within
+    the band of its median (a band of 100% always holds for two runs of one model), and without
+    it every round asked for is run (the timed steps stay far under `max_seconds`)."""
+    from graphopt.runtime.measure import MIN_ROUNDS, settled, time_steps
+    m = mlp_training_graph(layers=3, batch=64, width=32)
+    onnx.save(m, tmp_path / "mlp.onnx")
+    save_inputs(tmp_path / "mlp.npz", mlp_inputs(m))
+    sessions = [(tmp_path / "mlp.onnx", NO_OPT)] * 2
+    assert len(time_steps(sessions, tmp_path / "mlp.npz", rounds=6, settle=1.0).runs[0]) == MIN_ROUNDS
+    assert len(time_steps(sessions, tmp_path / "mlp.npz", rounds=6).runs[0]) == 6
+    # the rule itself, on rounds of known seconds: the second session 1.5x the first
+    steady = [[1.0, 2.0, 1.0], [1.5, 3.0, 1.5]]        # the machine's speed moves, the ratio does not
+    moving = [[1.0, 1.0, 1.0], [1.5, 1.6, 1.5]]        # a ratio 6.7% off its median
+    assert settled(steady, 0.02) and not settled(moving, 0.02) and settled(moving, 0.07)
+    assert settled([[1.0, 1.01, 0.99]], 0.02) and not settled([[1.0, 1.1, 0.99]], 0.02)
+    assert not settled(steady, None)
+
+
 def test_time_steps_holds_one_session_per_process(tmp_path):
     """Each session timed in a process of its own: the largest of them holds about one session
     (weights and step), not all of them. Oracle: the peak resident memory of the largest child,

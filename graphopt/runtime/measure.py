@@ -152,6 +152,23 @@ class StepTimes:
 MIN_ROUNDS = 3
 
 
+def settled(runs: list[list[float]], band: float | None) -> bool:
+    """Whether rounds so far already give the answer: every session's step over the first's,
+    round by round, lies within ``band`` of its median (one session: its steps within ``band``
+    of their median). ``band=None``: never."""
+    if band is None or not runs or not runs[0]:
+        return False
+    if len(runs) == 1:
+        series = [runs[0]]
+    else:
+        series = [[a / b for a, b in zip(runs[k], runs[0])] for k in range(1, len(runs))]
+    for values in series:
+        middle = statistics.median(values)
+        if middle <= 0 or any(abs(v / middle - 1) > band for v in values):
+            return False
+    return True
+
+
 def time_steps(
     sessions: list[tuple[str | os.PathLike, SessionSettings | None]],
     inputs_path: str | os.PathLike,
@@ -162,13 +179,14 @@ def time_steps(
     max_seconds: float = 30.0,
     profile: tuple[int, ...] = (),
     timeout_seconds: float = 900,
+    settle: float | None = None,
 ) -> StepTimes:
     """Median step seconds of each (model path, settings; None: its metadata) session, timed in
     turn: each session in a fresh process of its own with the allocator as users have it
     (graphopt/runtime/_timing_worker.py), opened one after another, then rounds of one step of
     each in turn (`rounds`, or fewer once the timed steps took `max_seconds`, at least
-    MIN_ROUNDS); for each session index in ``profile``, a profiled twin in the same rounds gives
-    its median seconds per node."""
+    MIN_ROUNDS, or fewer once the ratios have `settled` within ``settle``); for each session index
+    in ``profile``, a profiled twin in the same rounds gives its median seconds per node."""
     import subprocess
     import tempfile
     import threading
@@ -210,7 +228,8 @@ def time_steps(
                     worker.stdin.write("run\n")
                     worker.stdin.flush()
                     runs[k].append(float(reply(k)))
-                if r + 1 >= MIN_ROUNDS and sum(map(sum, runs)) > max_seconds:
+                if r + 1 >= MIN_ROUNDS and (sum(map(sum, runs)) > max_seconds
+                                            or settled(runs[:len(sessions)], settle)):
                     break
             ends = []
             for k, (worker, _) in enumerate(workers):
