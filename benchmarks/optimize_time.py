@@ -8,8 +8,8 @@ a folder and optimized by the CLI as a user runs it (`graphopt optimize`, its de
 process per model); its report's `stages` give each stage's wall seconds, and the plan stage's
 CPU seconds are the search's. Printed side by side: the original's step under ONNX Runtime's
 default session (the report's baseline), optimize's wall time and its ratio to that step (the
-issue's goal: at most 30x), the search's CPU seconds (goal: at most 2 s), the stages, the
-outcome.
+issue's goal: at most 30x), the search's CPU seconds (goal: at most 2 s), the stages, the time
+model's error on every plan measured (the report's `plans_measured`), the outcome.
 
     python benchmarks/optimize_time.py --against-fresh 3 [--examples mlp,resnet]
 
@@ -63,8 +63,12 @@ def run_one(kind: str, name: str, args) -> dict:
         label = s["stage"].split(":")[0]
         stages[label] = stages.get(label, 0.0) + s["wall_seconds"]
     plan_cpu = sum(s["cpu_seconds"] for s in report["stages"] if s["stage"] == "plan")
+    # the time model on every plan measured: predicted step seconds over measured, less 1
+    errors = [p["predicted_step_seconds"] / p["measured_step_seconds"] - 1 for p in report.get("plans_measured") or []
+              if p.get("predicted_step_seconds") and p.get("measured_step_seconds")]
     row.update(step=report["objective"]["baseline_step_seconds"], total=report["total_seconds"],
-               search_cpu=plan_cpu, stages=stages, outcome=report["outcome"], threads=report["threads"])
+               search_cpu=plan_cpu, stages=stages, outcome=report["outcome"], threads=report["threads"],
+               step_errors=errors)
     return row
 
 
@@ -105,16 +109,17 @@ def main() -> None:
             print(against_fresh(kind, name, args), flush=True)
         return
     print("| model | threads | default-session step (s) | optimize (s) | optimize / step | search CPU (s) | "
-          "stages (wall s) | outcome |")
-    print("|---|---|---|---|---|---|---|---|")
+          "stages (wall s) | step time predicted / measured - 1, each plan measured | outcome |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for kind, name in jobs:
         row = run_one(kind, name, args)
         if "error" in row:
-            print(f"| {row['model']} | | | | | | error: {row['error']} | |", flush=True)
+            print(f"| {row['model']} | | | | | | error: {row['error']} | | |", flush=True)
             continue
         stages = ", ".join(f"{k} {v:.1f}" for k, v in row["stages"].items() if v >= 0.05)
         print(f"| {row['model']} | {row['threads']} | {row['step']:.3f} | {row['total']:.1f} | "
-              f"{row['total'] / row['step']:.0f}x | {row['search_cpu']:.1f} | {stages} | {row['outcome']} |",
+              f"{row['total'] / row['step']:.0f}x | {row['search_cpu']:.1f} | {stages} | "
+              f"{', '.join(f'{e:+.0%}' for e in row['step_errors'])} | {row['outcome']} |",
               flush=True)
 
 
