@@ -126,7 +126,7 @@ class Prepared:
     original: onnx.ModelProto            # the user's graph, nodes named: reference and baseline
     training: TrainingGraph              # as ORT runs it (function ops it inlines at load written out)
     annotations: Annotations             # of `training`
-    original_annotations: Annotations    # of `original`
+    original_annotations: Annotations | None   # of `original` (None: not yet, `original_annotations_for`)
     graph: object                        # the cost graph of `training`
     functions_expanded: dict[str, int]   # op type -> nodes written as their function body
     predicted_original: Simulation       # the cost model on ORT's own order of `training`
@@ -150,6 +150,14 @@ class Prepared:
     # reduced batches (`ReducedStep`); None otherwise
     reduced: "ReducedStep | None" = None
     full_size_because: str | None = None   # why it is not, when the original does not run under the limit
+
+    def original_annotations_for(self, options: OptimizeOptions) -> Annotations:
+        """The original's annotations, annotated now if they were not (the graph planned was ORT's
+        optimized one)."""
+        if self.original_annotations is None:
+            self.original_annotations = _annotate_file(self.workspace.path("original"), self.workspace.inputs_path,
+                                                       options, self.workspace, "original")
+        return self.original_annotations
 
     def set_graphs(self, file_graph) -> None:
         """`file_graph` (the cost graph in the file's order) in every base order that can be
@@ -229,13 +237,19 @@ def prepare(model: onnx.ModelProto, options: OptimizeOptions, *, reference: bool
                             "verified at full size, outside the limit", full_size_because)
                 reduced = None
         if reduced is None:
-            progress("annotate", 0.1)
-            annotations = first = _annotate(training, options, workspace, "original")
+            # the original is annotated only when it is the graph planned: where ORT's graph
+            # optimizations apply, the optimized graph is annotated instead (and the original
+            # only if it is returned with its annotations: `Prepared.original_annotations_for`)
+            workspace.save(training.model, "original")
+            annotations = first = None
         graph_optimized: dict = {}
         if options.graph_optimizations != "none":
             progress("graph optimizations", 0.12)
             training, annotations, graph_optimized = _apply_graph_optimizations(training, annotations, options,
                                                                                 workspace, reduced)
+        if annotations is None:
+            progress("annotate", 0.14)
+            annotations = first = _annotate(training, options, workspace, "original")
         expanded: dict[str, int] = {}
         if expand:
             try:
@@ -524,15 +538,15 @@ def _op_type_changes(before: onnx.ModelProto, after: onnx.ModelProto) -> dict[st
     return {op: n for op, n in sorted(counts.items()) if n}
 
 
-def _apply_graph_optimizations(training: TrainingGraph, annotations: Annotations, options: OptimizeOptions,
+def _apply_graph_optimizations(training: TrainingGraph, annotations: Annotations | None, options: OptimizeOptions,
                                workspace: Workspace, reduced: "ReducedStep | None" = None
-                               ) -> tuple[TrainingGraph, Annotations, dict]:
+                               ) -> tuple[TrainingGraph, Annotations | None, dict]:
     """Plan the graph ONNX Runtime would run: its graph optimizations at
     `options.graph_optimizations` applied offline (`runtime.offline`), in a child, to the original
     saved in `workspace`. The result replaces `training` only if it is still the same training
     graph (same outputs, analyzable) and, when verifying, computes the original's outputs within
     the tolerance (for a ReducedStep: their twins at its batch); otherwise a warning says why and
-    the original is planned as given."""
+    the original is planned as given, with `annotations` (None: the caller annotates it)."""
     original = workspace.path("original")
     # (not a label of `workspace.save`, which would remove its weights file)
     out = os.path.join(workspace.folder, "ort-optimized.onnx")
@@ -587,6 +601,8 @@ def _apply_graph_optimizations(training: TrainingGraph, annotations: Annotations
     del model
     summary = {"level": level, "nodes_before": len(training.model.graph.node),
                "nodes_after": len(optimized.model.graph.node), "op_types": changes}
+    if options.progress is not None:
+        options.progress("annotate", 0.14)
     try:
         optimized_annotations = _annotate(optimized, options, workspace, "graph-optimized", reduced)
     except GraphoptError as exc:
@@ -909,12 +925,13 @@ def _mib(nbytes: int) -> str:
     return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.0f} KiB"
 
 
-def _returned_original(prepared: Prepared, settings: SessionSettings | None) -> onnx.ModelProto:
+def _returned_original(prepared: Prepared, settings: SessionSettings | None, options: OptimizeOptions
+                       ) -> onnx.ModelProto:
     model = onnx.ModelProto()
     model.CopyFrom(prepared.original)
     if settings is not None:
         write_settings(model, settings)
-        write_annotations(model, prepared.original_annotations)
+        write_annotations(model, prepared.original_annotations_for(options))
     return model
 
 
@@ -959,7 +976,7 @@ def deliver(prepared: Prepared, chosen: Plan, options: OptimizeOptions) -> Optim
         report.outcome = OUTCOME_ORIGINAL
         report.outcome_reason = (f"{_not_delivered(report)}; the original model is returned "
                                  f"unchanged{_rejections(report)}")
-        rewritten = _returned_original(prepared, None)
+        rewritten = _returned_original(prepared, None, options)
         _describe(report, None, rewritten)
         report.session = None
     else:
@@ -1290,7 +1307,7 @@ def _measured_delivery(prepared: Prepared, chosen: Plan, rewritten: onnx.ModelPr
                   + f" ({session}: {_mib(originals[best_original].peak_bytes)}), written in its metadata")
         report.rejected = RejectedPlan(**_summary(chosen), order_followed=deliverable, measured=_run(optimized))
         returned, returned_overhead = originals[best_original], original_overhead[best_original]
-        rewritten = _returned_original(prepared, ORIGINAL_SESSIONS[best_original])
+        rewritten = _returned_original(prepared, ORIGINAL_SESSIONS[best_original], options)
         _describe(report, None, rewritten)
         report.session = ORIGINAL_SESSIONS[best_original].to_dict()
         if limit_report is not None:

@@ -148,6 +148,12 @@ def test_never_worse_returns_the_best_measured_original(monkeypatch):
     assert len(result.model.graph.node) == len(train.graph.node)
     assert not any("__rc" in n.name for n in result.model.graph.node)
     assert report.outcome == "original"
+    # its annotations are its own graph's (annotated when it is returned: the graph planned was the
+    # one ORT's graph optimizations made, whose nodes are not all the original's)
+    from graphopt.annotate import read_annotations
+    annotations = read_annotations(result.model)
+    assert report.graph_optimizations, "ORT's graph optimizations were expected to apply here"
+    assert set(annotations.execution_order) == {n.name for n in result.model.graph.node if n.op_type != "Constant"}
     assert report.rejected.measured.peak_bytes > report.measured.optimized.peak_bytes
     assert report.measured.optimized.peak_bytes == min(report.measured.original_default_session.peak_bytes,
                                                        report.measured.original_optimizations_off.peak_bytes)
