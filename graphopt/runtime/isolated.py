@@ -1,5 +1,6 @@
 """ONNX Runtime work of ``optimize`` in fresh processes, one at a time, so that the calling
-process never holds a training step.
+process never holds a training step. Each is forked from a warm parent that has the libraries
+imported (:mod:`graphopt.runtime.warm`), or started as a fresh interpreter where there is none.
 
 Annotating, computing the original's outputs, and checking a rewritten model (its outputs
 against the original's, then ORT's order) each run in a child (``_task_worker``) that loads

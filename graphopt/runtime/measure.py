@@ -1,4 +1,5 @@
-"""Measure the peak memory and time of one training step in a fresh process.
+"""Measure the peak memory and time of one training step in a fresh process (forked from the
+warm parent of :mod:`graphopt.runtime.warm`, else a fresh interpreter).
 
 See :mod:`graphopt.runtime._measure_worker` for exactly how the numbers are taken.
 On CPU the resolution is the page (and what the allocator already holds): a graph
