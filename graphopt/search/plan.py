@@ -116,7 +116,6 @@ def schedule_for(graph: CostGraph, checkpoints: set[str] | frozenset[str],
     work of evaluating it: recomputing across every gap can make it many times the graph)."""
     facts = _schedule_facts(graph)
     inputs_of, outputs_of, clobbers_of = facts.inputs_of, facts.outputs_of, facts.clobbers_of
-    first_run = facts.first_runs.__getitem__
     position = graph.op_id.__getitem__
     producer = graph.forward_tensors
     forced = graph.forced_checkpoints
@@ -128,13 +127,15 @@ def schedule_for(graph: CostGraph, checkpoints: set[str] | frozenset[str],
     reads_at = facts.reads_at
     gap = refresh_gap
     recomputed: set[str] = set()
-    for i, op in enumerate(sunk_order(graph)):
-        if op not in forward_reads:             # a forward op
-            schedule.append(first_run(op))
-            continue
+    for forward_steps, i, op, step, late_reads in facts.walk:
+        if forward_steps:                       # the forward ops before this backward one
+            schedule.extend(forward_steps)
+            if op is None:
+                continue
         # a forward tensor a later forward op still reads is alive anyway (the base order may
-        # run backward ops before the forward pass is over): read as it is
-        stack = [t for t in forward_reads[op] if t not in available and forward_last_read.get(t, -1) < i]
+        # run backward ops before the forward pass is over): read as it is (`late_reads`: the
+        # others)
+        stack = [t for t in late_reads if t not in available]
         made: list[str] = []
         if stack:
             # the forward ops that recompute what this op reads, from what is available
@@ -156,7 +157,7 @@ def schedule_for(graph: CostGraph, checkpoints: set[str] | frozenset[str],
             recomputed.update(made)
             for r in todo & clobbers_of.keys():
                 available.difference_update(t for t in clobbers_of[r] if t not in forced)
-        schedule.append(first_run(op))
+        schedule.append(step)
         if max_steps is not None and len(schedule) > max_steps:
             return None
         if gap is not None and recomputed:
@@ -183,9 +184,12 @@ class _ScheduleFacts:
     forward_reads: dict[str, tuple[str, ...]]    # backward op -> the forward tensors it reads
     reads_at: dict[str, list[int]]               # forward tensor -> its backward readers' positions in the sunk order
     forward_last_read: dict[str, int]            # forward tensor -> its last forward reader's position there
-    # op -> the step (op, 0), one tuple shared by every schedule: solvers keep many plans, and a
+    # the sunk order as `schedule_for` walks it: (the forward ops' steps (op, 0) since the last
+    # backward op, then the backward op's position, name, step and the forward tensors it reads
+    # that no later forward op reads), the last entry's op None when forward ops end the order.
+    # Each step (op, 0) is one tuple shared by every schedule: solvers keep many plans, and a
     # tuple of its own per step made their schedules 8x larger
-    first_runs: dict[str, Step]
+    walk: tuple[tuple[tuple[Step, ...], int, str | None, Step | None, tuple[str, ...]], ...]
 
 
 def _schedule_facts(graph: CostGraph) -> _ScheduleFacts:
@@ -202,12 +206,22 @@ def _schedule_facts(graph: CostGraph) -> _ScheduleFacts:
             else:
                 for t in graph.ops[op].inputs:
                     forward_last_read[t] = i
+        walk, pending = [], []
+        for i, op in enumerate(sunk_order(graph)):
+            if op not in forward_reads:
+                pending.append((op, 0))
+                continue
+            late = tuple(t for t in forward_reads[op] if forward_last_read.get(t, -1) < i)
+            walk.append((tuple(pending), i, op, (op, 0), late))
+            pending = []
+        if pending:
+            walk.append((tuple(pending), -1, None, None, ()))
         cached = _ScheduleFacts(
             inputs_of={name: op.inputs for name, op in graph.ops.items()},
             outputs_of={name: op.outputs for name, op in graph.ops.items()},
             clobbers_of={name: op.clobbers for name, op in graph.ops.items() if op.clobbers},
             forward_reads=forward_reads, reads_at=reads_at, forward_last_read=forward_last_read,
-            first_runs={name: (name, 0) for name in graph.ops})
+            walk=tuple(walk))
         _SCHEDULE_FACTS[graph] = cached
     return cached
 
