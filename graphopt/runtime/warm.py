@@ -95,13 +95,20 @@ class WarmProcess:
         self.args, self.pid, self._status_fd = args, pid, status_fd
         self.stdin, self.stdout = stdin, stdout
         self.returncode: int | None = None
+        self._lock = threading.Lock()   # a timer may kill it while another thread waits
 
     def _read_status(self, timeout_seconds: float | None) -> bool:
-        if self.returncode is not None:
+        with self._lock:
+            if self.returncode is not None:
+                return True
+            poller = select.poll()
+            poller.register(self._status_fd, select.POLLIN)
+            if not poller.poll(None if timeout_seconds is None else max(0, int(timeout_seconds * 1000))):
+                return False
+            self._take_status()
             return True
-        ready, _, _ = select.select([self._status_fd], [], [], timeout_seconds)
-        if not ready:
-            return False
+
+    def _take_status(self) -> None:
         data = b""
         while not data.endswith(b"\n"):
             chunk = os.read(self._status_fd, 64)
@@ -113,7 +120,6 @@ class WarmProcess:
         self.returncode = int(fields[0]) if fields else LOST_RETURNCODE
         if len(fields) > 1:
             _add_children_cpu(float(fields[1]))
-        return True
 
     def poll(self) -> int | None:
         self._read_status(0)
@@ -125,7 +131,8 @@ class WarmProcess:
         return self.returncode
 
     def kill(self) -> None:
-        if self.poll() is None:
+        # without the lock: another thread may be waiting on the status (holding it) for this end
+        if self.returncode is None:
             try:
                 os.kill(self.pid, signal.SIGKILL)
             except ProcessLookupError:
