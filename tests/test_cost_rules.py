@@ -19,6 +19,9 @@ MiB = 2 ** 20
 
 
 def _measured_peak(tmp_path, nodes, inputs, outputs, feeds, initializers=()) -> int:
+    """The step's peak growth (VmHWM). The kernel keeps RSS in per-CPU counters that may lag by
+    tens of pages per CPU (a few hundred KiB): buffers here are tens of MiB so that a 3% bound
+    tests the rule, not that lag (at 4 MiB buffers CI read 4.6% low once)."""
     graph = h.make_graph(nodes, "g", inputs, outputs, initializer=list(initializers))
     model = h.make_model(graph, opset_imports=[h.make_opsetid("", 18)])
     onnx.checker.check_model(model)
@@ -29,7 +32,7 @@ def _measured_peak(tmp_path, nodes, inputs, outputs, feeds, initializers=()) -> 
 
 def test_where_holds_two_selection_buffers(tmp_path):
     """Where(cond, x, 0): output + X_selection + Y_selection, each output-sized."""
-    n = 1 << 20                                       # 4 MiB of float32
+    n = 1 << 22                                       # 16 MiB of float32 (see _measured_peak)
     node = h.make_node("Where", ["cond", "x", "zero"], ["y"], name="where")
     inputs = [h.make_tensor_value_info("cond", T.BOOL, [n]), h.make_tensor_value_info("x", T.FLOAT, [n])]
     outputs = [h.make_tensor_value_info("y", T.FLOAT, [n])]
@@ -48,7 +51,7 @@ def test_where_holds_two_selection_buffers(tmp_path):
 
 def test_reshape_into_a_graph_output_copies(tmp_path):
     """Relu -> Reshape -> graph output: while the Reshape runs, its input and its own output."""
-    n = 1 << 20
+    n = 1 << 22                                       # 16 MiB of float32 (see _measured_peak)
     nodes = [h.make_node("Relu", ["x"], ["r"], name="relu"),
              h.make_node("Reshape", ["r", "shape"], ["y"], name="reshape")]
     inputs = [h.make_tensor_value_info("x", T.FLOAT, [n])]
@@ -65,7 +68,7 @@ def test_reshape_into_a_graph_output_copies(tmp_path):
 
 def test_scatter_nd_holds_one_offset_per_index_tuple(tmp_path):
     """ScatterND(data, indices [n, 1], updates [n]): output + 8 bytes per index tuple."""
-    n = 1 << 20                                       # 4 MiB of float32, 8 MiB of offsets
+    n = 1 << 22                                       # 16 MiB of float32, 32 MiB of offsets
     node = h.make_node("ScatterND", ["data", "indices", "updates"], ["y"], name="scatter", reduction="add")
     inputs = [h.make_tensor_value_info("data", T.FLOAT, [n]),
               h.make_tensor_value_info("indices", T.INT64, [n, 1]),
