@@ -132,8 +132,9 @@ class PredictionError(_Json):
     optimized: float
     original_optimizations_off: float
     optimized_step_time: float | None = None
-    # the cost model on ORT's order of the graph planned (the original after ORT's offline graph
-    # optimizations, when applied), optimizations off, against that session measured
+    # the cost model on ORT's order of the original, optimizations off, against that session
+    # measured; None where ORT's offline graph optimizations applied (the graph planned is not the
+    # original, and is not timed in ORT's order: each plan's own error is in `plans_measured`)
     original_optimizations_off_step_time: float | None = None
 
 

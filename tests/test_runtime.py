@@ -370,7 +370,7 @@ def test_measure_sees_order_dependent_peak(tmp_path):
     assert default.peak_bytes > prio.peak_bytes + 4 * MiB
 
 
-def test_time_steps_times_sessions_in_turn_with_a_profiled_twin(tmp_path):
+def test_time_steps_times_sessions_in_turn_one_of_them_profiled(tmp_path):
     """`time_steps`: one median per session (in the order given) from at least MIN_ROUNDS runs
     each, the ratio of two sessions as the median of the rounds' ratios, and the profiled
     session's median seconds for every node it ran (no speed is asserted: that is a benchmark's)."""
