@@ -166,6 +166,27 @@ def _tv(builder: str, *, tiny: dict | None = None, image: dict | None = None,
     return make
 
 
+def _r3d(size: str = "tiny") -> RealModel:
+    """torchvision's 3D-convolution video ResNet-18 (r3d_18: Conv3d 3x3x3 and 1x1x1 with
+    strides over time and space, BatchNorm3d, AdaptiveAvgPool3d), fed clips [batch, 3,
+    frames, pixels, pixels]. At the tiny size one input of a ReLU (layer2.1, after conv1's
+    BatchNorm) lies within 1.3e-7 of the largest of them from zero, so float32 rounding may
+    land it on either side of the kink: the gradients of that convolution and of what feeds it
+    read 0.15 off float64 there (and torch float32 1.5e-5), while the same network at
+    another seed (9e-6), and runs of its blocks alone (up to 1.6e-5), do not."""
+    tv = import_torchvision()
+    torch.manual_seed(SEED)
+    classes = 10 if size == "tiny" else 400
+    module = tv.models.video.r3d_18(weights=None, num_classes=classes)
+    batch, frames, pixels = {"tiny": (2, 4, 32), "full": (4, 8, 56), "large": (8, 16, 112)}[size]
+    generator = torch.Generator().manual_seed(SEED)
+    x = torch.randn(batch, 3, frames, pixels, pixels, generator=generator)
+    labels = torch.randint(0, classes, (batch,), generator=generator)
+    perturb_constant_tensors(module)
+    module.eval()
+    return RealModel("r3d_18", module, {"x": x}, "cross_entropy", labels, family="torchvision")
+
+
 def _vit(size: str = "tiny") -> RealModel:
     tv = import_torchvision()
     from torchvision.models.vision_transformer import VisionTransformer
@@ -342,6 +363,8 @@ CORPUS: dict[str, Callable[[str], RealModel]] = {
     "vgg11_bn": _tv("vgg11_bn", image={"tiny": (1, 224), "full": (2, 224), "large": (8, 224)}),
     # segmentation: a per-pixel head upsampled to the image
     "lraspp_mobilenet_v3_large": _lraspp,
+    # video: 3D convolutions over frames and pixels
+    "r3d_18": _r3d,
     # transformers
     "gpt2": _gpt2,
     "bert": _bert,
