@@ -212,3 +212,46 @@ def test_tiny_time_limit_on_a_wide_graph_is_inexact_but_valid(seed):
     index = {t: j for j, t in enumerate(model.tensors)}
     plan_kept = {index[t] for t in plan.checkpoints}
     assert sum(segment_cost(model, plan_kept)) == plan.notes["model_cost_bytes"] <= nothing
+
+
+def test_the_dominance_checks_are_work_the_search_stops_at():
+    """`Effort` counts each new label's dominance checks against its state's labels (on a wide
+    3D-convolution network they outnumbered the label expansions 20-40 to 1, and were most of
+    the seconds): a probe stops at the next tensor once past `max_comparisons`, and gives up its
+    answer, while the same probe without that limit completes. Oracle: the counts themselves,
+    and the unlimited probe's result."""
+    from graphopt.search.feng_huang import Effort, least_kept_bytes
+    graph = branching_cost_graph(60, seed=1)
+    model = segment_model(graph)
+    total = sum(model.bytes_)
+    unlimited = Effort()
+    found, exact = least_kept_bytes(model, total, total + 1, 20_000, unlimited)
+    assert found is not None and exact
+    assert unlimited.comparisons > 2_000, unlimited.comparisons       # the limit below binds
+    limited = Effort(max_comparisons=1_000)
+    assert least_kept_bytes(model, total, total + 1, 20_000, limited) == (None, False)
+    assert 1_000 < limited.comparisons <= 1_000 + 20_000 and limited.labels < unlimited.labels
+    cost, kept, exact, _ = solve(model, max_comparisons=1_000)
+    assert exact is False and sum(segment_cost(model, set(kept))) == cost
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_states_labels_are_the_pareto_minimal_ones_in_the_order_they_came(seed):
+    """`_Front` (a plain list up to ARRAY_FROM labels, an array after): after distinct random
+    labels, exactly those no other label is at or below in Σ kept and every weight, in
+    insertion order. Oracle: every pair compared; 300 labels, well past ARRAY_FROM."""
+    from graphopt.search.feng_huang import _Front
+    rng = random.Random(seed)
+    labels = list({(tuple(rng.randrange(40) for _ in range(3)), rng.randrange(40)) for _ in range(300)})
+    rng.shuffle(labels)
+    front = _Front()
+    for k, (weights, total) in enumerate(labels):
+        front.add(weights, total, k)
+
+    def at_or_below(a, b):
+        return a[1] <= b[1] and all(x <= y for x, y in zip(a[0], b[0]))
+    minimal = [(w, t, k) for k, (w, t) in enumerate(labels)
+               if not any(o != (w, t) and at_or_below(o, (w, t)) for o in labels)]
+    assert len(labels) > 2 * _Front.ARRAY_FROM and front.rows is not None
+    assert front.labels == minimal
+    assert front.rows.tolist() == [[t, *w] for w, t, _ in minimal]

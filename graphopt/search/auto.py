@@ -29,7 +29,7 @@ budget, least recompute seconds among plans whose peak fits (the least peak when
 Work, not time. Every limit inside `auto` is counted in work, so a plan does not depend on
 the machine's speed: a solver is run only on graphs with at most its registry entry's
 `auto_max_candidates` candidate checkpoints (the exact DPs grow too fast beyond); Feng & Huang gets
-FENG_HUANG_LABELS of work (then the best so far); Chen's greedy a grid of CHEN_GREEDY_GRID
+FENG_HUANG_LABELS and FENG_HUANG_COMPARISONS of work (then the best so far); Chen's greedy a grid of CHEN_GREEDY_GRID
 budgets; the chain solver CHAIN_BOUNDS model bounds; Kusumoto's exact DP KUSUMOTO_LOWER_SETS
 lower sets;
 the local searches together EVALUATED_STEPS schedule steps of plan evaluations (fewer above
@@ -54,6 +54,7 @@ from .plan import Plan, make_plan, peak_floor_bytes
 # floor the slow ones are not run.
 FAST_SEEDS = ("store-all", "chen-sqrt", "chen-greedy", "chain")
 FENG_HUANG_LABELS = 150_000     # work of its branch and bound (labels x frontier), then the best so far
+FENG_HUANG_COMPARISONS = 10_000_000  # ... and its dominance checks (feng_huang.Effort)
 CHEN_GREEDY_GRID = (16, 6)      # budgets on Chen's grid, then refined around the best (at least)
 CHEN_GREEDY_GRID_LARGEST = (40, 12)   # (at most: its own default)
 CHEN_GREEDY_STEPS = 60_000      # schedule steps of its evaluations, between those two
@@ -79,7 +80,8 @@ _BUDGETLESS_SEEDS: "weakref.WeakKeyDictionary[CostGraph, dict[str, Plan]]" = wea
 
 def _seed_options(name: str, graph: CostGraph) -> dict:
     if name == "feng-huang":
-        return {"max_labels": FENG_HUANG_LABELS, "time_limit_seconds": None}
+        return {"max_labels": FENG_HUANG_LABELS, "max_comparisons": FENG_HUANG_COMPARISONS,
+                "time_limit_seconds": None}
     if name == "chen-greedy":
         # its plan evaluations, as many as CHEN_GREEDY_STEPS buy (at least the smaller grid)
         evaluations = min(sum(CHEN_GREEDY_GRID_LARGEST), max(sum(CHEN_GREEDY_GRID),
