@@ -21,7 +21,7 @@ missed (the peak is still shown).
         [--size full] [--exporter legacy] [--strategies auto,chen-sqrt] [--timeout 60]
 
 `--corpus` times the same strategies on the real training graphs of the corpus
-(tests/real_zoo.py; default all 18 models at size "full", legacy exporter) instead of the
+(tests/real_zoo.py; default all its models at size "full", legacy exporter) instead of the
 families. Each model is exported, built into a training graph (`build_training_graph`, loss
 cross entropy) and annotated as `optimize` does (`graphopt.pipeline.prepare`: ONNX Runtime in
 a child process, function ops ORT inlines at load written out), all in a fresh subprocess per

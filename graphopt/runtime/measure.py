@@ -188,9 +188,10 @@ def time_steps(
     each in turn (`rounds`, or fewer once the timed steps took `max_seconds`, at least
     MIN_ROUNDS, or fewer once the ratios have `settled` within ``settle``). The sessions whose
     index is in ``profile`` run with ONNX Runtime's profiler on and give their median seconds per
-    node too; their step seconds include the profiler's own cost (1-3% of the step on the mlp and
-    resnet examples at two threads, against the same session unprofiled in the same rounds: less
-    than the rounds' spread)."""
+    node too; their step seconds include the profiler's own cost (1-3% of the step in one check
+    by hand on the mlp and resnet examples, but enough to move the time model's predictions by
+    about 10 points when a profiled session's step was taken for its step time: a caller that
+    wants both times an unprofiled twin beside it)."""
     import subprocess
     import tempfile
     import threading
