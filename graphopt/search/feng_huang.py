@@ -239,7 +239,7 @@ def least_kept_bytes(model: SegmentModel, max_term: int, below: int, max_states:
     states: dict[tuple, list[tuple[tuple[int, ...], int, int]]] = {(): [((), 0, 0)]}
     for i in range(n):
         w_i = model.bytes_[i]
-        nxt: dict[tuple, list] = {}
+        nxt: dict[tuple, _Front] = {}
         if effort is not None:
             effort.labels += sum(len(labels) * (1 + len(key)) for key, labels in states.items())
             if effort.out_of_work():
