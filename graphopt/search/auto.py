@@ -109,6 +109,25 @@ def choose(plans: list[Plan], budget_bytes: int | None, cap_bytes: int | None = 
     return min(near, key=lambda p: (p.recompute_seconds, p.peak_bytes))
 
 
+def least_peak_local(graph: CostGraph, plans: list[Plan], seconds_limit: float) -> Plan:
+    """The local search for the least peak whose predicted step time is within `seconds_limit`
+    (`greedy.objective` with the limit), from the best of `plans` (a bisection's on the budget),
+    once per recomputation schedule as in `auto`, each from the best plan so far, with `auto`'s
+    work (EVALUATED_STEPS). The bisection's plans are each a least-time plan for a budget; the
+    least peak within the time often lies between them (`pipeline.LIMIT_SEARCH_REFINE`)."""
+    def key(p: Plan):
+        return objective(p, None, seconds_limit)
+    work = int(EVALUATED_STEPS * min(1.0, LARGE_GRAPH_OPS / max(1, len(graph))))
+    found = list(plans)
+    for gap in REFRESH_GAPS:
+        found.append(greedy(graph, None, seeds=[min(found, key=key)], max_seeds=0, refresh_gap=gap,
+                            max_steps=work // len(REFRESH_GAPS), min_evaluations=MIN_EVALUATIONS,
+                            seconds_limit=seconds_limit))
+    best = min(found, key=key)
+    best.notes["refined_within_seconds"] = True
+    return best
+
+
 def auto(graph: CostGraph, budget_bytes: int | None = None, *,
          time_limit_seconds: float = 60.0) -> Plan:
     from .registry import STRATEGIES        # the registry lists auto itself

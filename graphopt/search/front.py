@@ -63,9 +63,12 @@ def front(graph: CostGraph, solve: Solve, points: int = 8, least_peak: Plan | No
 
 
 def least_peak_within(graph: CostGraph, solve: Solve, seconds_limit: float,
-                      least_peak: Plan | None = None) -> Plan:
+                      least_peak: Plan | None = None, *,
+                      refine: Callable[[CostGraph, list[Plan], float], Plan] | None = None) -> Plan:
     """The least-peak plan the strategy finds whose predicted step time is at most
-    `seconds_limit` (see the module docstring); `notes["seconds_limit"]` records the limit and
+    `seconds_limit` (see the module docstring); then, where given, `refine(graph, the plans
+    tried, seconds_limit)` searches on from them, and its plan is kept where it has a lower
+    peak within the limit. `notes["seconds_limit"]` records the limit and
     `notes["front_tried"]` the plans' (peak, seconds) pairs."""
     low = least_peak or solve(graph)
     tried = [low]
@@ -90,6 +93,12 @@ def least_peak_within(graph: CostGraph, solve: Solve, seconds_limit: float,
                         best = plan
                 else:
                     lo = budget
+            if refine is not None:
+                refined = refine(graph, list(tried), seconds_limit)
+                tried.append(refined)
+                if _seconds(refined) <= seconds_limit and (refined.peak_bytes, _seconds(refined)) < (
+                        best.peak_bytes, _seconds(best)):
+                    best = refined
         else:
             best = min(tried, key=_seconds)
     best.notes["seconds_limit"] = seconds_limit

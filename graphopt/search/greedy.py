@@ -21,7 +21,14 @@ from .plan import Plan, make_plan
 from .store_all import store_all
 
 
-def objective(plan: Plan, budget_bytes: int | None):
+def objective(plan: Plan, budget_bytes: int | None, seconds_limit: float | None = None):
+    """What the local search lowers (lexicographically). Without a budget or a limit: the peak,
+    then the recompute seconds; with a budget: the excess over it, then the recompute seconds;
+    with a step-time limit (`seconds_limit`, the predicted step's seconds): the excess over it,
+    then the peak, then the step's seconds."""
+    if seconds_limit is not None:
+        seconds = plan.simulation.compute_seconds
+        return (max(0.0, seconds - seconds_limit), plan.peak_bytes, seconds)
     if budget_bytes is None:
         return (plan.peak_bytes, plan.recompute_seconds)
     return (max(0, plan.peak_bytes - budget_bytes), plan.recompute_seconds, plan.peak_bytes)
@@ -69,11 +76,12 @@ def value_prefix(graph: CostGraph, budget_bytes: int, base=(), refresh_gap: int 
 def greedy(graph: CostGraph, budget_bytes: int | None = None, *,
            time_limit_seconds: float = 20.0, max_seeds: int = 24, seeds: list[Plan] = (),
            refresh_gap: int | None = None, max_steps: int | None = None,
-           min_evaluations: int = 8) -> Plan:
+           min_evaluations: int = 8, seconds_limit: float | None = None) -> Plan:
     """Local search from the best of the built-in seeds and `seeds` (plans of other solvers),
-    every plan scheduled with `refresh_gap` (see `schedule_for`). `max_steps` bounds the work:
-    the schedule steps of the plans it evaluates (seeds included), at least `min_evaluations`
-    toggles; the same plan on every machine."""
+    every plan scheduled with `refresh_gap` (see `schedule_for`), for `objective` (a budget,
+    or a step-time limit `seconds_limit`: the least peak within it). `max_steps` bounds the
+    work: the schedule steps of the plans it evaluates (seeds included), at least
+    `min_evaluations` toggles; the same plan on every machine."""
     started = time.perf_counter()
     n = len(graph.forward_order)
     # the seeds given, each under this schedule (re-evaluated only if made under another one),
@@ -94,7 +102,7 @@ def greedy(graph: CostGraph, budget_bytes: int | None = None, *,
     if max_seeds or not given:
         seeds += [q for q in map(under_gap, (store_all(graph), chen_sqrt(graph))) if q is not None]
     if not seeds:          # every seed's schedule is over the work limit: nothing to search from
-        best = min(given, key=lambda p: objective(p, budget_bytes))
+        best = min(given, key=lambda p: objective(p, budget_bytes, seconds_limit))
         best.notes.update(seed=best.notes.get("seed", best.strategy), evaluated_plans=0, evaluated_steps=0,
                           schedule_over_work_limit=True)
         return best
@@ -103,10 +111,10 @@ def greedy(graph: CostGraph, budget_bytes: int | None = None, *,
     for segments in counts:
         if segments < n:
             seeds.append(make_plan(graph, "greedy", segment_checkpoints(graph, segments), refresh_gap))
-    best = min(seeds, key=lambda p: objective(p, budget_bytes))
+    best = min(seeds, key=lambda p: objective(p, budget_bytes, seconds_limit))
     current = set(best.checkpoints)
     tensor_bytes = graph.tensor_bytes
-    if budget_bytes is None:
+    if budget_bytes is None and seconds_limit is None:
         candidates = sorted(graph.candidate_checkpoints, key=lambda t: -tensor_bytes.get(t, 0))
     else:
         candidates = by_value(graph)
@@ -130,7 +138,7 @@ def greedy(graph: CostGraph, budget_bytes: int | None = None, *,
                 steps += max_steps
                 continue
             steps += len(plan.schedule)
-            if objective(plan, budget_bytes) < objective(best, budget_bytes):
+            if objective(plan, budget_bytes, seconds_limit) < objective(best, budget_bytes, seconds_limit):
                 best, current, improved = plan, trial, True
     best.notes["seed"] = best.notes.get("seed", best.strategy)
     best.strategy = "greedy"
