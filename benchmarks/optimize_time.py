@@ -9,7 +9,8 @@ process per model); its report's `stages` give each stage's wall seconds, and th
 CPU seconds are the search's. Printed side by side: the original's step under ONNX Runtime's
 default session (the report's baseline), optimize's wall time and its ratio to that step (the
 issue's goal: at most 30x), the search's CPU seconds (goal: at most 2 s), the stages, the time
-model's error on every plan measured (the report's `plans_measured`), the outcome.
+model's error on every plan measured (the report's `plans_measured`), the outcome, and the
+returned model's measured peak and step time over the default session's.
 
     python benchmarks/optimize_time.py --against-fresh 3 [--examples mlp,resnet]
 
@@ -72,8 +73,14 @@ def run_one(kind: str, name: str, args) -> dict:
     row.update(step=objective["baseline_step_seconds"], total=report["total_seconds"],
                search_cpu=plan_cpu, stages=stages, outcome=report["outcome"], threads=report["threads"],
                step_errors=errors, first_within=first_within,
+               peak_ratio=(report.get("ratios") or {}).get("peak_vs_default_session"),
+               overhead=(report.get("ratios") or {}).get("step_time_vs_default_session"),
                returned_error=(report.get("prediction_error") or {}).get("optimized_step_time"))
     return row
+
+
+def _ratio(value) -> str:
+    return "-" if value is None else f"{value:.2f}x"
 
 
 def against_fresh(kind: str, name: str, args) -> str:
@@ -113,20 +120,21 @@ def main() -> None:
             print(against_fresh(kind, name, args), flush=True)
         return
     print("| model | threads | default-session step (s) | optimize (s) | optimize / step | search CPU (s) | "
-          "stages (wall s) | step time predicted / measured - 1, each plan measured | outcome |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "stages (wall s) | step time predicted / measured - 1, each plan measured | outcome | "
+          "returned peak, step / default session's (measured) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     rows = []
     for kind, name in jobs:
         row = run_one(kind, name, args)
         if "error" in row:
-            print(f"| {row['model']} | | | | | | error: {row['error']} | | |", flush=True)
+            print(f"| {row['model']} | | | | | | error: {row['error']} | | | |", flush=True)
             continue
         rows.append(row)
         stages = ", ".join(f"{k} {v:.1f}" for k, v in row["stages"].items() if v >= 0.05)
         print(f"| {row['model']} | {row['threads']} | {row['step']:.3f} | {row['total']:.1f} | "
               f"{row['total'] / row['step']:.0f}x | {row['search_cpu']:.1f} | {stages} | "
-              f"{', '.join(f'{e:+.0%}' for e in row['step_errors'])} | {row['outcome']} |",
-              flush=True)
+              f"{', '.join(f'{e:+.0%}' for e in row['step_errors'])} | {row['outcome']} | "
+              f"{_ratio(row['peak_ratio'])}, {_ratio(row['overhead'])} |", flush=True)
     if rows:
         print()
         print(_goals(rows))
