@@ -233,7 +233,9 @@ def time_steps(
                     worker.stdin.write("run\n")
                     worker.stdin.flush()
                     runs[k].append(float(reply(k)))
-                if r + 1 >= MIN_ROUNDS and (sum(map(sum, runs)) > max_seconds or settled(runs, settle)):
+                # (the profiled sessions' steps carry the profiler's cost: they do not decide)
+                if r + 1 >= MIN_ROUNDS and (sum(map(sum, runs)) > max_seconds or settled(
+                        [t for k, t in enumerate(runs) if k not in profiled], settle)):
                     break
             ends = []
             for k, (worker, _) in enumerate(workers):
