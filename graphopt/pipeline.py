@@ -67,6 +67,7 @@ from .runtime.isolated import Workspace, run_task
 from .reduced import TwinError, batch_inputs, full_shapes, full_size_annotations, make_twin
 from .runtime.limit import initializer_bytes, out_of_memory
 from .runtime.measure import Measurement, measure, run_within_limit, time_steps
+from .runtime.overlap import Overlap
 from .runtime.session import (DEFAULT_SETTINGS, UNOPTIMIZED_SETTINGS, SessionSettings, default_providers,
                               read_settings, write_settings)
 from .search import DEFAULT_STRATEGY, STRATEGIES, Plan, least_peak_within, store_all
@@ -151,11 +152,19 @@ class Prepared:
     # reduced batches (`ReducedStep`); None otherwise
     reduced: "ReducedStep | None" = None
     full_size_because: str | None = None   # why it is not, when the original does not run under the limit
+    # child runs that time nothing, started in the background while planning and verifying go on
+    # (`runtime.overlap`; at once where a memory limit is given: two processes at once might not fit)
+    overlap: Overlap = field(default_factory=Overlap)
+    # the originals' peaks under ORIGINAL_SESSIONS (`start_original_peaks`): label -> Future[Measurement]
+    original_peaks: dict = field(default_factory=dict)
+    # peaks of rewritten models started before they were needed (`start_peak`): [(model, Future)]
+    started_peaks: list = field(default_factory=list)
 
     def original_annotations_for(self, options: OptimizeOptions) -> Annotations:
         """The original's annotations, annotated now if they were not (the graph planned was ORT's
         optimized one)."""
         if self.original_annotations is None:
+            self.overlap.quiet()   # (its node seconds are timed)
             self.original_annotations = _annotate_file(self.workspace.path("original"), self.workspace.inputs_path,
                                                        options, self.workspace, "original")
         return self.original_annotations
@@ -188,7 +197,10 @@ class Prepared:
         return self.workspace.reference_path
 
     def close(self) -> None:
-        self.workspace.close()
+        try:
+            self.overlap.close()   # (its children read the workspace's files)
+        finally:
+            self.workspace.close()
 
     def __enter__(self) -> "Prepared":
         return self
@@ -207,6 +219,7 @@ def prepare(model: onnx.ModelProto, options: OptimizeOptions, *, reference: bool
     progress = options.progress or (lambda stage, fraction: None)
     progress("analyze", 0.0)
     workspace = Workspace()
+    overlap = Overlap(enabled=options.memory_limit_bytes is None)
     try:
         # the weights stay in the workspace's file: this process holds the graph, the children
         # read the weights (`deliver` loads them back into the model it returns)
@@ -243,6 +256,11 @@ def prepare(model: onnx.ModelProto, options: OptimizeOptions, *, reference: bool
             # only if it is returned with its annotations: `Prepared.original_annotations_for`)
             workspace.save(training.model, "original")
             annotations = first = None
+        original_peaks = {}
+        if options.measure and overlap.enabled and reduced is None:
+            # what delivery compares any plan against, measured while graphopt goes on (nothing is
+            # timed before the time stage, which waits for them: `Overlap.quiet`)
+            original_peaks = _start_original_peaks(workspace, options, overlap)
         graph_optimized: dict = {}
         if options.graph_optimizations != "none":
             progress("graph optimizations", 0.12)
@@ -264,7 +282,8 @@ def prepare(model: onnx.ModelProto, options: OptimizeOptions, *, reference: bool
         predicted = simulate(graph, [(name, 0) for name in annotations.execution_order if name in graph])
         prepared = Prepared(working, training, annotations, first, graph, expanded, predicted, inputs, workspace,
                             graph_optimizations=graph_optimized, original_limit_runs=original_runs,
-                            reduced=reduced, full_size_because=full_size_because)
+                            reduced=reduced, full_size_because=full_size_because,
+                            overlap=overlap, original_peaks=original_peaks)
         prepared.set_graphs(graph)
         if options.measure and reduced is None:
             progress("time", 0.2)
@@ -274,7 +293,10 @@ def prepare(model: onnx.ModelProto, options: OptimizeOptions, *, reference: bool
             _reference_outputs(prepared)
         return prepared
     except BaseException:
-        workspace.close()
+        try:
+            overlap.close()
+        finally:
+            workspace.close()
         raise
 
 
@@ -328,6 +350,7 @@ def _time_baseline(prepared: Prepared, options: OptimizeOptions) -> None:
     store_all_path = workspace.save(no_recompute, "store-all")
     sessions = [(original, DEFAULT_SETTINGS), (original, ORIGINAL_UNOPTIMIZED), (store_all_path, None),
                 (store_all_path, None)]
+    prepared.overlap.quiet()
     times = time_steps(sessions, workspace.inputs_path, provider=options.provider, threads=options.threads,
                        rounds=TIMING_ROUNDS, max_seconds=TIMING_MAX_SECONDS, profile=(3,), settle=TIMING_SETTLE)
     (ours,) = times.node_seconds
@@ -674,7 +697,7 @@ def plan(prepared: Prepared, options: OptimizeOptions, budget_bytes=_OPTIONS_BUD
     budget = options_budget_bytes(prepared, options) if budget_bytes is _OPTIONS_BUDGET else budget_bytes
     limit = prepared.step_seconds_limit(options) if seconds_limit is _OPTIONS_LIMIT else seconds_limit
     strategy = strategy or options.strategy
-    started = time.perf_counter()
+    started, started_cpu = time.perf_counter(), time.thread_time()
 
     def within_limit(graph, solve):
         low = solve(graph)
@@ -705,6 +728,7 @@ def plan(prepared: Prepared, options: OptimizeOptions, budget_bytes=_OPTIONS_BUD
     else:
         chosen = _best_over_orders(prepared, strategy, within_budget, budget, None)
     chosen.notes["search_seconds"] = time.perf_counter() - started
+    chosen.notes["search_cpu_seconds"] = time.thread_time() - started_cpu
     if budget is not None and chosen.peak_bytes > budget:
         hint = "" if strategy == DEFAULT_STRATEGY else f" by {strategy} ({DEFAULT_STRATEGY} may find less)"
         if options.plans_for_limit:
@@ -896,27 +920,64 @@ def fallback_plans(prepared: Prepared, chosen: Plan):
 
 
 def measure_model(prepared: Prepared, model: onnx.ModelProto, options: OptimizeOptions,
-                  settings: SessionSettings | None = None, repeats: int = 7, timing: bool = True) -> Measurement:
-    """One training step of `model` (under `settings`; None: its metadata) in a fresh process."""
-    return measure(prepared.workspace.save(model, "measured"), prepared.workspace.inputs_path, settings,
+                  settings: SessionSettings | None = None, repeats: int = 7, timing: bool = True,
+                  label: str = "measured") -> Measurement:
+    """One training step of `model` (under `settings`; None: its metadata) in a fresh process
+    (saved in the workspace as `label`)."""
+    if timing:
+        prepared.overlap.quiet()
+    return measure(prepared.workspace.save(model, label), prepared.workspace.inputs_path, settings,
                    provider=options.provider, threads=options.threads, repeats=repeats, timing=timing)
 
 
 def measure_original(prepared: Prepared, options: OptimizeOptions, settings: SessionSettings,
                      repeats: int = 7, timing: bool = True) -> Measurement:
     """One training step of the original under `settings` in a fresh process."""
-    return measure(prepared.workspace.path("original"), prepared.workspace.inputs_path, settings,
+    if timing:
+        prepared.overlap.quiet()
+    return _measure_original(prepared.workspace, options, settings, repeats, timing)
+
+
+def _measure_original(workspace: Workspace, options: OptimizeOptions, settings: SessionSettings,
+                      repeats: int = 7, timing: bool = True) -> Measurement:
+    return measure(workspace.path("original"), workspace.inputs_path, settings,
                    provider=options.provider, threads=options.threads, repeats=repeats, timing=timing)
 
 
+def _start_original_peaks(workspace: Workspace, options: OptimizeOptions, overlap: Overlap) -> dict:
+    """The original's peak under each of ORIGINAL_SESSIONS, measured on `overlap` from now on:
+    label -> Future[Measurement]."""
+    return {label: overlap.start(_measure_original, workspace, options, settings, timing=False)
+            for label, settings in ORIGINAL_SESSIONS.items()}
+
+
+def start_original_peaks(prepared: Prepared, options: OptimizeOptions) -> None:
+    """The originals' peaks (what delivery compares a plan against, whatever the plan) measured
+    from now on, unless they were (`prepare` starts them where `Prepared.overlap` runs in the
+    background)."""
+    if not prepared.original_peaks:
+        prepared.original_peaks = _start_original_peaks(prepared.workspace, options, prepared.overlap)
+
+
+def start_peak(prepared: Prepared, model: onnx.ModelProto, options: OptimizeOptions) -> None:
+    """Measure `model`'s peak in the background from now on (while it is verified): `measure_plan`
+    takes it from there when it measures this same model."""
+    label = f"measured-early{len(prepared.started_peaks)}"
+    prepared.started_peaks.append((model, prepared.overlap.start(measure_model, prepared, model, options,
+                                                                 timing=False, label=label)))
+
+
 def measure_plan(prepared: Prepared, model: onnx.ModelProto, options: OptimizeOptions) -> tuple[Measurement, float]:
-    """`model`'s peak (a fresh process), and its step time timed against the original's under
-    the default session in one process: (the measurement, step time / the original's, the
-    median of the rounds' ratios). The measurement's step seconds are that ratio times the
-    baseline's seconds (`StepTiming.default_session_seconds`)."""
-    m = measure_model(prepared, model, options, timing=False)
-    times = time_steps([(prepared.workspace.path("original"), DEFAULT_SETTINGS),
-                        (prepared.workspace.path("measured"), None)], prepared.workspace.inputs_path,
+    """`model`'s peak (a fresh process; started early by `start_peak`, or now), and its step time
+    timed against the original's under the default session in one process: (the measurement,
+    step time / the original's, the median of the rounds' ratios). The measurement's step seconds
+    are that ratio times the baseline's seconds (`StepTiming.default_session_seconds`)."""
+    early = [future for started, future in prepared.started_peaks if started is model]
+    m = early[0].result() if early else measure_model(prepared, model, options, timing=False)
+    path = prepared.workspace.save(model, "measured")
+    prepared.overlap.quiet()
+    times = time_steps([(prepared.workspace.path("original"), DEFAULT_SETTINGS), (path, None)],
+                       prepared.workspace.inputs_path,
                        provider=options.provider, threads=options.threads, rounds=TIMING_ROUNDS,
                        max_seconds=TIMING_MAX_SECONDS, settle=TIMING_SETTLE)
     ratio = times.ratio(1, 0)
@@ -960,6 +1021,8 @@ def deliver(prepared: Prepared, chosen: Plan, options: OptimizeOptions) -> Optim
     deliverable = True
     if options.verify:
         progress("verify", 0.6)
+        if options.measure and prepared.reduced is None:
+            start_peak(prepared, rewritten, options)
         first = check_plan(prepared, chosen, options, rewritten)
         tried.append(first)
         if not first.accepted:
@@ -1007,6 +1070,7 @@ def _new_report(prepared: Prepared, chosen: Plan, rewritten: onnx.ModelProto, op
                          forward=len(training.forward), backward=len(training.backward)),
         stashed_tensors=len(training.stashed), checkpoints=[], recompute_nodes=0,
         search_seconds=float(chosen.notes.get("search_seconds", 0.0)),
+        search_cpu_seconds=chosen.notes.get("search_cpu_seconds"),
         functions_expanded=dict(prepared.functions_expanded),
         graph_optimizations=dict(prepared.graph_optimizations),
         predicted=Predicted(PredictedRun(predicted.peak_bytes, prepared.timing.predicted_original_seconds
@@ -1142,8 +1206,8 @@ def _measured_delivery(prepared: Prepared, chosen: Plan, rewritten: onnx.ModelPr
     (plan, model) returned."""
     progress("measure", 0.7)
     timing = prepared.timing
-    originals = {label: measure_original(prepared, options, settings, timing=False)
-                 for label, settings in ORIGINAL_SESSIONS.items()}
+    start_original_peaks(prepared, options)
+    originals = {label: future.result() for label, future in prepared.original_peaks.items()}
     originals["original_default_session"].step_seconds = timing.default_session_seconds
     originals["original_optimizations_off"].step_seconds = timing.optimizations_off_seconds
     # overhead of each original session over the baseline (timed against each other in prepare)
@@ -1470,5 +1534,5 @@ def _rejections(report: Report) -> str:
 
 __all__ = ["Prepared", "prepare", "plan", "deliver", "OptimizeResult", "Checked", "check_plan",
            "first_in_order", "fallback_plans", "rewrite_plan", "planned_order", "measure_model",
-           "measure_original", "solver_exact", "inlined_at_load", "ORIGINAL_UNOPTIMIZED", "BUDGET_RETRIES",
+           "measure_original", "start_original_peaks", "start_peak", "solver_exact", "inlined_at_load", "ORIGINAL_UNOPTIMIZED", "BUDGET_RETRIES",
            "LIMIT_BISECTIONS", "limit_run", "options_budget_bytes"]

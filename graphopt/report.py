@@ -366,11 +366,13 @@ class Report(_Json):
     stashed_tensors: int
     checkpoints: list[str]
     recompute_nodes: int
-    search_seconds: float
+    search_seconds: float               # wall seconds of the search (see search_cpu_seconds)
     predicted: Predicted
     annotations: AnnotationSummary
     provider: str = ""                  # where ONNX Runtime ran (annotation and measurement)
     threads: int = 1                    # its intra-op threads there (outputs verified at one)
+    # CPU seconds of the search's own thread (peaks are measured in the background meanwhile)
+    search_cpu_seconds: float | None = None
     outcome: str = ""                   # OUTCOME_*
     outcome_reason: str = ""
     budget_bytes: int | None = None
@@ -416,6 +418,7 @@ def summary_text(report: Report) -> str:
     """The human summary of one `optimize` (the CLI, the server's log, the Node client)."""
     lines = [f"strategy {report.strategy}: {len(report.checkpoints)} checkpoints, "
              f"{report.recompute_nodes} recompute nodes, search {report.search_seconds:.2f} s"
+             + ("" if report.search_cpu_seconds is None else f" ({report.search_cpu_seconds:.2f} s CPU)")
              + ("" if report.solver_exact is None else
                 f" ({'exact' if report.solver_exact else 'not proven optimal'} under its solver's model)")]
     if report.base_order is not None and len(report.base_order.store_all_peak_bytes) > 1:

@@ -221,10 +221,12 @@ def time_steps(
             return line.strip()
 
         try:
-            for k in range(len(entries)):   # one after another: a session's creation is not timed
+            # all at once: a session's creation and its warm-up step are not timed
+            for k in range(len(entries)):
                 stderr = tempfile.TemporaryFile("w+", dir=tmp)
                 workers.append((popen_module("graphopt.runtime._timing_worker", [spec_path, str(k)],
                                              env=_worker_env(plain_allocator=True), stderr=stderr), stderr))
+            for k in range(len(entries)):
                 if reply(k) != "ready":
                     raise MeasurementError(f"timing worker of {entries[k]['model']} did not start")
             runs: list[list[float]] = [[] for _ in entries]
