@@ -329,8 +329,9 @@ def base_order_graphs(graph, execution_order: list[str]) -> dict:
 # at least 3, once they took the seconds given).
 TIMING_ROUNDS = 5
 TIMING_MAX_SECONDS = 40.0
-# ... and fewer (at least 3) once every session's step over the default session's, round by
-# round, lies within 2% of its median: more rounds would not move the medians the report gives
+# ... and fewer (at least 3) once the rounds left could not move the median of any session's
+# step over the default session's by more than 2%, whatever they gave (`runtime.measure.settled`:
+# after 4 rounds of 5, where the middle two lie within 2%)
 TIMING_SETTLE = 0.02
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 import json
 import math
+import statistics
 
 import numpy as np
 import onnx
@@ -393,22 +394,41 @@ def test_time_steps_times_sessions_in_turn_one_of_them_profiled(tmp_path):
 
 
 def test_time_steps_stops_once_the_ratios_have_settled(tmp_path):
-    """`settle`: the rounds stop at MIN_ROUNDS once every ratio to the first session lies within
-    the band of its median (a band of 100% always holds for two runs of one model), and without
-    it every round asked for is run (the timed steps stay far under `max_seconds`)."""
-    from graphopt.runtime.measure import MIN_ROUNDS, settled, time_steps
+    """`settle`: the rounds stop early once the rounds left could not move the median of any
+    ratio to the first session by more than the band (a band of 100% always holds for two
+    runs of one model: 3 rounds of 5), and without it every round asked for is run (the timed
+    steps stay far under `max_seconds`)."""
+    from graphopt.runtime.measure import MIN_ROUNDS, median_bounds, settled, time_steps
     m = mlp_training_graph(layers=3, batch=64, width=32)
     onnx.save(m, tmp_path / "mlp.onnx")
     save_inputs(tmp_path / "mlp.npz", mlp_inputs(m))
     sessions = [(tmp_path / "mlp.onnx", NO_OPT)] * 2
-    assert len(time_steps(sessions, tmp_path / "mlp.npz", rounds=6, settle=1.0).runs[0]) == MIN_ROUNDS
+    assert len(time_steps(sessions, tmp_path / "mlp.npz", rounds=5, settle=1.0).runs[0]) == MIN_ROUNDS
     assert len(time_steps(sessions, tmp_path / "mlp.npz", rounds=6).runs[0]) == 6
     # the rule itself, on rounds of known seconds: the second session 1.5x the first
     steady = [[1.0, 2.0, 1.0], [1.5, 3.0, 1.5]]        # the machine's speed moves, the ratio does not
-    moving = [[1.0, 1.0, 1.0], [1.5, 1.6, 1.5]]        # a ratio 6.7% off its median
-    assert settled(steady, 0.02) and not settled(moving, 0.02) and settled(moving, 0.07)
-    assert settled([[1.0, 1.01, 0.99]], 0.02) and not settled([[1.0, 1.1, 0.99]], 0.02)
-    assert not settled(steady, None)
+    moving = [[1.0, 1.0, 1.0], [1.5, 1.6, 1.5]]        # a ratio 6.7% off the others
+    assert settled(steady, 0.02, 5) and not settled(moving, 0.02, 5) and settled(moving, 0.07, 5)
+    # a fourth round of five: only the middle two decide where the median of five can lie
+    assert settled([[1.0] * 4, [1.5, 1.6, 1.5, 1.4]], 0.02, 5)
+    assert not settled([[1.0] * 4, [1.5, 1.6, 1.45, 1.4]], 0.02, 5)
+    # three of seven rounds: two more than known could still be the median's neighbours
+    assert not settled(steady, 0.02, 7) and not settled(steady, 1.0, 7)
+    assert settled([[1.0, 1.01, 0.99]], 0.025, 5) and not settled([[1.0, 1.1, 0.99]], 0.025, 5)
+    assert not settled(steady, None, 5)
+    # the bounds against every way the values left could fall (0, 1 or 2 more, each low or high)
+    import itertools
+    for values in ([3.0, 1.0, 2.0], [1.0, 4.0, 2.0, 3.0], [5.0, 1.0, 4.0, 2.0, 3.0]):
+        for more in range(4):
+            bounds = median_bounds(values, more)
+            medians = [statistics.median(values + list(extra))
+                       for extra in itertools.product([-100.0, 2.5, 100.0], repeat=more)]
+            if bounds is None:
+                assert min(medians) < min(values) or max(medians) > max(values)
+            else:
+                assert bounds[0] <= min(medians) and max(medians) <= bounds[1]
+                if (len(values) + more) % 2:   # an odd count: the median is a value, the bounds reached
+                    assert (min(medians), max(medians)) == bounds
 
 
 def test_time_steps_holds_one_session_per_process(tmp_path):

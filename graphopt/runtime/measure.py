@@ -153,10 +153,22 @@ class StepTimes:
 MIN_ROUNDS = 3
 
 
-def settled(runs: list[list[float]], band: float | None) -> bool:
-    """Whether rounds so far already give the answer: every session's step over the first's,
-    round by round, lies within ``band`` of its median (one session: its steps within ``band``
-    of their median). ``band=None``: never."""
+def median_bounds(values: list[float], more: int) -> tuple[float, float] | None:
+    """Where the median of `values` and `more` values not yet known can lie, whatever they are:
+    (lowest, highest); None where it is unbounded (too few values)."""
+    ordered = sorted(values)
+    n = len(ordered) + more
+    low_index, high_index = (n - 1) // 2 - more, n // 2
+    if low_index < 0 or high_index >= len(ordered):
+        return None
+    return ordered[low_index], ordered[high_index]
+
+
+def settled(runs: list[list[float]], band: float | None, rounds: int) -> bool:
+    """Whether the rounds so far already give the answer: for every session's step over the
+    first's, round by round (one session: its steps), the median over `rounds` rounds lies
+    within ``band`` of the median so far, whatever the rounds left give (`median_bounds`: after
+    3 of 5 rounds, all three within the band; after 4, the middle two). ``band=None``: never."""
     if band is None or not runs or not runs[0]:
         return False
     if len(runs) == 1:
@@ -165,7 +177,8 @@ def settled(runs: list[list[float]], band: float | None) -> bool:
         series = [[a / b for a, b in zip(runs[k], runs[0])] for k in range(1, len(runs))]
     for values in series:
         middle = statistics.median(values)
-        if middle <= 0 or any(abs(v / middle - 1) > band for v in values):
+        bounds = median_bounds(values, max(0, rounds - len(values)))
+        if middle <= 0 or bounds is None or bounds[1] - bounds[0] > band * middle:
             return False
     return True
 
@@ -184,9 +197,10 @@ def time_steps(
 ) -> StepTimes:
     """Median step seconds of each (model path, settings; None: its metadata) session, timed in
     turn: each session in a fresh process of its own with the allocator as users have it
-    (graphopt/runtime/_timing_worker.py), opened one after another, then rounds of one step of
+    (graphopt/runtime/_timing_worker.py), all opened at once, then rounds of one step of
     each in turn (`rounds`, or fewer once the timed steps took `max_seconds`, at least
-    MIN_ROUNDS, or fewer once the ratios have `settled` within ``settle``). The sessions whose
+    MIN_ROUNDS, or fewer once more rounds could not move the medians of the ratios by more than
+    ``settle``: `settled`). The sessions whose
     index is in ``profile`` run with ONNX Runtime's profiler on and give their median seconds per
     node too; their step seconds include the profiler's own cost (1-3% of the step in one check
     by hand on the mlp and resnet examples, but enough to move the time model's predictions by
@@ -237,7 +251,7 @@ def time_steps(
                     runs[k].append(float(reply(k)))
                 # (the profiled sessions' steps carry the profiler's cost: they do not decide)
                 if r + 1 >= MIN_ROUNDS and (sum(map(sum, runs)) > max_seconds or settled(
-                        [t for k, t in enumerate(runs) if k not in profiled], settle)):
+                        [t for k, t in enumerate(runs) if k not in profiled], settle, int(rounds))):
                     break
             ends = []
             for k, (worker, _) in enumerate(workers):
