@@ -39,6 +39,7 @@ kept and droppable tensors; the forward and backward orders). This module import
 from __future__ import annotations
 
 import heapq
+import operator
 from dataclasses import dataclass
 
 import numpy as np
@@ -109,6 +110,9 @@ def _gather(ptr: np.ndarray, flat: np.ndarray, ops: np.ndarray) -> tuple[np.ndar
     return step, flat[np.repeat(starts, counts) + position], position
 
 
+_NAME, _COPY = operator.itemgetter(0), operator.itemgetter(1)
+
+
 def simulate(graph: CostGraph, schedule: list[Step], tensor_bytes_by_id: np.ndarray | None = None) -> Simulation:
     """Peak live bytes of running `schedule` (see the module docstring for the rules);
     `tensor_bytes_by_id` replaces the graph's tensor sizes (by tensor id) when given.
@@ -120,9 +124,8 @@ def simulate(graph: CostGraph, schedule: list[Step], tensor_bytes_by_id: np.ndar
     n = len(schedule)
     if n == 0:
         return Simulation(0, 0, 0.0, 0.0, np.zeros(0, dtype=np.int64))
-    names, copy_list = zip(*schedule)
-    ops = np.array(list(map(graph.op_id.__getitem__, names)), dtype=np.int64)
-    copies = np.array(copy_list, dtype=np.int64)
+    ops = np.fromiter(map(graph.op_id.__getitem__, map(_NAME, schedule)), np.int64, n)
+    copies = np.fromiter(map(_COPY, schedule), np.int64, n)
     seconds = graph.op_seconds[ops]
     recompute = float(seconds[copies != 0].sum()) * graph.recompute_factor
     compute = float(seconds[copies == 0].sum()) + recompute
@@ -160,11 +163,17 @@ def simulate(graph: CostGraph, schedule: list[Step], tensor_bytes_by_id: np.ndar
     creating = np.flatnonzero(creates)
     w_storage[creating] = np.arange(len(creating), dtype=np.int64)
     if len(alias_writes):
-        # in step order, so an alias of an alias finds its source's storage already set
-        storage = w_storage
-        for w, source in zip(alias_writes.tolist(), source_writes.tolist()):
-            if source >= 0:
-                storage[w] = storage[source]
+        # an alias shares its source write's storage, that source perhaps an alias itself (its
+        # source an earlier write): each write's chain followed to its root by pointer jumping
+        sourced = source_writes >= 0
+        root = np.arange(len(w_step), dtype=np.int64)
+        root[alias_writes[sourced]] = source_writes[sourced]
+        while True:
+            further = root[root]
+            if np.array_equal(further, root):
+                break
+            root = further
+        w_storage[alias_writes[sourced]] = w_storage[root[alias_writes[sourced]]]
 
     n_storages = len(creating)
     sizes = graph.tensor_bytes_by_id if tensor_bytes_by_id is None else tensor_bytes_by_id
@@ -193,12 +202,14 @@ def simulate(graph: CostGraph, schedule: list[Step], tensor_bytes_by_id: np.ndar
     return Simulation(peak, peak_step, compute, recompute, running)
 
 
-def priority_order(graph: CostGraph, schedule: list[Step]) -> list[Step]:
+def priority_order(graph: CostGraph, schedule: list[Step], *, distinct_steps: bool = False) -> list[Step]:
     """The order ONNX Runtime's PRIORITY_BASED execution runs a file written as `schedule`.
 
     Kahn's algorithm over the steps' data dependencies; among ready steps, ``runs_first``
     ops (Shape, Size) first, then the lowest position in the file. ``folded`` steps
     (Constant nodes: initializers once loaded) do not run and are left out.
+    `distinct_steps`: the caller knows no step appears twice and no copy is negative (a
+    schedule of `search.plan.schedule_for`), so that is not checked again.
     """
     ops = graph.ops
     if graph.folded_ops:
@@ -215,7 +226,7 @@ def priority_order(graph: CostGraph, schedule: list[Step]) -> list[Step]:
     # that a runs_first step is hoisted to the moment it is ready (and, ready together,
     # runs_first steps go by position). Only the runs_first steps' dependencies are tracked.
     # Otherwise: the general rule, `_priority_order_general`.
-    if len(set(schedule)) != len(schedule) or min(copy for _, copy in schedule) < 0:
+    if not distinct_steps and (len(set(schedule)) != len(schedule) or min(copy for _, copy in schedule) < 0):
         return _priority_order_general(ops, schedule)
     if not graph.runs_first_ops:
         return schedule
@@ -223,9 +234,8 @@ def priority_order(graph: CostGraph, schedule: list[Step]) -> list[Step]:
     relevant = runs_first | {graph.producer[t] for t in watched if t in graph.producer}
     latest_step: dict[str, int] = {}
     first_deps: dict[int, set[int]] = {}     # runs_first step -> steps it waits for
-    for i, (name, copy) in enumerate(schedule):
-        if name not in relevant:
-            continue
+    for i in [i for i, step in enumerate(schedule) if step[0] in relevant]:
+        name = schedule[i][0]
         op = ops[name]
         if name in runs_first:
             first_deps[i] = {latest_step[t] for t in op.inputs if t in latest_step}
@@ -242,13 +252,17 @@ def priority_order(graph: CostGraph, schedule: list[Step]) -> list[Step]:
             return _hoist_runs_first(schedule, first_deps)
         ready_after.setdefault(max(deps, default=-1), []).append(r)
     order = [schedule[r] for r in sorted(ready_after.pop(-1, ()))]
-    for j, step in enumerate(schedule):
+    # the file order between the steps taken out (first_deps) and those that others follow
+    # (ready_after), copied a slice at a time
+    start = 0
+    for j in sorted(first_deps.keys() | ready_after.keys()):
+        order.extend(schedule[start:j])
+        start = j + 1
         if j in first_deps:
             continue
-        order.append(step)
-        bucket = ready_after.get(j)
-        if bucket:
-            order.extend(schedule[r] for r in sorted(bucket))
+        order.append(schedule[j])
+        order.extend(schedule[r] for r in sorted(ready_after[j]))
+    order.extend(schedule[start:])
     assert len(order) == len(schedule)
     return order
 

@@ -94,8 +94,9 @@ def reference_order(graph: CostGraph, schedule):
 
 
 def _with_flags(graph: CostGraph, rng: random.Random, runs_first: float) -> CostGraph:
-    """The graph with some ops made Shape-like (runs_first), and a Constant (folded at load)
-    read by a few ops, one of them an alias of it."""
+    """The graph with some ops made Shape-like (runs_first), a Constant (folded at load)
+    read by a few ops, one of them an alias of it, and a view of a view of the first forward
+    op's output (aliases of aliases share one buffer) read by the last forward op."""
     readers = set(rng.sample(list(graph.ops), 3))
 
     def change(name):
@@ -104,11 +105,16 @@ def _with_flags(graph: CostGraph, rng: random.Random, runs_first: float) -> Cost
         return dataclasses.replace(op, inputs=inputs, runs_first=rng.random() < runs_first)
     constant = [Op("const_op", "Constant", (), ("const",), folded=True),
                 Op("const_view", "Reshape", ("const",), ("const_r",), alias=True)]
-    forward = constant + [change(n) for n in graph.forward_order]
+    first = change(graph.forward_order[0])
+    views = [Op("view_a", "Reshape", (first.outputs[0],), ("view_a_out",), alias=True),
+             Op("view_b", "Flatten", ("view_a_out",), ("view_b_out",), alias=True)]
+    forward = constant + [first] + views + [change(n) for n in graph.forward_order[1:]]
     last = forward[-1]
-    forward[-1] = dataclasses.replace(last, inputs=last.inputs + ("const_r",))
+    forward[-1] = dataclasses.replace(last, inputs=last.inputs + ("const_r", "view_b_out"))
+    size = graph.tensor_bytes[first.outputs[0]]
     return CostGraph(forward, [change(n) for n in graph.backward_order],
-                     {**graph.tensor_bytes, "const": 64, "const_r": 64}, graph.resident, graph.kept,
+                     {**graph.tensor_bytes, "const": 64, "const_r": 64, "view_a_out": size, "view_b_out": size},
+                     graph.resident, graph.kept,
                      graph.droppable, recompute_factor=rng.choice([1.0, 1.2]))
 
 
@@ -129,6 +135,8 @@ def test_simulate_and_order_equal_step_by_step_references(graph):
         schedule = schedule_for(g, keep, rng.choice([None, 0, 2]))
         executed = priority_order(g, schedule)
         assert executed == reference_order(g, schedule)
+        # as planning calls it, told that schedule_for's steps are distinct
+        assert priority_order(g, schedule, distinct_steps=True) == executed
         sim = simulate(g, executed)
         live = reference_live_bytes(g, executed)
         assert sim.live_bytes.tolist() == live
@@ -137,3 +145,19 @@ def test_simulate_and_order_equal_step_by_step_references(graph):
         k = g.recompute_factor
         assert sim.compute_seconds == pytest.approx(sum(g.ops[n].seconds * (k if c else 1) for n, c in executed))
         assert sim.recompute_seconds == pytest.approx(sum(g.ops[n].seconds * k for n, c in executed if c))
+
+
+@pytest.mark.parametrize("graph", list(_graphs())[::3], ids=lambda g: repr(g))
+def test_schedule_for_refuses_exactly_the_schedules_longer_than_max_steps(graph):
+    """`max_steps` bounds the work of evaluating a plan: None exactly where the schedule
+    without the bound is longer, the same schedule otherwise (at, just under and just over
+    its length, for plans that recompute and plans that do not)."""
+    rng = random.Random(7)
+    candidates = sorted(graph.candidate_checkpoints)
+    for trial in range(8):
+        keep = {t for t in candidates if rng.random() < 0.4 * (trial % 3)}
+        gap = rng.choice([None, 0, 2])
+        full = schedule_for(graph, keep, gap)
+        for bound in (len(full) - 1, len(full), len(full) + 1, len(graph.forward_order)):
+            bounded = schedule_for(graph, keep, gap, bound)
+            assert bounded == (full if len(full) <= bound else None), (trial, gap, bound, len(full))

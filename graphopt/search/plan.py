@@ -135,9 +135,9 @@ def schedule_for(graph: CostGraph, checkpoints: set[str] | frozenset[str],
         # a forward tensor a later forward op still reads is alive anyway (the base order may
         # run backward ops before the forward pass is over): read as it is (`late_reads`: the
         # others)
-        stack = [t for t in late_reads if t not in available]
         made: list[str] = []
-        if stack:
+        if late_reads and not available.issuperset(late_reads):
+            stack = [t for t in late_reads if t not in available]
             # the forward ops that recompute what this op reads, from what is available
             todo: set[str] = set()
             while stack:
@@ -157,9 +157,9 @@ def schedule_for(graph: CostGraph, checkpoints: set[str] | frozenset[str],
             recomputed.update(made)
             for r in todo & clobbers_of.keys():
                 available.difference_update(t for t in clobbers_of[r] if t not in forced)
+            if max_steps is not None and len(schedule) >= max_steps:   # (checked where it grew past the base order)
+                return None
         schedule.append(step)
-        if max_steps is not None and len(schedule) > max_steps:
-            return None
         if gap is not None and recomputed:
             # a recomputed tensor is dropped after step i when its next backward reader is more
             # than refresh_gap steps away (or there is none); that can only change at a step
@@ -172,6 +172,8 @@ def schedule_for(graph: CostGraph, checkpoints: set[str] | frozenset[str],
                 if k == len(reads) or reads[k] - i > gap:
                     recomputed.discard(t)
                     available.discard(t)
+    if max_steps is not None and len(schedule) > max_steps:
+        return None
     return schedule
 
 
@@ -271,7 +273,7 @@ def make_plan(graph: CostGraph, strategy: str, checkpoints, refresh_gap: int | N
     schedule = schedule_for(graph, checkpoints, refresh_gap, max_steps)
     if schedule is None:
         return None
-    executed = priority_order(graph, schedule)
+    executed = priority_order(graph, schedule, distinct_steps=True)   # (each step once, copies counted up)
     plan = Plan(strategy, checkpoints, schedule, simulate(graph, executed), dict(notes))
     cache[key] = (schedule, plan.simulation)
     if len(cache) > EVALUATIONS_REMEMBERED:
