@@ -7,6 +7,7 @@ import contextlib
 import contextvars
 import ctypes
 import dataclasses
+import threading
 
 # the highest VmHWM seen before a reset (KiB): the process's peak over its life
 _PEAK_BEFORE_RESETS_KB = 0
@@ -86,6 +87,7 @@ class ChildPeaks:
 
 
 _CHILD_PEAKS: contextvars.ContextVar[ChildPeaks | None] = contextvars.ContextVar("graphopt_child_peaks", default=None)
+_RECORD_LOCK = threading.Lock()   # children end in more than one thread (runtime/overlap.py)
 
 
 @contextlib.contextmanager
@@ -108,12 +110,13 @@ def record_child(kind: str, result: dict) -> None:
     if peaks is None or not isinstance(result, dict):
         return
     value = result.get("process_peak_bytes")
-    if value:
-        peaks.by_kind[kind] = max(peaks.by_kind.get(kind, 0), int(value))
     session = int(result.get("session_bytes") or 0)
-    if session > peaks.largest_session_bytes:
-        peaks.largest_session_bytes, peaks.largest_session = session, kind
-    peaks.baseline_bytes = max(peaks.baseline_bytes, int(result.get("start_bytes") or 0))
+    with _RECORD_LOCK:
+        if value:
+            peaks.by_kind[kind] = max(peaks.by_kind.get(kind, 0), int(value))
+        if session > peaks.largest_session_bytes:
+            peaks.largest_session_bytes, peaks.largest_session = session, kind
+        peaks.baseline_bytes = max(peaks.baseline_bytes, int(result.get("start_bytes") or 0))
 
 
 def rss_bytes() -> int | None:
