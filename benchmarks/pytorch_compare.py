@@ -233,7 +233,7 @@ def _cell(d: dict) -> str:
 
 
 def _time_cell(d: dict) -> str:
-    return "-" if "error" in d else "%.3f" % d["step_seconds"]
+    return "-" if "error" in d or d.get("step_seconds") is None else "%.3f" % d["step_seconds"]
 
 
 def table(results: dict, configs) -> str:

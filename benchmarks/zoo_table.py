@@ -25,6 +25,11 @@ from graphopt.search import chen_sqrt
 from graphopt.search import DEFAULT_STRATEGY
 
 
+def _x(ratio) -> str:
+    """A ratio, or "-" where it was not measured."""
+    return "-" if ratio is None else f"{ratio:.2f}x"
+
+
 def mib(n):
     return f"{n / 2**20:.1f}"
 
@@ -55,7 +60,7 @@ def main() -> int:
             f"| {mib(m['optimized']['peak_bytes'])} "
             f"| {r['peak_vs_default_session']:.2f}x | {r['peak_vs_optimizations_off']:.2f}x "
             f"| {m['optimized']['peak_bytes'] / m['chen_sqrt']['peak_bytes']:.2f}x "
-            f"| {r['step_time_vs_default_session']:.2f}x | {r['step_time_vs_optimizations_off']:.2f}x "
+            f"| {r['step_time_vs_default_session']:.2f}x | {_x(r.get('step_time_vs_optimizations_off'))} "
             f"| {e['optimized']:+.1%} / {e['original_optimizations_off']:+.1%} "
             f"| {report['recompute_nodes']} | {report['outputs_match']} |")
     print(header)

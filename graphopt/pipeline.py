@@ -8,10 +8,12 @@
         -> OptimizeResult                    plan), measure, budget retries, never worse
 
 `optimize`, `analyze_model` (graphopt/optimize.py), the sweep, the batch and the service
-compose them. Every ONNX Runtime run happens in a fresh child process that holds one session,
-one run at a time (step timing keeps a process per session alive and runs them in turn), on
-files of the `Prepared`'s workspace (close it, or use it as a context manager); the weights
-stay in the workspace's file, not in this process (`Workspace.copy_keeping_weights_on_disk`).
+compose them. Every ONNX Runtime run happens in a fresh child process that holds one session
+(step timing keeps a process per session alive and runs them in turn), on files of the
+`Prepared`'s workspace (close it, or use it as a context manager); the weights stay in the
+workspace's file, not in this process (`Workspace.copy_keeping_weights_on_disk`). Runs that
+time nothing (peaks) may run in the background beside the caller's own runs, one at a time,
+never beside a timing (`Prepared.overlap`).
 
 Contracts at delivery (checked, never assumed):
 - OUTPUTS: a plan whose rewritten model's outputs differ from the original's is rejected
@@ -106,11 +108,14 @@ class StepTiming:
     and what the cost model's seconds are scaled by. The baseline of `max_overhead` is
     `default_session_seconds`."""
     default_session_seconds: float       # the original under ONNX Runtime's default session
-    optimizations_off_seconds: float     # the original, graph optimizations off (ORT's order)
+    # the original, graph optimizations off (ORT's order); None until the answer depends on it
+    # (`optimizations_off_overhead`: where the original may be returned)
+    optimizations_off_seconds: float | None
     store_all_seconds: float             # graphopt's order and settings, nothing recomputed
     planned_graph_off_seconds: float | None  # the graph planned in ORT's order, optimizations off:
-                                         # what `predicted_original_seconds` predicts; timed only
+                                         # what `predicted_original_seconds` predicts; known only
                                          # where it is the original (no offline graph optimizations)
+                                         # and that was timed
     seconds_scale: float                 # store_all_seconds / the sum of its nodes' profiled seconds
     predicted_original_seconds: float    # the cost model on ORT's order of the original (optimizations off)
     provider: str
@@ -349,21 +354,18 @@ def _time_baseline(prepared: Prepared, options: OptimizeOptions) -> None:
     original = workspace.path("original")
     # store-all twice: timed as it runs, and profiled for its nodes' seconds (its step timed with
     # the profiler on, every example's plan was predicted 13-18% slow, against -7% to +11% from
-    # the unprofiled twin: `benchmarks/optimize_time.py`). The graph planned in ORT's order is
-    # timed only where it is the original.
+    # the unprofiled twin: `benchmarks/optimize_time.py`). The original with optimizations off is
+    # timed only where the answer depends on it (`optimizations_off_overhead`).
     store_all_path = workspace.save(no_recompute, "store-all")
-    sessions = [(original, DEFAULT_SETTINGS), (original, ORIGINAL_UNOPTIMIZED), (store_all_path, None),
-                (store_all_path, None)]
+    sessions = [(original, DEFAULT_SETTINGS), (store_all_path, None), (store_all_path, None)]
     prepared.overlap.quiet()
     times = time_steps(sessions, workspace.inputs_path, provider=options.provider, threads=options.threads,
-                       rounds=TIMING_ROUNDS, max_seconds=TIMING_MAX_SECONDS, profile=(3,), settle=TIMING_SETTLE)
+                       rounds=TIMING_ROUNDS, max_seconds=TIMING_MAX_SECONDS, profile=(2,), settle=TIMING_SETTLE)
     (ours,) = times.node_seconds
     default_seconds = times.step_seconds[0]
     # each session against the default one by the median of the rounds' ratios (the runs of one
     # round are next to each other in time: a load that comes and goes moves both)
-    off_seconds = default_seconds * times.ratio(1, 0)
-    store_all_seconds = default_seconds * times.ratio(2, 0)
-    planned_off_seconds = None if prepared.graph_optimizations else off_seconds
+    store_all_seconds = default_seconds * times.ratio(1, 0)
     annotated = prepared.annotations.node_seconds
     common = [n for n in ours if n in annotated]
     annotated_scale = (sum(ours[n] for n in common) / sum(annotated[n] for n in common)
@@ -378,8 +380,8 @@ def _time_baseline(prepared: Prepared, options: OptimizeOptions) -> None:
     prepared.predicted_original = simulate(
         prepared.graph, [(name, 0) for name in annotations.execution_order if name in prepared.graph])
     prepared.timing = StepTiming(
-        default_session_seconds=default_seconds, optimizations_off_seconds=off_seconds,
-        store_all_seconds=store_all_seconds, planned_graph_off_seconds=planned_off_seconds, seconds_scale=scale,
+        default_session_seconds=default_seconds, optimizations_off_seconds=None,
+        store_all_seconds=store_all_seconds, planned_graph_off_seconds=None, seconds_scale=scale,
         predicted_original_seconds=prepared.predicted_original.compute_seconds, provider=times.provider)
 
 
@@ -971,6 +973,23 @@ def start_peak(prepared: Prepared, model: onnx.ModelProto, options: OptimizeOpti
                                                                  timing=False, label=label)))
 
 
+def optimizations_off_overhead(prepared: Prepared, options: OptimizeOptions) -> float:
+    """The original's step with optimizations off over its default session's, timed against
+    each other the first time it is asked for (`StepTiming.optimizations_off_seconds`): only
+    where the answer depends on it (the original may be returned, and under which session)."""
+    timing = prepared.timing
+    if timing.optimizations_off_seconds is None:
+        original = prepared.workspace.path("original")
+        prepared.overlap.quiet()
+        times = time_steps([(original, DEFAULT_SETTINGS), (original, ORIGINAL_UNOPTIMIZED)],
+                           prepared.workspace.inputs_path, provider=options.provider, threads=options.threads,
+                           rounds=TIMING_ROUNDS, max_seconds=TIMING_MAX_SECONDS, settle=TIMING_SETTLE)
+        timing.optimizations_off_seconds = timing.default_session_seconds * times.ratio(1, 0)
+        if not prepared.graph_optimizations:   # the graph planned is that original
+            timing.planned_graph_off_seconds = timing.optimizations_off_seconds
+    return timing.optimizations_off_seconds / timing.default_session_seconds
+
+
 def measure_plan(prepared: Prepared, model: onnx.ModelProto, options: OptimizeOptions) -> tuple[Measurement, float]:
     """`model`'s peak (a fresh process; started early by `start_peak`, or now), and its step time
     timed against the original's under the default session in one process: (the measurement,
@@ -1099,7 +1118,8 @@ def _objective(prepared: Prepared, chosen: Plan, options: OptimizeOptions) -> Ob
                   "the original, optimizations off, predicted (measurement off)"),
         step_seconds_limit=limit, predicted_step_seconds=chosen.simulation.compute_seconds,
         store_all_vs_faster_original=(None if prepared.timing is None else prepared.timing.store_all_seconds / min(
-            prepared.timing.default_session_seconds, prepared.timing.optimizations_off_seconds)))
+            prepared.timing.default_session_seconds,
+            prepared.timing.optimizations_off_seconds or prepared.timing.default_session_seconds)))
 
 
 def _describe(report: Report, chosen: Plan | None, model: onnx.ModelProto) -> None:
@@ -1213,10 +1233,16 @@ def _measured_delivery(prepared: Prepared, chosen: Plan, rewritten: onnx.ModelPr
     start_original_peaks(prepared, options)
     originals = {label: future.result() for label, future in prepared.original_peaks.items()}
     originals["original_default_session"].step_seconds = timing.default_session_seconds
-    originals["original_optimizations_off"].step_seconds = timing.optimizations_off_seconds
-    # overhead of each original session over the baseline (timed against each other in prepare)
-    original_overhead = {"original_default_session": 1.0,
-                         "original_optimizations_off": timing.optimizations_off_seconds / timing.default_session_seconds}
+    originals["original_optimizations_off"].step_seconds = timing.optimizations_off_seconds   # (None: not timed)
+
+    def original_overhead(label: str) -> float:
+        """Each original session's step over the baseline (the one with optimizations off timed
+        when first asked for: where the original may be returned)."""
+        if label == "original_default_session":
+            return 1.0
+        overhead = optimizations_off_overhead(prepared, options)
+        originals[label].step_seconds = timing.optimizations_off_seconds
+        return overhead
     report.plans_measured = []
 
     def timed(candidate: Plan, model: onnx.ModelProto, why: str) -> tuple[Measurement, float]:
@@ -1329,11 +1355,13 @@ def _measured_delivery(prepared: Prepared, chosen: Plan, rewritten: onnx.ModelPr
     # NEVER WORSE: the rewritten model only if it measured below the original in both sessions
     # (and within the step-time limit); else the original, under its session that measured the
     # lower peak among those within the limit
-    eligible = {k: v for k, v in originals.items() if allowed is None or original_overhead[k] <= 1 + allowed}
-    best_original = min(eligible, key=lambda k: eligible[k].peak_bytes)
+    def best_original_label() -> str:
+        """The original's session with the lowest measured peak among those within the limit."""
+        eligible = {k: v for k, v in originals.items() if allowed is None or original_overhead(k) <= 1 + allowed}
+        return min(eligible, key=lambda k: eligible[k].peak_bytes)
     bar = min(m.peak_bytes for m in originals.values())
     # under a memory limit: an original that does not run under it is no alternative
-    original_fits = limit_report is None or limit_report.original[best_original].fits
+    original_fits = limit_report is None or limit_report.original[best_original_label()].fits
     if deliverable and within_limit and optimized.peak_bytes >= bar and budget is None and limit_report is None:
         # the next plan (less recomputation) may still beat the original
         for fallback in fallback_plans(prepared, chosen):
@@ -1356,8 +1384,7 @@ def _measured_delivery(prepared: Prepared, chosen: Plan, rewritten: onnx.ModelPr
         # step times as overheads over the default session timed in the same process (the
         # machine's speed moves between processes; the ratio does not)
         optimized_step_time=(chosen.simulation.compute_seconds / timing.default_session_seconds) / overhead - 1,
-        original_optimizations_off_step_time=None if timing.planned_graph_off_seconds is None
-        else timing.predicted_original_seconds / timing.planned_graph_off_seconds - 1)
+        original_optimizations_off_step_time=None)
     returned, returned_overhead = optimized, overhead
     if deliverable and within_limit and (optimized.peak_bytes < bar or not original_fits):
         report.outcome = OUTCOME_OPTIMIZED
@@ -1375,6 +1402,7 @@ def _measured_delivery(prepared: Prepared, chosen: Plan, rewritten: onnx.ModelPr
             reason += f", at {overhead:.2f}x the original's step time (at most {1 + allowed:.2f}x allowed)"
     else:
         report.outcome = OUTCOME_ORIGINAL
+        best_original = best_original_label()
         session = best_original.replace("original_", "").replace("_", " ")
         why = (_not_delivered(report) if not deliverable else
                f"no plan measured within {1 + allowed:.2f}x the original's step time (the last: "
@@ -1385,7 +1413,7 @@ def _measured_delivery(prepared: Prepared, chosen: Plan, rewritten: onnx.ModelPr
                   + ("" if allowed is None else " within the step-time limit")
                   + f" ({session}: {_mib(originals[best_original].peak_bytes)}), written in its metadata")
         report.rejected = RejectedPlan(**_summary(chosen), order_followed=deliverable, measured=_run(optimized))
-        returned, returned_overhead = originals[best_original], original_overhead[best_original]
+        returned, returned_overhead = originals[best_original], original_overhead(best_original)
         rewritten = _returned_original(prepared, ORIGINAL_SESSIONS[best_original], options)
         _describe(report, None, rewritten)
         report.session = ORIGINAL_SESSIONS[best_original].to_dict()
@@ -1410,7 +1438,11 @@ def _measured_delivery(prepared: Prepared, chosen: Plan, rewritten: onnx.ModelPr
         peak_vs_default_session=returned.peak_bytes / max(1, default.peak_bytes),
         peak_vs_optimizations_off=returned.peak_bytes / max(1, off.peak_bytes),
         step_time_vs_default_session=returned_overhead,
-        step_time_vs_optimizations_off=returned_overhead / original_overhead["original_optimizations_off"])
+        step_time_vs_optimizations_off=(None if timing.optimizations_off_seconds is None else
+                                        returned_overhead / original_overhead("original_optimizations_off")))
+    if timing.planned_graph_off_seconds is not None:
+        report.prediction_error.original_optimizations_off_step_time = (
+            timing.predicted_original_seconds / timing.planned_graph_off_seconds - 1)
     report.objective.measured_overhead = returned_overhead - 1
     if allowed is not None:
         report.objective.met = returned_overhead <= 1 + allowed

@@ -105,7 +105,8 @@ class AnnotationSummary(_Json):
 class MeasuredRun(_Json):
     """One step measured in a fresh process."""
     peak_bytes: int
-    step_seconds: float
+    step_seconds: float | None = None   # None: not timed (the original with optimizations off,
+                                        # unless the answer depended on it)
     provider: str = ""
     method: str = ""
 
@@ -123,7 +124,7 @@ class Ratios(_Json):
     peak_vs_default_session: float
     peak_vs_optimizations_off: float
     step_time_vs_default_session: float
-    step_time_vs_optimizations_off: float
+    step_time_vs_optimizations_off: float | None = None   # None: that session was not timed
 
 
 @dataclass
@@ -460,11 +461,14 @@ def summary_text(report: Report) -> str:
         else:
             rows.append(("optimized", m.optimized))
         for label, row in rows:
-            lines.append(f"  {label:28s} {_mib(row.peak_bytes):>12s}   step {row.step_seconds:.3f} s")
+            step = "not timed" if row.step_seconds is None else f"{row.step_seconds:.3f} s"
+            lines.append(f"  {label:28s} {_mib(row.peak_bytes):>12s}   step {step}")
         r = report.ratios
+        off = ("" if r.step_time_vs_optimizations_off is None else
+               f" / {r.step_time_vs_optimizations_off:.2f}x")
         lines.append(f"returned / original: peak {r.peak_vs_default_session:.2f}x (default session), "
                      f"{r.peak_vs_optimizations_off:.2f}x (optimizations off); step time "
-                     f"{r.step_time_vs_default_session:.2f}x / {r.step_time_vs_optimizations_off:.2f}x")
+                     f"{r.step_time_vs_default_session:.2f}x{off}")
     if report.plans_measured:
         lines.append("plans measured, predicted against measured: " + "; ".join(
             f"{p.why or p.strategy} peak {_mib(p.predicted_peak_bytes)} / {_mib(p.measured_peak_bytes)}"

@@ -157,6 +157,11 @@ def test_never_worse_returns_the_best_measured_original(monkeypatch):
     assert report.rejected.measured.peak_bytes > report.measured.optimized.peak_bytes
     assert report.measured.optimized.peak_bytes == min(report.measured.original_default_session.peak_bytes,
                                                        report.measured.original_optimizations_off.peak_bytes)
+    # the returned session's step is timed, the one with optimizations off where it is returned
+    # (`optimizations_off_overhead`: timed only where the answer depends on it)
+    assert report.measured.optimized.step_seconds > 0
+    assert report.ratios.step_time_vs_default_session == pytest.approx(
+        report.measured.optimized.step_seconds / report.measured.original_default_session.step_seconds)
     text = summary_text(report)
     assert "NOT IMPROVED, the original model is returned" in text and "not below the original" in text
 
