@@ -35,7 +35,7 @@ def optimize(model: onnx.ModelProto, options: OptimizeOptions | None = None) -> 
     reset_peak_rss()
     main_start_bytes = rss_bytes()
     # every ONNX Runtime run in a fresh process, one at a time, models and outputs on disk
-    with tracking_children() as children, prepare(model, options) as prepared:
+    with tracking_children() as children, prepare(model, options, early_peaks=True) as prepared:
         clock("plan", 0.3)
         chosen = plan(prepared, options)
         result = deliver(prepared, chosen, options)

@@ -218,11 +218,13 @@ class Prepared:
 
 
 def prepare(model: onnx.ModelProto, options: OptimizeOptions, *, reference: bool | None = None,
-            expand: bool = True) -> Prepared:
+            expand: bool = True, early_peaks: bool = False) -> Prepared:
     """Check `options`; name, analyze and annotate `model` (left untouched) in a child; build
     the cost graph; the original's outputs once when `reference` (default: `options.verify`).
     `expand=False` keeps function ops ORT inlines at load as they are (the plan's order then
-    cannot cover their bodies: for tests of the order check)."""
+    cannot cover their bodies: for tests of the order check). `early_peaks`: the originals'
+    peaks, which `deliver` compares against, measured from the start in the background (for a
+    caller that delivers: `optimize`)."""
     options.check()
     progress = options.progress or (lambda stage, fraction: None)
     progress("analyze", 0.0)
@@ -265,7 +267,7 @@ def prepare(model: onnx.ModelProto, options: OptimizeOptions, *, reference: bool
             workspace.save(training.model, "original")
             annotations = first = None
         original_peaks = {}
-        if options.measure and overlap.enabled and reduced is None:
+        if early_peaks and options.measure and overlap.enabled and reduced is None:
             # what delivery compares any plan against, measured while graphopt goes on (nothing is
             # timed before the time stage, which waits for them: `Overlap.quiet`)
             original_peaks = _start_original_peaks(workspace, options, overlap)
@@ -1044,8 +1046,8 @@ def deliver(prepared: Prepared, chosen: Plan, options: OptimizeOptions) -> Optim
     deliverable = True
     if options.verify:
         progress("verify", 0.6)
-        if options.measure and prepared.reduced is None:
-            start_peak(prepared, rewritten, options)
+        if options.measure and prepared.reduced is None and prepared.overlap.enabled:
+            start_peak(prepared, rewritten, options)   # (measured while it is verified)
         first = check_plan(prepared, chosen, options, rewritten)
         tried.append(first)
         if not first.accepted:

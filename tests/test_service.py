@@ -39,9 +39,12 @@ MAX_MODEL_BYTES = 300 * 10**6
 def models(tmp_path_factory):
     folder = tmp_path_factory.mktemp("models")
     paths = {}
-    for name, size in (("resnet", dict(small=True)), ("mlp", dict(small=True)),
-                       ("slow", dict(batch=512, width=384, depth=10, d_in=256))):
-        model, _ = training_example("mlp" if name == "slow" else name, **size)
+    # "slow": a 4+ MiB upload (its optimize takes about 3 s here); "long": the full-size resnet
+    # example, whose optimize takes 13 s or more here (a job that outlasts a short deadline)
+    for name, example, size in (("resnet", "resnet", dict(small=True)), ("mlp", "mlp", dict(small=True)),
+                                ("slow", "mlp", dict(batch=512, width=384, depth=10, d_in=256)),
+                                ("long", "resnet", {})):
+        model, _ = training_example(example, **size)
         paths[name] = folder / f"{name}.onnx"
         save_model(model, paths[name])
     # the same resnet with every initializer as external data in a sub-folder
@@ -346,7 +349,7 @@ def _first_progress_after(call, stage: str) -> None:
 
 
 def test_a_cancelled_call_stops_its_worker(server, client, models):
-    call = client.optimize_call(models["slow"], strategy="feng-huang")
+    call = client.optimize_call(models["long"], strategy="feng-huang")
     _first_progress_after(call, "plan")
     call.cancel()
     stopped = server.wait_for_log("stopping a worker")
@@ -360,7 +363,7 @@ def test_a_cancelled_call_stops_its_worker(server, client, models):
 def test_an_expired_deadline_stops_the_work(server, client, models, tmp_path):
     before = len([e for e in server.logs() if e.get("message") == "stopping a worker"])
     started = time.monotonic()
-    error = _code(client.optimize, models["slow"], tmp_path / "never.onnx", timeout_seconds=3.0)
+    error = _code(client.optimize, models["long"], tmp_path / "never.onnx", timeout_seconds=3.0)
     assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert time.monotonic() - started < 15
     deadline = time.monotonic() + 15
@@ -380,7 +383,7 @@ def test_a_full_queue_is_refused_and_sigterm_drains(tmp_path, models):
         with Client(server.target) as client:
             results = {}
             busy = threading.Thread(target=lambda: results.update(report=client.optimize(
-                models["slow"], tmp_path / "slow.onnx", strategy="feng-huang")))
+                models["long"], tmp_path / "slow.onnx", strategy="feng-huang")))
             busy.start()
             server.wait_for_log("call admitted")   # its upload is complete: it holds the one slot
             error = _code(client.optimize, models["mlp"], tmp_path / "refused.onnx", measure=False)
@@ -505,7 +508,7 @@ def test_a_worker_that_dies_fails_only_its_call(tmp_path, models):
     server = ServerProcess(tmp_path / "work", "--workers", "1")
     try:
         with Client(server.target) as client:
-            call = client.optimize_call(models["slow"], strategy="feng-huang")
+            call = client.optimize_call(models["long"], strategy="feng-huang")
             _first_progress_after(call, "annotate")
             workers = _children(server.proc.pid, "graphopt_service.worker")
             assert len(workers) == 1
