@@ -99,6 +99,43 @@ def test_exact_dp_equals_brute_force_and_milp(n, seed, random_ops):
     assert solve_dp(model, family, least - 1) is None
 
 
+# Chains with skips (up to `max_fanin` inputs per op) where a tighter budget costs recompute
+# time at several steps: the branching CASES above mostly have least peak == store-all's, so
+# their budgets never trade time and cannot tell the time-centric DP's choices apart.
+TRADE_CASES = [(8, 0, 1), (8, 1, 1), (9, 2, 1), (8, 3, 2), (10, 4, 2), (9, 5, 2), (10, 7, 3)]
+
+
+@pytest.mark.parametrize("n,seed,max_fanin", TRADE_CASES)
+def test_time_centric_dp_equals_brute_force_where_budgets_trade_time(n, seed, max_fanin):
+    graph = training_cost_graph(n, seed=seed, max_fanin=max_fanin)
+    model = build_model(graph)
+    family = lower_sets(model)
+    least = solve_dp(model, family, None)[0]
+    store = evaluate_chain(model, [])[0]
+    chains = all_chains(model, family)
+    assert chains is not None, "small enough for the brute force"
+    evaluated = [evaluate_chain(model, c)[:2] for c in chains]
+    bs = sorted({least + (store - least) * k // 8 for k in range(9)})
+    optimum = []
+    for budget in bs:
+        peak, seconds, chain = solve_dp(model, family, budget)
+        assert peak <= budget
+        assert evaluate_chain(model, chain)[:2] == (peak, pytest.approx(seconds, rel=1e-12))
+        best = min(t for p, t in evaluated if p <= budget)
+        assert close(seconds, best), (budget, seconds, best)
+        # of the chains at the least time, the DP's peak is the least
+        assert peak == min(p for p, t in evaluated if p <= budget and close(t, best))
+        optimum.append(seconds)
+        approx = solve_dp(model, closure_lower_sets(model), budget)
+        assert approx is not None and approx[0] <= budget and approx[1] >= seconds - 1e-12
+    # the case is worth its name: the least time falls at least three times across the budgets
+    assert sum(a > b + 1e-9 for a, b in zip(optimum, optimum[1:])) >= 3, optimum
+    middle = bs[len(bs) // 2]
+    oracle = milp(graph, middle)
+    assert oracle.notes["status"].startswith("Optimal")
+    assert close(oracle.notes["objective"], optimum[len(bs) // 2])
+
+
 @pytest.mark.parametrize("n,seed,random_ops", CASES[::2])
 def test_model_time_is_the_plans_recompute_time(n, seed, random_ops):
     graph = case_graph(n, seed, random_ops)

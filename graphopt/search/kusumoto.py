@@ -75,6 +75,8 @@ import time
 import weakref
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from ..costgraph import CostGraph
 
 from .plan import Plan, make_plan
@@ -510,33 +512,59 @@ def _push(fronts: list, k: int, entry) -> None:
         fronts[k] = _pareto(bucket)
 
 
+# A lower set's entries waiting for it (arrays pushed by the lower sets before it) are pruned to
+# their Pareto front once they hold this many (memory), and always before it is expanded.
+_PENDING_PRUNE = 1 << 16
+
+
+def _front_of(parts: list) -> tuple:
+    """The entries of `parts` (tuples of equal-length arrays: kept, seconds, peak, parent lower
+    set, parent index), in the order pushed, reduced to those not dominated in (kept, seconds):
+    kept ascending, seconds strictly descending; of equal (kept, seconds) the first pushed (the
+    list DP's `_pareto`, a stable sort)."""
+    kept, seconds, peak, parent_k, parent_i = (np.concatenate(a) if len(parts) > 1 else a[0]
+                                               for a in zip(*parts))
+    order = np.lexsort((seconds, kept))          # stable: ties stay in the order pushed
+    kept, seconds = kept[order], seconds[order]
+    keep = np.empty(len(order), dtype=bool)
+    keep[0] = True
+    np.less(seconds[1:], np.minimum.accumulate(seconds)[:-1], out=keep[1:])
+    order = order[keep]
+    return kept[keep], seconds[keep], peak[order], parent_k[order], parent_i[order]
+
+
 def solve_dp(model: Model, family: list[int], budget: int | None = None):
     """Least model time with model peak <= budget over chains drawn from `family`
     (budget None: least model peak, then least time at it). Returns (peak, seconds, chain) or
-    None when no chain fits."""
+    None when no chain fits. Each lower set's Pareto front of (kept bytes, seconds) is held as
+    arrays (kept, seconds, peak so far, and where each entry came from), and a transition
+    extends the prefix of a front that fits the budget at once."""
     if budget is None:
         best_peak = _least_peak(model, family)
         return solve_dp(model, family, best_peak)
     if model.g_star > budget:
         return None
     full = model.full
-    index = {m: k for k, m in enumerate(family)}
-    fronts: list[list] = [[] for _ in family]   # entries (kept, seconds, peak, parent)
-    fronts[0] = [(0, 0.0, model.g_star, None)]
-    best = None
+    pending: list = [[] for _ in family]
+    pending_sizes = [0] * len(family)
+    pending[0] = [(np.zeros(1, np.int64), np.zeros(1), np.full(1, model.g_star, np.int64),
+                   np.full(1, -1, np.int64), np.full(1, -1, np.int64))]
+    fronts: list = [None] * len(family)
+    best = None                                   # (seconds, peak, lower set, index in its front)
     for k, lower in enumerate(family):
-        if not fronts[k]:
+        if not pending[k]:
             continue
-        front = fronts[k] = _pareto(fronts[k])
-        # close with the stored segment
+        kept, seconds, peak, _, _ = fronts[k] = _front_of(pending[k])
+        pending[k] = None
+        # close with the stored segment (the front is sorted by kept ascending)
         st = stage(model, lower, full, stored=True)
-        for kept, seconds, peak, parent in front:
-            if kept + st.local <= budget:
-                cand = (seconds, max(peak, kept + st.local), (k, kept, seconds, parent))
-                if best is None or cand[:2] < best[:2]:
-                    best = cand
-            else:
-                break                         # front sorted by kept ascending
+        fit = int(np.searchsorted(kept, budget - st.local, side="right"))
+        if fit:
+            closed = np.maximum(peak[:fit], kept[:fit] + st.local)
+            j = int(np.lexsort((closed, seconds[:fit]))[0])     # least (seconds, peak), first of ties
+            cand = (float(seconds[j]), int(closed[j]))
+            if best is None or cand < best[:2]:
+                best = (*cand, k, j)
         for k2 in range(k + 1, len(family)):
             upper = family[k2]
             if upper & lower != lower or upper == lower:
@@ -544,21 +572,25 @@ def solve_dp(model: Model, family: list[int], budget: int | None = None):
             st = stage(model, lower, upper)
             if st.local > budget:
                 continue
-            for kept, seconds, peak, parent in front:
-                if kept + st.local > budget:
-                    break
-                entry = (kept + st.kept, seconds + st.rec_seconds,
-                         max(peak, kept + st.local), (k, kept, seconds, parent))
-                _push(fronts, k2, entry)
+            fit = int(np.searchsorted(kept, budget - st.local, side="right"))
+            if not fit:
+                continue
+            head = kept[:fit]
+            pending[k2].append((head + st.kept, seconds[:fit] + st.rec_seconds,
+                                np.maximum(peak[:fit], head + st.local), np.full(fit, k, np.int64),
+                                np.arange(fit, dtype=np.int64)))
+            pending_sizes[k2] += fit
+            if pending_sizes[k2] >= _PENDING_PRUNE:
+                pending[k2] = [_front_of(pending[k2])]
+                pending_sizes[k2] = len(pending[k2][0][0])
     if best is None:
         return None
-    seconds, peak, node = best
+    seconds, peak, k, j = best
     chain = []
-    k, _, _, parent = node
-    chain.append(family[k])
-    while parent is not None:
-        k, _, _, parent = parent
+    while k >= 0:
         chain.append(family[k])
+        front = fronts[k]
+        k, j = int(front[3][j]), int(front[4][j])
     chain = [m for m in reversed(chain) if m]
     return peak, seconds, chain
 
