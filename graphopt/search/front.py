@@ -22,8 +22,11 @@ from .store_all import store_all
 Solve = Callable[..., Plan]   # (graph, budget_bytes=None) -> Plan
 
 # Bisection steps between the least-peak plan's peak and store-all's: the budget found is
-# within (store-all - least peak) / 2**BISECTION_STEPS of the tightest that fits the limit.
+# within (store-all - least peak) / 2**BISECTION_STEPS of the tightest that fits the limit,
+# or within BISECTION_TOLERANCE of the peak found, whichever is reached first (a narrow range
+# needs fewer solves: each is a whole `auto` search).
 BISECTION_STEPS = 6
+BISECTION_TOLERANCE = 0.01
 
 
 def _seconds(plan: Plan) -> float:
@@ -80,7 +83,7 @@ def least_peak_within(graph: CostGraph, solve: Solve, seconds_limit: float,
             best = high
             lo, hi = low.peak_bytes, high.peak_bytes   # lo: too slow; hi: fits
             for _ in range(BISECTION_STEPS):
-                if hi - lo <= 1:
+                if hi - lo <= max(1, BISECTION_TOLERANCE * hi):
                     break
                 budget = (lo + hi) // 2
                 plan = solve(graph, budget_bytes=budget)
