@@ -258,12 +258,23 @@ def opset_of(model: onnx.ModelProto, domain: str = "") -> int:
     return onnx.defs.onnx_opset_version()
 
 
-# A recomputed copy of a node runs slower than the node did in the forward pass: its inputs
-# are checkpoints written long before (out of cache) and its outputs fresh buffers. Measured
-# (onnxruntime 1.32, CPU, one thread; plans timed against the plan without recomputation in one
-# process, the timing worker of the time): the recomputed nodes of the mlp and resnet
-# examples' plans took 1.02-1.57 times their profiled seconds, median about 1.2.
-RECOMPUTE_FACTOR = 1.2
+# A recomputed copy of a node costs this many times the node's profiled seconds (the time
+# stage's: graphopt's plan without recomputation, profiled at the threads the plan is timed at),
+# by ONNX Runtime's intra-op threads. Fitted by `python benchmarks/time_model.py` on the six
+# examples' plans (least squares on the relative error of the predicted step; plans within
+# max overheads 0.1, 0.25, 0.5 and the least peak), on this 2-core machine: 1.06 at one thread
+# (1.05 fitted on seven corpus models instead), 0.66 and 0.61 in two runs at two threads (0.40
+# and 0.54 on the corpus models). At two threads ORT's profile overstates what a copy costs in
+# the unprofiled step. More threads than two were not measured here: they take two's value.
+RECOMPUTE_FACTORS = {1: 1.05, 2: 0.63}
+RECOMPUTE_FACTOR = RECOMPUTE_FACTORS[1]
+
+
+def recompute_factor(threads: int) -> float:
+    """The factor of a recomputed copy's seconds at `threads` intra-op threads (RECOMPUTE_FACTORS;
+    beyond the largest count measured, its value)."""
+    known = [t for t in sorted(RECOMPUTE_FACTORS) if t <= max(1, int(threads))]
+    return RECOMPUTE_FACTORS[known[-1]]
 
 
 def build_cost_graph(training: TrainingGraph, tensor_bytes: dict[str, int],

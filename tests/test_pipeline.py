@@ -188,6 +188,34 @@ def test_max_overhead_bounds_the_predicted_step_time():
     assert least.objective.name == "least-peak" and least.predicted.optimized.peak_bytes <= peaks[-1]
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_plan_is_searched_for_a_share_of_the_overhead_at_the_threads_given(threads):
+    """The thread count reaches the time model (a recomputed copy's factor,
+    `op_rules.RECOMPUTE_FACTORS`) and the limit the first plan is searched for (a share of the
+    overhead allowed, `pipeline.PLANNED_OVERHEAD_SHARES`), on the resnet example, at the first of
+    several overheads where the share binds (searched for the whole overhead, the plan is
+    predicted over the share: the front is a few plans, so not every overhead tells)."""
+    import dataclasses
+
+    from graphopt.op_rules import RECOMPUTE_FACTORS
+    from graphopt.pipeline import PLANNED_OVERHEAD_SHARES
+    model, inputs = training_example("resnet")
+    options = OptimizeOptions(inputs=inputs, measure=False, verify=False, threads=threads)
+    with prepare(model, options) as prepared:
+        assert all(g.recompute_factor == RECOMPUTE_FACTORS[threads] for g in prepared.base_graphs.values())
+        for overhead in (0.1, 0.25, 0.4, 0.6):
+            bounded = dataclasses.replace(options, max_overhead=overhead)
+            shared = (1 + PLANNED_OVERHEAD_SHARES[threads] * overhead) * prepared.baseline_step_seconds
+            whole = plan(prepared, bounded, seconds_limit=prepared.step_seconds_limit(bounded))
+            if whole.simulation.compute_seconds > shared:
+                break
+        else:
+            raise AssertionError("the share binds at none of the overheads tried")
+        chosen = plan(prepared, bounded)
+    assert chosen.simulation.compute_seconds <= shared and chosen.notes["seconds_limit"] == pytest.approx(shared)
+    assert chosen.peak_bytes >= whole.peak_bytes
+
+
 def test_the_limit_searched_from_the_leaner_order_loses_nothing():
     """Under a step-time limit the bisection runs only from base orders whose least peak is near
     the leanest's: on the resnet example (ONNX Runtime's order 9% leaner than the file's, and
@@ -197,7 +225,7 @@ def test_the_limit_searched_from_the_leaner_order_loses_nothing():
     model, inputs = training_example("resnet")
     options = OptimizeOptions(inputs=inputs, measure=False, verify=False)
     with prepare(model, options) as prepared:
-        limit = prepared.step_seconds_limit(options)
+        limit = prepared.planned_seconds_limit(options)
         chosen = plan(prepared, options)
         everywhere = [least_peak_within(graph, STRATEGIES["auto"], limit) for graph in prepared.base_graphs.values()]
     within = [p for p in everywhere if p.simulation.compute_seconds <= limit]
