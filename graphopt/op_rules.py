@@ -263,8 +263,8 @@ def opset_of(model: onnx.ModelProto, domain: str = "") -> int:
 # by ONNX Runtime's intra-op threads. Fitted by `python benchmarks/time_model.py` on the six
 # examples' plans (least squares on the relative error of the predicted step; plans within
 # max overheads 0.1, 0.25, 0.5 and the least peak), on this 2-core machine: 1.06 at one thread
-# (1.05 fitted on seven corpus models instead), 0.66 and 0.61 in two runs at two threads (0.40
-# and 0.54 on the corpus models). At two threads ORT's profile overstates what a copy costs in
+# (1.05 fitted on seven corpus models instead), 0.66, 0.61 and 0.61 in three runs at two threads
+# (0.40 and 0.54 on the corpus models). At two threads ORT's profile overstates what a copy costs in
 # the unprofiled step. More threads than two were not measured here: they take two's value.
 RECOMPUTE_FACTORS = {1: 1.05, 2: 0.63}
 RECOMPUTE_FACTOR = RECOMPUTE_FACTORS[1]

@@ -100,7 +100,7 @@ TIME_RETRY_MARGIN = 0.03
 # predicted at the limit measures over it about half the time; the error grows with what is
 # recomputed, and the step's own noise between two timings is larger at two threads than at one
 # (`python benchmarks/time_model.py`, this 2-core machine: the plan without recomputation timed
-# twice moved by -21% to +7% at two threads, -13% to +5% at one). At one thread 0.6 returned
+# twice moved by -36% to +17% at two threads, -13% to +5% at one). At one thread 0.6 returned
 # higher peaks than the factor 1.2 did before (the examples' median 0.37x against 0.31x, by
 # `benchmarks/optimize_time.py --threads 1`), whose plans were within the limit on 5 of 6 first.
 PLANNED_OVERHEAD_SHARES = {1: 0.85, 2: 0.6}
