@@ -270,11 +270,15 @@ RECOMPUTE_FACTORS = {1: 1.05, 2: 0.63}
 RECOMPUTE_FACTOR = RECOMPUTE_FACTORS[1]
 
 
+def at_threads(table: dict[int, float], threads: int) -> float:
+    """`table`'s value (thread count -> value measured at it) at `threads`: the value of the
+    largest count measured that is not above it (beyond the largest, the largest's)."""
+    return table[max(t for t in table if t <= max(min(table), int(threads)))]
+
+
 def recompute_factor(threads: int) -> float:
-    """The factor of a recomputed copy's seconds at `threads` intra-op threads (RECOMPUTE_FACTORS;
-    beyond the largest count measured, its value)."""
-    known = [t for t in sorted(RECOMPUTE_FACTORS) if t <= max(1, int(threads))]
-    return RECOMPUTE_FACTORS[known[-1]]
+    """The factor of a recomputed copy's seconds at `threads` intra-op threads (RECOMPUTE_FACTORS)."""
+    return at_threads(RECOMPUTE_FACTORS, threads)
 
 
 def build_cost_graph(training: TrainingGraph, tensor_bytes: dict[str, int],

@@ -57,7 +57,7 @@ from .costmodel import Simulation, priority_order, simulate
 from .errors import BudgetInfeasibleError, GraphoptError, MemoryLimitError, VerificationError
 from .ingest import follow_order, name_nodes
 from .inputs import save_inputs, synthesize_inputs
-from .op_rules import FOLDED_AT_LOAD_OPS, build_cost_graph, opset_of, recompute_factor
+from .op_rules import FOLDED_AT_LOAD_OPS, at_threads, build_cost_graph, opset_of, recompute_factor
 from .options import LEAST_PEAK, OptimizeOptions
 from .report import (OUTCOME_OPTIMIZED, OUTCOME_ORIGINAL, OUTCOME_UNMEASURED, AnnotationSummary, BaseOrder,
                      BudgetAttempt, LimitAttempt, LimitRun, MemoryLimit, ReducedSize,
@@ -214,8 +214,7 @@ class Prepared:
         overhead = options.overhead_limit
         if overhead is None:
             return None
-        share = PLANNED_OVERHEAD_SHARES[min(max(1, options.threads), max(PLANNED_OVERHEAD_SHARES))]
-        return (1.0 + share * overhead) * self.baseline_step_seconds
+        return (1.0 + at_threads(PLANNED_OVERHEAD_SHARES, options.threads) * overhead) * self.baseline_step_seconds
 
     @property
     def reference_path(self) -> str | None:
