@@ -262,10 +262,11 @@ def opset_of(model: onnx.ModelProto, domain: str = "") -> int:
 # stage's: graphopt's plan without recomputation, profiled at the threads the plan is timed at),
 # by ONNX Runtime's intra-op threads. Fitted by `python benchmarks/time_model.py` on the six
 # examples' plans (least squares on the relative error of the predicted step; plans within
-# max overheads 0.1, 0.25, 0.5 and the least peak), on this 2-core machine: 1.06 at one thread
-# (1.05 fitted on seven corpus models instead), 0.66, 0.61 and 0.61 in three runs at two threads
-# (0.40 and 0.54 on the corpus models): at two threads a copy costs less than its node's profiled
-# seconds (why is not established). More threads than two were not measured here: they take two's.
+# max overheads 0.1, 0.25, 0.5 and the least peak), on this 2-core machine: 1.06 and 0.91 in two
+# runs at one thread (1.05 fitted on seven corpus models instead), 0.66, 0.61 and 0.61 in three
+# runs at two threads (0.40 and 0.54 on the corpus models): at two threads a copy costs less than
+# its node's profiled seconds (why is not established). More threads than two were not measured
+# here: they take two's.
 RECOMPUTE_FACTORS = {1: 1.05, 2: 0.63}
 RECOMPUTE_FACTOR = RECOMPUTE_FACTORS[1]
 
