@@ -132,7 +132,9 @@ def default_objective(graph, budget_bytes=None):
     least peak whose predicted step is within (1 + DEFAULT_MAX_OVERHEAD) x store-all's predicted
     step (store-all's stands in for the measured original's), by `auto`'s bisection on the
     budget and the local search after it, each budget solved once (as `pipeline._remembered`).
-    `optimize` runs it from each base order (the file's, ONNX Runtime's): about twice this."""
+    `optimize` runs it from each base order (the file's, ONNX Runtime's), where their least
+    peaks are close, and for a share of the overhead (`pipeline.PLANNED_OVERHEAD_SHARES`): here
+    the whole overhead, as before that share."""
     from graphopt.options import DEFAULT_MAX_OVERHEAD
     from graphopt.search import STRATEGIES, store_all
     from graphopt.search.front import least_peak_within
