@@ -393,9 +393,10 @@ def measure_exposed(model: onnx.ModelProto, inputs: dict[str, np.ndarray], names
 
 def _profile(model: onnx.ModelProto, inputs: dict[str, np.ndarray], settings: SessionSettings,
              runs: int, providers: list, threads: int, cap_bytes: int | None = None,
-             model_path: str | None = None) -> tuple[str, list[dict]]:
+             model_path: str | None = None, outputs_into: dict | None = None) -> tuple[str, list[dict]]:
     """Open ``model`` (from ``model_path`` when given) with ``settings`` and profiling on, run it
-    ``runs`` times; the provider and the kernel events of the last run."""
+    ``runs`` times; the provider and the kernel events of the last run (its outputs by name put
+    into ``outputs_into`` when given)."""
     tmp = tempfile.mkdtemp(prefix="graphopt-profile-")
     try:
         try:
@@ -407,8 +408,11 @@ def _profile(model: onnx.ModelProto, inputs: dict[str, np.ndarray], settings: Se
             raise _load_error(e) from e
         provider = sess.get_providers()[0]
         try:
-            for _ in range(runs):  # warm-up first; the parser keeps the last run only
-                sess.run(None, inputs)
+            for k in range(runs):  # warm-up first; the parser keeps the last run only
+                values = sess.run(None, inputs)
+                if outputs_into is not None and k == runs - 1:
+                    outputs_into.update(zip((o.name for o in sess.get_outputs()), values))
+                del values
         except Exception as e:
             raise InvalidModelError(f"annotate: the model failed to run: {e}") from e
         path = sess.end_profiling()
@@ -478,8 +482,11 @@ def annotate(
     threads: int = 1,
     cap_bytes: int | None = None,
     model_path: str | None = None,
+    outputs_into: dict | None = None,
 ) -> Annotations:
-    """Measure ``model`` on ``inputs`` (see the module docstring for how). ``cap_bytes``: every
+    """Measure ``model`` on ``inputs`` (see the module docstring for how). ``outputs_into``: the
+    timed run's outputs by name are put into it (a caller that checks them saves a run of its
+    own). ``cap_bytes``: every
     session ONNX Runtime opens for it may hold at most that many bytes (`open_session`); a run
     that needs more fails with its out-of-memory error. ``model_path``: the file ``model`` was
     loaded from, which the sessions open, so that ``model`` need not hold the weights
@@ -495,7 +502,8 @@ def annotate(
         # before the timed one opens).
         sizes = measure_sizes(model, inputs, providers=providers, threads=threads, cap_bytes=cap_bytes,
                               model_path=model_path)
-    provider, kernels = _profile(model, inputs, settings, 2, providers, threads, cap_bytes, model_path)
+    provider, kernels = _profile(model, inputs, settings, 2, providers, threads, cap_bytes, model_path,
+                                 outputs_into)
     if sizes is None:
         sizes = measure_sizes(model, inputs, kernels=kernels, providers=providers, threads=threads,
                               cap_bytes=cap_bytes, model_path=model_path)

@@ -95,3 +95,55 @@ def test_unknown_level_is_refused_before_any_work(tmp_path):
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "--graph-optimizations" in proc.stderr
     assert not (tmp_path / "out.onnx").exists()
+
+
+@pytest.mark.parametrize("reference", ["original", "perturbed"])
+def test_the_optimized_graph_is_checked_in_its_annotation_run(tmp_path, reference, caplog):
+    """On the CPU provider the graph ONNX Runtime optimized is checked against the original's
+    outputs in the run that annotates it (no verification run of its own): with the original's
+    outputs it is planned, FusedConv and all; against outputs that differ from what it computes
+    (the original's, one gradient scaled by 1.001, saved where the reference is kept) it is
+    dropped with a warning naming that output, and the file is planned as given."""
+    import logging
+
+    from graphopt import pipeline
+    from graphopt.analyze import analyze
+    from graphopt.ingest import name_nodes
+    from graphopt.runtime.isolated import Workspace
+    from graphopt.verify import run_outputs, save_outputs
+
+    model, inputs = training_example("resnet", small=True)
+    tasks = []
+    real_run_task = pipeline.run_task
+
+    def logged(task, args, *rest, **kw):
+        tasks.append(task)
+        return real_run_task(task, args, *rest, **kw)
+
+    with Workspace() as workspace:
+        working = workspace.copy_keeping_weights_on_disk(model)
+        name_nodes(working)
+        training = analyze(working, None)
+        workspace.save_inputs(inputs)
+        original = workspace.save(training.model, "original")
+        outputs = run_outputs(original, inputs, UNOPTIMIZED_SETTINGS)
+        scaled = next(name for name, value in outputs.items() if value.size > 1)
+        if reference == "perturbed":
+            outputs[scaled] = outputs[scaled] * np.float32(1.001)
+        workspace.reference_path = str(tmp_path / "reference.npz")
+        save_outputs(workspace.reference_path, outputs)
+        options = OptimizeOptions(inputs=inputs, providers=["CPUExecutionProvider"])
+        pipeline.run_task = logged
+        try:
+            with caplog.at_level(logging.WARNING, logger="graphopt"):
+                planned, annotations, summary = pipeline._apply_graph_optimizations(training, None, options,
+                                                                                    workspace)
+        finally:
+            pipeline.run_task = real_run_task
+    assert tasks == ["graph-optimize", "annotate"], tasks
+    if reference == "original":
+        assert summary["op_types"].get("FusedConv", 0) > 0 and annotations is not None
+        assert any(n.op_type == "FusedConv" for n in planned.model.graph.node)
+    else:
+        assert summary == {} and annotations is None and planned is training
+        assert f"output {scaled!r} differs from the original's" in caplog.text, caplog.text

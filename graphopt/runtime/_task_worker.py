@@ -7,7 +7,8 @@ Tasks (paths are files of a :class:`~graphopt.runtime.isolated.Workspace`):
 * ``graph-optimize``: ORT's graph optimizations at ``level`` applied to ``model`` offline
   (``runtime.offline.optimize_offline``), the optimized graph saved to ``out``.
 * ``annotate``: ``annotate(model, inputs, settings)`` (every session capped at ``cap_bytes`` when
-  given); the annotations' JSON written to ``out``.
+  given); the annotations' JSON written to ``out``. With a ``reference``, the timed run's
+  outputs are compared with it too (as ``verify`` does: ``comparison``).
 * ``reference``: every output of one deterministic run (``verify.run_outputs``), saved to
   ``out`` (``verify.save_outputs``).
 * ``verify``: the model's outputs (its metadata session) compared with ``reference`` one array
@@ -45,11 +46,17 @@ def run(task: str, args: dict) -> dict:
         # the graph without its weights; the sessions open the file (one copy of the weights, ONNX
         # Runtime's, instead of the proto's, its serialization's and ONNX Runtime's)
         model = onnx.load(args["model"], load_external_data=False)
+        outputs = {} if args.get("reference") else None
         ann = annotate(model, inputs, _settings(args["settings"]), providers=args.get("providers"),
-                       threads=args.get("threads", 1), cap_bytes=args.get("cap_bytes"), model_path=args["model"])
+                       threads=args.get("threads", 1), cap_bytes=args.get("cap_bytes"), model_path=args["model"],
+                       outputs_into=outputs)
         with open(args["out"], "w") as f:
             f.write(ann.to_json())
-        return {"tensors": len(ann.tensor_bytes)}
+        result = {"tensors": len(ann.tensor_bytes)}
+        if outputs is not None:
+            from graphopt.verify import compare_with_saved
+            result["comparison"] = compare_with_saved(args["reference"], outputs, args["tolerance"]).to_dict()
+        return result
     from graphopt.verify import compare_with_saved, executed_order, run_outputs, save_outputs
     if task == "reference":
         outputs = run_outputs(args["model"], inputs, _settings(args["settings"]), threads=args.get("threads", 1))
