@@ -486,3 +486,45 @@ def test_batch_of_one_weight_gradient_is_written_transposed():
     transposes = [n.name for n in train.graph.node if n.op_type == "Transpose"
                   and tuple(d for d in shapes.get(n.output[0], []) if d != 1) in weight_sized]
     assert transposes == []
+
+
+class ConvInputGradients(nn.Module):
+    """Stride-1 convolutions whose input gradients the builder writes as a Conv of the flipped,
+    transposed weight (16 -> 8 channels 3 x 3, 8 -> 8 with a 1 x 3 kernel, 8 -> 8 5 x 5 padded 1
+    of its 4, a 3-D 3 x 3 x 3) and those that keep ONNX Runtime's ConvTranspose (8 -> 16 channels,
+    a dilated one)."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 16, 3, padding=1)                # the input's gradient is not asked
+        self.narrow = nn.Conv2d(16, 8, 3, padding=1)
+        self.row = nn.Conv2d(8, 8, (1, 3), padding=(0, 1))
+        self.shrink = nn.Conv2d(8, 8, 5, padding=1)
+        self.wide = nn.Conv2d(8, 16, 3, padding=1)               # C < F: ConvTranspose
+        self.dilated = nn.Conv2d(16, 16, 3, padding=2, dilation=2)   # dilated: ConvTranspose
+        self.volume = nn.Conv3d(4, 4, 3, padding=1)
+        self.head = nn.Linear(16 * 4 * 4 + 4 * 4 * 4 * 4, 5)
+
+    def forward(self, x, labels):
+        h = torch.tanh(self.stem(x))
+        h = torch.tanh(self.narrow(h))
+        h = torch.tanh(self.row(h))
+        h = torch.tanh(self.shrink(h))                           # 8 x 8 -> 6 x 6
+        h = torch.tanh(self.wide(h))
+        h = torch.tanh(self.dilated(h))[:, :, 1:5, 1:5]
+        v = torch.tanh(self.volume(h.reshape(-1, 4, 4, 4, 4)))
+        return F.cross_entropy(self.head(torch.cat([h.flatten(1), v.flatten(1)], 1)), labels)
+
+
+def test_conv_input_gradients_as_flipped_convolutions_match_torch():
+    """The input gradient of a stride-1 Conv with at least as many input channels as output ones
+    (no dilation, pads within the kernel) is a Conv of the adjoint with the weight transposed and
+    flipped in space (`rules.conv_input_gradient_applies`): every parameter's gradient upstream
+    of them equals torch's, and only the wider and the dilated convolutions keep ConvTranspose."""
+    torch.manual_seed(3)
+    module = ConvInputGradients()
+    args = (torch.randn(2, 3, 8, 8), torch.randint(0, 5, (2,)))
+    train = _check_against_torch(module, args, ["x", "labels"], tol=1e-4)
+    transposed = [n for n in train.graph.node if n.op_type == "ConvTranspose"]
+    flipped = [n for n in train.graph.node if n.op_type == "Slice" and "x_weight_flipped" in n.output[0]]
+    assert len(transposed) == 2 and len(flipped) == 4, ([n.input[1] for n in transposed], len(flipped))

@@ -197,14 +197,28 @@ def _all_but_weight(rule, ctx, node, grads):
     return _all_but(rule, ctx, node, grads, {node.input[1]})
 
 
-def pointwise_input_gradient_applies(attrs, kernel, input_shape) -> bool:
-    """Whether a Conv's input gradient is written as a Conv (`_conv_reverse`): an ungrouped 1 x 1
-    kernel at stride 1 without padding, whose input gradient is the adjoint convolved with the
-    transposed weight; ONNX Runtime's ConvTranspose (onnx-ad's form) took 2.3x as long there
-    (onnxruntime 1.32, CPU, one thread: 8 x 64 channels of 56 x 56 from 256, 30.5 against 13.3 ms)."""
-    return (PER_TAP_WEIGHT_GRADIENTS and kernel is not None and input_shape is not None and attrs["group"] == 1
-            and all(k == 1 for k in kernel[2:]) and all(s == 1 for s in attrs["strides"])
-            and not any(attrs["pads"]))
+def conv_input_gradient_applies(attrs, kernel, input_shape) -> bool:
+    """Whether a Conv's input gradient is written as a Conv (`_conv_reverse`) instead of onnx-ad's
+    ConvTranspose: an ungrouped convolution at stride 1 that is 1 x 1 without pads, or has no
+    dilation, pads of at most kernel - 1 on every side and at least as many input channels as
+    output ones. Its input gradient is then the adjoint convolved with the weight transposed and
+    flipped in space, padded by kernel - 1 - pad on each side (1 x 1: the transposed weight).
+    ONNX Runtime's ConvTranspose builds a column buffer of C x kernel per image; measured
+    (onnxruntime 1.32, CPU, the gradient alone, medians of 15): 1 x 1, 8 x 64 channels of 56 x 56
+    from 256: 30.5 against 13.3 ms at one thread; 3 x 3 with C >= F over 16-256 channels:
+    0.96-1.90x as fast at two threads (1.15-1.90x on 7 of 8 shapes), 0.88-1.36x at one. With
+    C < F (0.72-0.79x) or a dilation of 2 (0.91-0.97x) it was slower: those keep ConvTranspose."""
+    if not PER_TAP_WEIGHT_GRADIENTS or kernel is None or input_shape is None or None in kernel:
+        return False
+    if attrs["group"] != 1 or not all(s == 1 for s in attrs["strides"]) or input_shape[1] is None:
+        return False
+    spatial = len(kernel) - 2
+    pads = attrs["pads"]
+    if all(k == 1 for k in kernel[2:]):
+        return not any(pads)
+    reach = [k - 1 for k in kernel[2:]]
+    return (input_shape[1] >= kernel[0] and all(d == 1 for d in attrs["dilations"])
+            and all(0 <= pads[i] <= reach[i] and 0 <= pads[spatial + i] <= reach[i] for i in range(spatial)))
 
 
 def _conv_reverse(ctx, node, grads):
@@ -215,7 +229,7 @@ def _conv_reverse(ctx, node, grads):
     # the weight's gradient here where it is grouped (onnx-ad refuses it) or per tap; else onnx-ad's
     weight_here = ctx.asked_for(w) and (attrs["group"] != 1 or (
         kernel is not None and per_tap_applies(x_shape, y_shape, kernel[2:], 1)))
-    input_here = ctx.asked_for(x) and pointwise_input_gradient_applies(attrs, kernel, x_shape)
+    input_here = ctx.asked_for(x) and conv_input_gradient_applies(attrs, kernel, x_shape)
     if not weight_here and not input_here:
         return _CONV(ctx, node, grads)
     contributions = _all_but(_CONV, ctx, node, grads, {n for n, here in ((x, input_here), (w, weight_here)) if here})
@@ -225,8 +239,18 @@ def _conv_reverse(ctx, node, grads):
             ctx, x, x_shape, adjoint, y_shape, kernel[2:], attrs["strides"], attrs["dilations"], attrs["pads"],
             attrs["group"]))
     if input_here:
-        transposed = ctx.b.op("Transpose", [w], perm=[1, 0] + list(range(2, 2 + spatial)), stem="x_weight_t")
-        contributions[0] = _with_seed_axis(ctx, ctx.b.op("Conv", [adjoint, transposed], stem="x_grad"))
+        op, ints = ctx.b.op, ctx.b.ints
+        axes = list(range(2, 2 + spatial))
+        weight = op("Transpose", [w], perm=[1, 0] + axes, stem="x_weight_t")
+        reach = [(k - 1) * d for k, d in zip(kernel[2:], attrs["dilations"])]
+        if any(reach):   # flipped in space: a Slice read backwards along each spatial axis
+            weight = op("Slice", [weight, ints([-1] * spatial), ints([-(1 << 62)] * spatial), ints(axes),
+                                  ints([-1] * spatial)], stem="x_weight_flipped")
+        pads = attrs["pads"]
+        contributions[0] = _with_seed_axis(ctx, op(
+            "Conv", [adjoint, weight], dilations=list(attrs["dilations"]),
+            pads=[r - pads[i] for i, r in enumerate(reach)] + [r - pads[spatial + i] for i, r in enumerate(reach)],
+            stem="x_grad"))
     return contributions
 
 
