@@ -8,8 +8,9 @@ Runtime's step goes by operator type.
 For each bundled example (graphopt/examples.py) and its torch twin (benchmarks/torch_twins.py,
 the same parameters and inputs, the same loss):
 
-* the training graph as graphopt builds it, and built again with every Conv weight gradient as
-  the whole-map convolution it was before (graphopt.build.rules.PER_TAP_WEIGHT_GRADIENTS off);
+* the training graph as graphopt builds it, and built again with every Conv gradient as it was
+  before (graphopt.build.rules.PER_TAP_WEIGHT_GRADIENTS off: weight gradients as whole-map
+  convolutions, input gradients as ONNX Runtime's ConvTranspose);
 * each in a plain onnxruntime.InferenceSession (its defaults: all graph optimizations, the
   arena), and the twin's eager step (forward, loss, backward; every .grad None before it);
 * timed in one process, in turn, `--rounds` rounds of one step each after a warm-up step; the

@@ -133,11 +133,12 @@ def test_every_strategy_plans_validly_from_any_base_order(n, seed, order_seed):
 
 # -- real ONNX Runtime ---------------------------------------------------------------------------
 def test_the_leaner_order_is_chosen_and_measures_leaner_in_onnx_runtime(tmp_path):
-    """The DenseNet example: ONNX Runtime runs the original in an order the cost model gives a
-    lower peak than the file's (each DenseNet's concatenation is built where it is read, not
-    where the file writes it). The plan without recomputation from each order, rewritten and
-    measured in a fresh process: the chosen one measures lower, at most the original's own
-    peak (optimizations off, ORT's order), and the least-peak plan is predicted below both."""
+    """The resnet example: ONNX Runtime runs the original in an order the cost model gives a
+    lower peak than the file's (3.4% lower; the DenseNet example's was 8% lower until its input
+    gradients became convolutions, now the file's is 1.3% lower). The plan without recomputation
+    from each order, rewritten and measured in a fresh process: the chosen one measures lower,
+    at most the original's own peak (optimizations off, ORT's order), and the least-peak plan
+    is predicted below both."""
     from graphopt.examples import training_example
     from graphopt.inputs import save_inputs
     from graphopt.optimize import OptimizeOptions, save_model
@@ -145,11 +146,11 @@ def test_the_leaner_order_is_chosen_and_measures_leaner_in_onnx_runtime(tmp_path
     from graphopt.runtime.measure import measure
     from graphopt.search import store_all
 
-    train, inputs = training_example("densenet")
+    train, inputs = training_example("resnet")
     options = OptimizeOptions(inputs=inputs, threads=1, measure=False, verify=False, objective="least-peak")
     with prepare(train, options) as prepared:
         peaks = prepared.base_order_peaks
-        assert prepared.base_order == "onnxruntime" and peaks["onnxruntime"] < 0.95 * peaks["file"], peaks
+        assert prepared.base_order == "onnxruntime" and peaks["onnxruntime"] < 0.98 * peaks["file"], peaks
         assert peaks["onnxruntime"] <= prepared.predicted_original.peak_bytes
         chosen = plan(prepared, options)
         assert chosen.peak_bytes < peaks["onnxruntime"]
@@ -163,5 +164,5 @@ def test_the_leaner_order_is_chosen_and_measures_leaner_in_onnx_runtime(tmp_path
         original = tmp_path / "original.onnx"
         save_model(prepared.workspace.with_weights(prepared.training.model, copy=True), original)
         measured["original"] = measure(original, inputs_path, ORIGINAL_UNOPTIMIZED, timing=False).peak_bytes
-    assert measured["onnxruntime"] < 0.97 * measured["file"], measured
+    assert measured["onnxruntime"] < 0.985 * measured["file"], measured   # 0.967 in one run
     assert measured["onnxruntime"] <= 1.02 * measured["original"], measured

@@ -49,10 +49,13 @@ def test_optimize_writes_model_and_report(small_training, tmp_path):
         assert report["measured"][label]["peak_bytes"] >= 0
     assert report["measured"]["original_default_session"]["step_seconds"] > 0
     assert report["measured"]["optimized"]["step_seconds"] > 0
-    # the original with optimizations off is timed only where the original may be returned
+    # the original with optimizations off is timed only where the original is returned and that
+    # session measured a lower peak than the default one (the answer depends on its step time)
     off = report["measured"]["original_optimizations_off"].get("step_seconds")
-    assert (off is None) == (report["outcome"] == "optimized") == (
-        report["ratios"].get("step_time_vs_optimizations_off") is None)
+    measured = report["measured"]
+    off_lower = measured["original_optimizations_off"]["peak_bytes"] < measured["original_default_session"]["peak_bytes"]
+    assert (off is not None) == (report["outcome"] != "optimized" and off_lower) == (
+        report["ratios"].get("step_time_vs_optimizations_off") is not None)
     assert ("step not timed" in proc.stdout) == (off is None)
     model = onnx.load(out)
     keys = {p.key for p in model.metadata_props}

@@ -7,6 +7,9 @@
 * The weight of a grouped Conv (depthwise, MobileNet) and of a ConvTranspose (U-Net):
   onnx-ad refuses both. Both are one grouped convolution of the (padded) input with the
   output's adjoint as filters, after moving the batch into the channels (weight_gradient).
+* The input of a stride-1 Conv with at least as many input channels as output ones (or a
+  1 x 1 one): the adjoint convolved with the weight transposed and flipped in space
+  (conv_input_gradient_applies), not onnx-ad's ConvTranspose, which ONNX Runtime runs slower.
 * MatMul of a sequence by a weight matrix: the weight's gradient as one Gemm over the
   flattened rows instead of a product per batch row summed afterwards.
 * BatchNormalization in training mode: onnx-ad differentiates only the inference form (an
@@ -91,7 +94,7 @@ PER_TAP_MIN_CHANNELS = 8
 # per tap, ConvNeXt-T's step took 1.74x torch eager's against 1.53x whole-map
 # (benchmarks/step_vs_eager.py, one thread)
 DEPTHWISE_MAX_TAPS = 9
-# False: every Conv gradient as before (weights as whole-map convolutions, 1 x 1 inputs as
+# False: every Conv gradient as before (weights as whole-map convolutions, inputs as
 # ConvTranspose); benchmarks/step_vs_eager.py and builder_vs_eager.py compare the two
 PER_TAP_WEIGHT_GRADIENTS = True
 
@@ -122,8 +125,9 @@ def per_tap_weight_gradient(ctx, source, source_shape, adjoint, adjoint_shape, k
     where adjoint_rows is the adjoint [N, F, *T] as [F, N*T] and source_rows(k) the (padded)
     source [N, C, *S] read at t*stride + k*dilation, as [C, N*T] (a strided Slice, channels
     first). At stride 1 with fewer filters than channels the adjoint moves instead: placed at
-    k*dilation in zeros the size of the padded source (a Pad of F channels, not a Slice of C),
-    multiplied with the whole source. Each Gemm takes the larger operand first: measured
+    k*dilation in zeros the size of the padded source (F channels moved, not C), multiplied with
+    the whole source: one flattened copy of the adjoint at the origin of that grid, and per tap
+    a Slice of its rows at the tap's flat offset. Each Gemm takes the larger operand first: measured
     (onnxruntime 1.32, CPU, one thread) a [16, K] @ [128, K]^T product took 1.77 ms against 0.88
     the other way round. In the file's order one tap's moved copy is alive at a time beside the
     two transposed copies the whole-map convolution holds too (under a plain session ONNX
@@ -147,19 +151,20 @@ def per_tap_weight_gradient(ctx, source, source_shape, adjoint, adjoint_shape, k
                stem="w_rows")                                                    # [C, N*S] or [F, N*T]
     channels_first = group == 1 and channels >= filters
     if shift_adjoint and not whole:
-        # the adjoint placed at the origin of the padded grid and flattened: moved to a tap's offset
-        # on that grid, it is the same row read from a flat offset earlier (what a shift carries
-        # past a row's or an image's end lands in the zeros after the adjoint's rows and images,
-        # which the padded grid has at least as many of as the offset), so each tap is one Slice of
-        # contiguous rows from this copy with `reach` zeros before it, not a Pad of the 4-D adjoint
-        # (ONNX Runtime's Pad over small maps took 29-41% of the unet and densenet examples' steps)
+        # the adjoint placed at the origin of the padded grid, each image flattened: moved to a
+        # tap's offset on that grid, an image is the same row read from a flat offset earlier
+        # (what a shift carries past a row's end lands in the zeros after the adjoint's columns
+        # and rows, which the padded grid has at least as many of as the offset), so each tap is
+        # one Slice of contiguous rows from this copy with `reach` zeros before each image, not a
+        # Pad of the whole 4-D adjoint (ONNX Runtime's Pad over small maps took 29-41% of the unet
+        # and densenet examples' steps). The batch stays an axis of its own (reduced.py's twins)
         grid = [math.prod(padded_sizes[i + 1:]) for i in range(spatial)]
         reach = sum((k - 1) * d * g for k, d, g in zip(kernel, dilations, grid))
-        flat = math.prod(padded_sizes) * adjoint_shape[0]
+        flat = math.prod(padded_sizes)
         origin = op("Pad", [adjoint_t, ints([0] * (2 + spatial) + [0, 0] +
                                              [p - n for p, n in zip(padded_sizes, out_sizes)])], stem="w_origin")
-        shifted = op("Pad", [op("Reshape", [origin, ints([filters, flat])], stem="w_origin_rows"),
-                             ints([0, reach, 0, 0])], stem="w_shifted")
+        shifted = op("Pad", [op("Reshape", [origin, ints([filters, adjoint_shape[0], flat])], stem="w_origin_rows"),
+                             ints([0, 0, reach, 0, 0, 0])], stem="w_shifted")
     taps = []
     for tap in itertools.product(*(range(k) for k in kernel)):
         offsets = [t * d for t, d in zip(tap, dilations)]
@@ -167,7 +172,7 @@ def per_tap_weight_gradient(ctx, source, source_shape, adjoint, adjoint_shape, k
             moved = adjoint_t if shift_adjoint else columns
         elif shift_adjoint:
             start = reach - sum(o * g for o, g in zip(offsets, grid))
-            moved = op("Slice", [shifted, ints([start]), ints([start + flat]), ints([1])], stem="w_tap")
+            moved = op("Slice", [shifted, ints([start]), ints([start + flat]), ints([2])], stem="w_tap")
         else:
             ends = [b + s * (n - 1) + 1 for b, s, n in zip(offsets, strides, out_sizes)]
             moved = op("Slice", [columns, ints(offsets), ints(ends), ints(list(range(2, 2 + spatial))),
