@@ -516,15 +516,21 @@ class ConvInputGradients(nn.Module):
         return F.cross_entropy(self.head(torch.cat([h.flatten(1), v.flatten(1)], 1)), labels)
 
 
-def test_conv_input_gradients_as_flipped_convolutions_match_torch():
-    """The input gradient of a stride-1 Conv with at least as many input channels as output ones
-    (no dilation, pads within the kernel) is a Conv of the adjoint with the weight transposed and
-    flipped in space (`rules.conv_input_gradient_applies`): every parameter's gradient upstream
-    of them equals torch's, and only the wider and the dilated convolutions keep ConvTranspose."""
+@pytest.mark.parametrize("as_conv", [True, False])
+def test_conv_input_gradients_as_flipped_convolutions_match_torch(monkeypatch, as_conv):
+    """With `rules.LARGER_INPUT_GRADIENTS_AS_CONV` (off by default: see there why), the input
+    gradient of a stride-1 Conv with at least as many input channels as output ones (no
+    dilation, pads within the kernel) is a Conv of the adjoint with the weight transposed and
+    flipped in space: every parameter's gradient upstream of them equals torch's, and only the
+    wider and the dilated convolutions keep ConvTranspose. Off, all six keep it (and the
+    shifted adjoints of the per-tap weight gradients are checked the same way)."""
+    from graphopt.build import rules
+    monkeypatch.setattr(rules, "LARGER_INPUT_GRADIENTS_AS_CONV", as_conv)
     torch.manual_seed(3)
     module = ConvInputGradients()
     args = (torch.randn(2, 3, 8, 8), torch.randint(0, 5, (2,)))
     train = _check_against_torch(module, args, ["x", "labels"], tol=1e-4)
     transposed = [n for n in train.graph.node if n.op_type == "ConvTranspose"]
     flipped = [n for n in train.graph.node if n.op_type == "Slice" and "x_weight_flipped" in n.output[0]]
-    assert len(transposed) == 2 and len(flipped) == 4, ([n.input[1] for n in transposed], len(flipped))
+    expected = (2, 4) if as_conv else (6, 0)
+    assert (len(transposed), len(flipped)) == expected, ([n.input[1] for n in transposed], len(flipped))

@@ -216,6 +216,18 @@ def _all_but_weight(rule, ctx, node, grads):
     return _all_but(rule, ctx, node, grads, {node.input[1]})
 
 
+# Input gradients of kernels larger than 1 x 1 as a Conv (`conv_input_gradient_applies`): off. They
+# made the examples' default sessions 0.74-0.89x as slow at two threads, because ONNX Runtime's
+# layout transformer (optimization level ALL) runs such a Conv in its blocked NCHWc kernels, but
+# graphopt's own sessions (level EXTENDED at most) gained far less (resnet example, the two
+# Conv forms together: 45.4 against ConvTranspose's 53.0 ms in its session, 28.6 against 49.6 in
+# the default one). Plans are limited by step time relative to the default session, so the
+# default objective's plans lost headroom: `benchmarks/optimize_time.py` returned resnet's
+# original (0.41x) instead of a plan at 0.27x, densenet 0.42x against 0.30x, randwire 0.39x
+# against 0.32x. On until graphopt's sessions run the blocked kernels too.
+LARGER_INPUT_GRADIENTS_AS_CONV = False
+
+
 def conv_input_gradient_applies(attrs, kernel, input_shape) -> bool:
     """Whether a Conv's input gradient is written as a Conv (`_conv_reverse`) instead of onnx-ad's
     ConvTranspose: an ungrouped convolution at stride 1 that is 1 x 1 without pads, or has no
@@ -236,7 +248,7 @@ def conv_input_gradient_applies(attrs, kernel, input_shape) -> bool:
     if all(k == 1 for k in kernel[2:]):
         return not any(pads)
     reach = [k - 1 for k in kernel[2:]]
-    return (input_shape[1] >= kernel[0] and all(d == 1 for d in attrs["dilations"])
+    return (LARGER_INPUT_GRADIENTS_AS_CONV and input_shape[1] >= kernel[0] and all(d == 1 for d in attrs["dilations"])
             and all(0 <= pads[i] <= reach[i] and 0 <= pads[spatial + i] <= reach[i] for i in range(spatial)))
 
 
