@@ -7,9 +7,10 @@
 * The weight of a grouped Conv (depthwise, MobileNet) and of a ConvTranspose (U-Net):
   onnx-ad refuses both. Both are one grouped convolution of the (padded) input with the
   output's adjoint as filters, after moving the batch into the channels (weight_gradient).
-* The input of a stride-1 Conv with at least as many input channels as output ones (or a
-  1 x 1 one): the adjoint convolved with the weight transposed and flipped in space
-  (conv_input_gradient_applies), not onnx-ad's ConvTranspose, which ONNX Runtime runs slower.
+* The input of a stride-1 1 x 1 Conv without pads (and, with LARGER_INPUT_GRADIENTS_AS_CONV,
+  of a larger one with at least as many input channels as output ones): the adjoint convolved
+  with the weight transposed (and flipped in space), not onnx-ad's ConvTranspose
+  (conv_input_gradient_applies).
 * MatMul of a sequence by a weight matrix: the weight's gradient as one Gemm over the
   flattened rows instead of a product per batch row summed afterwards.
 * BatchNormalization in training mode: onnx-ad differentiates only the inference form (an
@@ -217,7 +218,7 @@ def _all_but_weight(rule, ctx, node, grads):
 
 
 # Input gradients of kernels larger than 1 x 1 as a Conv (`conv_input_gradient_applies`): off. They
-# made the examples' default sessions 0.74-0.89x as slow at two threads, because ONNX Runtime's
+# took the examples' default-session steps to 0.74-0.89x at two threads, because ONNX Runtime's
 # layout transformer (optimization level ALL) runs such a Conv in its blocked NCHWc kernels, but
 # graphopt's own sessions (level EXTENDED at most) gained far less (resnet example, the two
 # Conv forms together: 45.4 against ConvTranspose's 53.0 ms in its session, 28.6 against 49.6 in
