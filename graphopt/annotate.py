@@ -205,11 +205,11 @@ def _order_and_seconds(kernels: list[dict]) -> tuple[list[str], dict[str, float]
     return order, seconds
 
 
-def median_node_seconds(path: str, skip_runs: int = 1) -> dict[str, float]:
+def median_node_seconds(path: str, skip_runs: int = 1) -> tuple[dict[str, float], int]:
     """Each node's median seconds over the ``model_run``s in the profile at ``path`` after the
-    first ``skip_runs`` (warm-up); a node that runs several kernels sums them per run. One
-    profiled run's kernel times vary by 10-40% on a shared machine; the median of several
-    does not."""
+    first ``skip_runs`` (warm-up), and how many runs that was; a node that runs several kernels
+    sums them per run. One profiled run's kernel times vary by 10-40% on a shared machine; the
+    median of several does not."""
     runs, kernels = profile_events(path, keep_args=False)
     runs = sorted(runs, key=lambda e: e["ts"])[skip_runs:]
     kernels.sort(key=lambda e: e["ts"])
@@ -223,7 +223,7 @@ def median_node_seconds(path: str, skip_runs: int = 1) -> dict[str, float]:
                 seconds[name] = seconds.get(name, 0.0) + float(e.get("dur", 0)) * 1e-6
         for name, value in seconds.items():
             per_node.setdefault(name, []).append(value)
-    return {name: float(np.median(values)) for name, values in per_node.items()}
+    return {name: float(np.median(values)) for name, values in per_node.items()}, len(runs)
 
 
 def _parse_profile(path: str) -> tuple[list[str], dict[str, float]]:

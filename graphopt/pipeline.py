@@ -372,15 +372,16 @@ def _time_baseline(prepared: Prepared, options: OptimizeOptions) -> None:
     workspace = prepared.workspace
     no_recompute = rewrite_plan(prepared, store_all(prepared.graph))
     original = workspace.path("original")
-    # store-all twice: timed as it runs, and profiled for its nodes' seconds (its step timed with
-    # the profiler on, every example's plan was predicted 13-18% slow, against -7% to +11% from
-    # the unprofiled twin: `benchmarks/optimize_time.py`). The original with optimizations off is
-    # timed only where the answer depends on it (`optimizations_off_overhead`).
+    # store-all profiled for its nodes' seconds first, then timed with the profiler off (its step
+    # timed with the profiler on, every example's plan was predicted 13-18% slow, against -7% to
+    # +11% from an unprofiled twin: `benchmarks/optimize_time.py`; that twin, a third session
+    # timed every round, is no longer needed). The original with optimizations off is timed only
+    # where the answer depends on it (`optimizations_off_overhead`).
     store_all_path = workspace.save(no_recompute, "store-all")
-    sessions = [(original, DEFAULT_SETTINGS), (store_all_path, None), (store_all_path, None)]
+    sessions = [(original, DEFAULT_SETTINGS), (store_all_path, None)]
     prepared.overlap.quiet()
     times = time_steps(sessions, workspace.inputs_path, provider=options.provider, threads=options.threads,
-                       rounds=TIMING_ROUNDS, max_seconds=TIMING_MAX_SECONDS, profile=(2,), settle=TIMING_SETTLE)
+                       rounds=TIMING_ROUNDS, max_seconds=TIMING_MAX_SECONDS, profile=(1,), settle=TIMING_SETTLE)
     (ours,) = times.node_seconds
     default_seconds = times.step_seconds[0]
     # each session against the default one by the median of the rounds' ratios (the runs of one

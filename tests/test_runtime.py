@@ -389,6 +389,10 @@ def test_time_steps_times_sessions_in_turn_one_of_them_profiled(tmp_path):
     (nodes,) = times.node_seconds
     assert set(nodes) == {n.name for n in m.graph.node if n.op_type != "Constant"}, set(nodes) ^ {
         n.name for n in m.graph.node}
+    # the profiled session's node seconds are over its profiled steps alone: the profiler is off
+    # for the steps timed (its cost must not be in the step times)
+    from graphopt.runtime._timing_worker import PROFILE_STEPS
+    assert times.profiled_runs == [PROFILE_STEPS], times.profiled_runs
     assert all(v >= 0 for v in nodes.values())
     assert times.provider == "CPUExecutionProvider"
 

@@ -14,7 +14,7 @@ import json
 import os
 import statistics
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from graphopt.errors import GraphoptError
 from graphopt.runtime.rss import record_child
@@ -143,6 +143,8 @@ class StepTimes:
     runs: list[list[float]]               # every timed run per session
     provider: str
     node_seconds: list[dict[str, float]]  # per profiled session: its median seconds per node
+    profiled_runs: list[int] = field(default_factory=list)   # per profiled session: the runs those
+                                                              # medians are over
 
     def ratio(self, i: int, j: int) -> float:
         """Session i's step time over session j's: the median of the rounds' ratios."""
@@ -201,11 +203,11 @@ def time_steps(
     each in turn (`rounds`, or fewer once the timed steps took `max_seconds`, at least
     MIN_ROUNDS, or fewer once more rounds could not move the medians of the ratios by more than
     ``settle``: `settled`). The sessions whose
-    index is in ``profile`` run with ONNX Runtime's profiler on and give their median seconds per
-    node too; their step seconds include the profiler's own cost (1-3% of the step in one check
-    by hand on the mlp and resnet examples, but enough to move the time model's predictions by
-    about 10 points when a profiled session's step was taken for its step time: a caller that
-    wants both times an unprofiled twin beside it)."""
+    index is in ``profile`` first run a few steps with ONNX Runtime's profiler on, alone, each in
+    turn (`_timing_worker`'s ``profile``), and give their median seconds per node too; the
+    profiler is off for their timed steps (its cost, 1-3% of the step by hand on the mlp and
+    resnet examples, moved the time model's predictions by about 10 points when a profiled step
+    was taken for the step time)."""
     import subprocess
     import tempfile
     import threading
@@ -243,15 +245,18 @@ def time_steps(
             for k in range(len(entries)):
                 if reply(k) != "ready":
                     raise MeasurementError(f"timing worker of {entries[k]['model']} did not start")
+            for k in profiled:   # alone: nothing else of ours runs meanwhile
+                workers[k][0].stdin.write("profile\n")
+                workers[k][0].stdin.flush()
+                if reply(k) != "profiled":
+                    raise MeasurementError(f"timing worker of {entries[k]['model']} did not profile")
             runs: list[list[float]] = [[] for _ in entries]
             for r in range(max(MIN_ROUNDS, int(rounds))):
                 for k, (worker, _) in enumerate(workers):
                     worker.stdin.write("run\n")
                     worker.stdin.flush()
                     runs[k].append(float(reply(k)))
-                # (the profiled sessions' steps carry the profiler's cost: they do not decide)
-                if r + 1 >= MIN_ROUNDS and (sum(map(sum, runs)) > max_seconds or settled(
-                        [t for k, t in enumerate(runs) if k not in profiled], settle, int(rounds))):
+                if r + 1 >= MIN_ROUNDS and (sum(map(sum, runs)) > max_seconds or settled(runs, settle, int(rounds))):
                     break
             ends = []
             for k, (worker, _) in enumerate(workers):
@@ -268,7 +273,8 @@ def time_steps(
                 stderr.close()
     return StepTimes(step_seconds=[statistics.median(t) for t in runs], runs=runs,
                      provider=provider or default_providers()[0],
-                     node_seconds=[ends[i].get("node_seconds", {}) for i in profiled])
+                     node_seconds=[ends[i].get("node_seconds", {}) for i in profiled],
+                     profiled_runs=[int(ends[i].get("profiled_runs", 0)) for i in profiled])
 
 
 @dataclass
