@@ -660,10 +660,12 @@ def _apply_graph_optimizations(training: TrainingGraph, annotations: Annotations
                                      "reference": reference or _reference_path(workspace),
                                      "tolerance": options.tolerance})
         why = _differs(OutputComparison.from_dict(result["comparison"]), options)
-    if why is not None:
+    def not_used(why: str):
         log.warning("ONNX Runtime's %s graph optimizations are not used: %s; the graph is planned as given",
                     level, why)
         return training, annotations, {}
+    if why is not None:
+        return not_used(why)
     del model
     summary = {"level": level, "nodes_before": len(training.model.graph.node),
                "nodes_after": len(optimized.model.graph.node), "op_types": changes}
@@ -676,9 +678,7 @@ def _apply_graph_optimizations(training: TrainingGraph, annotations: Annotations
                 "graph-optimized", reference=_reference_path(workspace))
             why = _differs(comparison, options)
             if why is not None:
-                log.warning("ONNX Runtime's %s graph optimizations are not used: %s; the graph is planned as given",
-                            level, why)
-                return training, annotations, {}
+                return not_used(why)
         else:
             optimized_annotations = _annotate(optimized, options, workspace, "graph-optimized", reduced)
     except GraphoptError as exc:
