@@ -12,6 +12,8 @@ issue's goal: at most 30x), the search's CPU seconds (goal: at most 2 s), the st
 model's error on every plan measured (the report's `plans_measured`), the outcome, and the
 returned model's measured peak and step time over the default session's.
 
+`--provider CUDAExecutionProvider` plans and measures on the GPU (issue 25, item 6).
+
     python benchmarks/optimize_time.py --against-fresh 3 [--examples mlp,resnet]
 
 runs each model's `graphopt optimize` N times with warm measuring processes (the default,
@@ -41,11 +43,13 @@ def _optimize(path: str, inputs_path: str, tmp: str, args, env: dict | None = No
     """`graphopt optimize` on the model: (its report, or {"error": ...}; the command's wall seconds)."""
     out, report_path = os.path.join(tmp, "opt.onnx"), os.path.join(tmp, "r.json")
     cmd = [sys.executable, "-m", "graphopt.cli", "optimize", path, "--inputs", inputs_path, "-o", out,
-           "--report", report_path] + (["--threads", str(args.threads)] if args.threads else [])
+           "--report", report_path] + (["--threads", str(args.threads)] if args.threads else []) + (
+               ["--provider", args.provider] if args.provider else [])
     start = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - start
     if done.returncode != 0:
+        sys.stderr.write(f"graphopt optimize {path} failed ({done.returncode}):\n" + "\n".join(done.stderr.splitlines()[-25:]) + "\n")
         return {"error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else str(done.returncode)}, wall
     with open(report_path) as f:
         return json.load(f), wall
@@ -112,6 +116,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(parser)
     parser.add_argument("--threads", type=int, default=None, help="default: the CLI's (the machine's cores)")
+    parser.add_argument("--provider", help="ONNX Runtime execution provider (default: the CLI's, CPU)")
     parser.add_argument("--against-fresh", type=int, default=0, metavar="N",
                         help="N runs each, in turn: warm measuring processes against a fresh interpreter per run")
     args = parser.parse_args()

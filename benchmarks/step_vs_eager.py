@@ -23,6 +23,13 @@ the same parameters and inputs, the same loss):
 
 One thread by default (torch.set_num_threads, ORT's intra-op threads); `--threads all` uses
 every core.
+
+`--provider CUDAExecutionProvider` (issue 25, item 6): ONNX Runtime's CUDA provider against
+torch eager on the GPU. The inputs live on the device and the outputs stay there (IOBinding);
+each step ends when the device has finished (ORT's run synchronizes, torch.cuda.synchronize).
+TF32 is off on both sides (ORT's `use_tf32` 0; torch's cuDNN and matmul flags), so that both
+compute in float32. The examples' gradients are compared against the twin's in float64 on the CPU
+(the `against` column), for ORT's graphs and torch eager on the GPU alike.
 """
 from __future__ import annotations
 
@@ -42,6 +49,13 @@ for _path in (ROOT, HERE):
 EXAMPLES = ("mlp", "resnet", "densenet", "unet", "transformer", "randwire")
 
 
+PROVIDER = "CPUExecutionProvider"
+
+
+def _cuda() -> bool:
+    return PROVIDER == "CUDAExecutionProvider"
+
+
 def _session(model, threads: int, profile_prefix: str | None = None):
     import onnxruntime as ort
     ort.set_default_logger_severity(3)   # no warning per initializer that is also an input
@@ -52,7 +66,50 @@ def _session(model, threads: int, profile_prefix: str | None = None):
     if profile_prefix:
         options.enable_profiling = True
         options.profile_file_prefix = profile_prefix
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    providers = ([("CUDAExecutionProvider", {"use_tf32": "0"}), "CPUExecutionProvider"] if _cuda()
+                 else ["CPUExecutionProvider"])
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=providers)
+    if session.get_providers()[0] != PROVIDER:
+        raise RuntimeError(f"{PROVIDER} not used: the session has {session.get_providers()}")
+    return session
+
+
+def _stepper(session, feeds: dict):
+    """One step of `session` (a callable). On CUDA the inputs are copied to the device once and the
+    outputs stay there: what a training loop on the GPU does."""
+    import onnxruntime as ort
+    known = {i.name for i in session.get_inputs()}
+    fed = {k: v for k, v in feeds.items() if k in known}
+    if not _cuda():
+        return lambda: session.run(None, fed)
+    binding = session.io_binding()
+    on_device = {k: ort.OrtValue.ortvalue_from_numpy(v, "cuda", 0) for k, v in fed.items()}
+    for k, v in on_device.items():
+        binding.bind_ortvalue_input(k, v)
+    names = [o.name for o in session.get_outputs()]
+
+    def step():
+        binding.clear_binding_outputs()
+        for name in names:
+            binding.bind_output(name, "cuda", 0)
+        session.run_with_iobinding(binding)
+        binding.synchronize_outputs()
+    return step
+
+
+def _torch_device():
+    import torch
+    if not _cuda():
+        return torch.device("cpu")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    return torch.device("cuda")
+
+
+def _synchronize():
+    if _cuda():
+        import torch
+        torch.cuda.synchronize()
 
 
 def _built(forward, per_tap: bool):
@@ -70,8 +127,9 @@ def _op_type_shares(model, feeds, threads: int) -> list[tuple[str, float]]:
     from graphopt.annotate import profile_events
     with tempfile.TemporaryDirectory() as tmp:
         session = _session(model, threads, os.path.join(tmp, "p"))
-        session.run(None, feeds)
-        session.run(None, feeds)
+        step = _stepper(session, feeds)
+        step()
+        step()
         runs, kernels = profile_events(session.end_profiling())
     last = max(runs, key=lambda e: e["ts"])
     per_type: dict[str, float] = {}
@@ -87,10 +145,7 @@ def _timed(models: dict, feeds: dict, eager, threads: int, rounds: int) -> dict:
     """Median seconds of a step of each model's default session and of `eager`, in turn."""
     steps = {}
     for label, model in models.items():
-        session = _session(model, threads)
-        known = {i.name for i in session.get_inputs()}
-        fed = {k: v for k, v in feeds.items() if k in known}
-        steps[label] = (lambda s=session, f=fed: s.run(None, f))
+        steps[label] = _stepper(_session(model, threads), feeds)
     steps["eager"] = eager
     for step in steps.values():   # warm-up
         step()
@@ -103,41 +158,68 @@ def _timed(models: dict, feeds: dict, eager, threads: int, rounds: int) -> dict:
     return {label: statistics.median(v) for label, v in seconds.items()}
 
 
-def run_example(name: str, threads: int, rounds: int) -> dict:
+def _size(name: str, batch_scale: int) -> dict:
+    """The example's size arguments: its default batch times `batch_scale` (1: as bundled)."""
+    if batch_scale == 1:
+        return {}
+    import inspect
+
+    from graphopt import examples
+    return {"batch": inspect.signature(getattr(examples, name)).parameters["batch"].default * batch_scale}
+
+
+def _worst_difference(outputs: dict, expected: dict, floor: float) -> float:
+    """max over parameters of max |a - b| / max |b| (the denominator floored at `floor`)."""
+    import numpy as np
+    return max((float(np.abs(np.asarray(outputs[p], dtype=np.float64) - g).max()) / max(float(np.abs(g).max()), floor))
+               for p, g in expected.items() if p in outputs)
+
+
+def run_example(name: str, threads: int, rounds: int, batch_scale: int = 1) -> dict:
+    import copy
+
     import numpy as np
     import torch
     from torch_twins import torch_inputs, twin_example
     torch.set_num_threads(threads)
-    module, forward, inputs = twin_example(name)
+    module, forward, inputs = twin_example(name, **_size(name, batch_scale))
     models = {"per_tap": _built(forward, True), "whole_map": _built(forward, False)}
-    args = torch_inputs(module, inputs)
+    # the oracle: the twin in float64 on the CPU (before the float32 one moves to the device)
+    exact = copy.deepcopy(module).double()
+    exact_args = [a.double() if a.is_floating_point() else a for a in torch_inputs(exact, inputs)]
+    exact(*exact_args).backward()
+    expected = {f"{pname}_grad": p.grad.detach().numpy()
+                for pname, p in exact.onnx_parameters().items() if p.grad is not None}
+    device = _torch_device()
+    module.to(device)
+    args = [a.to(device) for a in torch_inputs(module, inputs)]
     parameters = list(module.parameters())
 
     def eager():
         for p in parameters:
             p.grad = None
         module(*args).backward()
+        _synchronize()
 
     median = _timed(models, inputs, eager, threads, rounds)
-    # the built graphs' gradients against torch's (float32, the twin's)
     eager()
-    expected = {pname: p.grad.detach().numpy().astype(np.float64)
-                for pname, p in module.onnx_parameters().items() if p.grad is not None}
     # a gradient that is zero in exact arithmetic (the attention keys' bias) is rounding noise on
     # both sides: its denominator is floored at 1e-3 x the model's largest gradient
     floor = 1e-3 * max(float(np.abs(g).max()) for g in expected.values())
-    worst = {}
+    worst = {"eager": _worst_difference({f"{pname}_grad": p.grad.detach().cpu().numpy()
+                                         for pname, p in module.onnx_parameters().items() if p.grad is not None},
+                                        expected, floor)}
     for label, model in models.items():
         session = _session(model, threads)
         known = {i.name for i in session.get_inputs()}
         names = [o.name for o in session.get_outputs()]
-        outputs = dict(zip(names, session.run(None, {k: v for k, v in inputs.items() if k in known})))
-        worst[label] = max((float(np.abs(outputs[f"{pname}_grad"].astype(np.float64) - g).max()) /
-                            max(float(np.abs(g).max()), floor)) for pname, g in expected.items()
-                           if f"{pname}_grad" in outputs)
-    shares = _op_type_shares(models["per_tap"], inputs, threads)
-    return {"model": name, "seconds": median, "worst_gradient_difference": worst, "against": "torch float32",
-            "shares": shares[:4]}
+        worst[label] = _worst_difference(
+            dict(zip(names, session.run(None, {k: v for k, v in inputs.items() if k in known}))), expected, floor)
+    # on CUDA ORT's profile times each node's launch, not its kernel: no shares there
+    shares = [] if _cuda() else _op_type_shares(models["per_tap"], inputs, threads)
+    label = name if batch_scale == 1 else f"{name} (batch x{batch_scale})"
+    return {"model": label, "seconds": median, "worst_gradient_difference": worst,
+            "against": f"torch float64 on the CPU; torch eager {worst['eager']:.1e}", "shares": shares[:4]}
 
 
 def run_corpus(name: str, size: str, exporter: str, threads: int, rounds: int) -> dict:
@@ -188,13 +270,21 @@ def main() -> None:
     parser.add_argument("--exporter", default="legacy", choices=("legacy", "dynamo"))
     parser.add_argument("--threads", default="1", help="1, N, or all (every core)")
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--provider", default="CPUExecutionProvider",
+                        choices=("CPUExecutionProvider", "CUDAExecutionProvider"))
+    parser.add_argument("--batch-scale", type=int, default=1, metavar="K",
+                        help="the examples at K times their bundled batch (e.g. a GPU-sized step)")
     args = parser.parse_args()
+    global PROVIDER
+    PROVIDER = args.provider
+    if _cuda() and args.corpus:
+        parser.error("--corpus runs on the CPU provider only (its gradient check is real_zoo's, on the CPU)")
     threads = os.cpu_count() or 1 if args.threads == "all" else int(args.threads)
-    print(f"threads: {threads}; medians of {args.rounds} steps each, in turn, in one process")
+    print(f"{PROVIDER}, threads: {threads}; medians of {args.rounds} steps each, in turn, in one process")
     print("| model | built, per-tap weight grads (s) | built, whole-map (s) | torch eager (s) | per-tap / eager | "
           "whole-map / eager | worst gradient difference: per-tap, whole-map (against) | where ORT's step goes (per-tap) |")
     print("|---|---|---|---|---|---|---|---|")
-    jobs = [(run_example, (n, threads, args.rounds)) for n in args.examples.split(",") if n]
+    jobs = [(run_example, (n, threads, args.rounds, args.batch_scale)) for n in args.examples.split(",") if n]
     jobs += [(run_corpus, (n, args.size, args.exporter, threads, args.rounds)) for n in args.corpus.split(",") if n]
     for run, job in jobs:
         r = run(*job)
