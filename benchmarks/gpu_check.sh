@@ -2,38 +2,46 @@
 # The GPU checks of issue 25 (item 6), in one prepared run on a machine with an NVIDIA GPU and
 # onnxruntime-gpu installed (`pip install -e '.[gpu]'`):
 #
-#     bash benchmarks/gpu_check.sh [OUT_DIR] [smoke]
+#     bash benchmarks/gpu_check.sh [OUT_DIR]
 #
 # Each part runs under its own time limit and writes its log to OUT_DIR (default ./gpu-check),
 # so one that fails or runs long leaves the others' figures:
-#   env        the GPU, onnxruntime's version and providers, one CUDA session;
-#   optimize   `graphopt optimize --provider CUDAExecutionProvider` on examples: annotation,
-#              plan, rewrite, verification and peaks measured on the GPU; the time model's error
-#              on every plan measured (benchmarks/optimize_time.py);
-#   step       the built training graph's step on ORT's CUDA provider against torch eager on the
-#              GPU, at the bundled size and at 8x the batch; gradients against float64
-#              (benchmarks/step_vs_eager.py --provider CUDAExecutionProvider);
-#   cpu        the same on the CPU provider at every core of the machine.
-# `smoke` runs env and one small optimize only; `rest` all the others (after a smoke run).
+#   env             the GPU, onnxruntime's version and providers, one CUDA session;
+#   optimize        `graphopt optimize --provider CUDAExecutionProvider` on the examples: annotation,
+#                   plan, rewrite, verification and peaks measured on the GPU; the time model's error
+#                   on every plan measured (benchmarks/optimize_time.py);
+#   optimize-large  the same at 8x the examples' batch (--size large);
+#   peak            the peak graphopt measures on the GPU (NVML) against the least memory limit
+#                   that runs the step (benchmarks/peak_oracle.py);
+#   step            the built training graph's step on ORT's CUDA provider against torch eager on
+#                   the GPU; gradients against float64 (benchmarks/step_vs_eager.py);
+#   step-batch8     the same at 8x the batch;
+#   cpu             the same on the CPU provider at every core of the machine.
+# Environment: EXAMPLES (default all six), LARGE (the examples of optimize-large and peak,
+# default resnet,transformer), SKIP (parts not to run, e.g. "env optimize").
 set -u
 out=${1:-gpu-check}
-mode=${2:-full}
 mkdir -p "$out"
 here=$(cd "$(dirname "$0")" && pwd)
 export PYTHONUNBUFFERED=1
+examples=${EXAMPLES:-mlp,resnet,densenet,unet,transformer,randwire}
+large=${LARGE:-resnet,transformer}
+skip=" ${SKIP:-} "
+cuda="--provider CUDAExecutionProvider"
 
 part() {  # part NAME SECONDS COMMAND...: run with a time limit, log to OUT/NAME.log
     local name=$1 limit=$2
     shift 2
+    case "$skip" in *" $name "*) return ;; esac
     local started=$SECONDS
     echo "=== $name (limit ${limit}s)"
     timeout -k 5 "$limit" "$@" >"$out/$name.log" 2>&1
     local rc=$?
-    tail -n 40 "$out/$name.log"
+    tail -n 30 "$out/$name.log"
     echo "=== $name: exit $rc after $((SECONDS - started)) s"
 }
 
-[ "$mode" = rest ] || part env 60 python3 - <<'EOF'
+part env 60 python3 - <<'EOF'
 import subprocess, numpy as np, onnx, onnxruntime as ort
 from onnx import helper, TensorProto
 print(subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
@@ -42,20 +50,16 @@ print("onnxruntime", ort.__version__, ort.get_device(), ort.get_available_provid
 x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1024, 1024])
 y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1024, 1024])
 model = helper.make_model(helper.make_graph([helper.make_node("MatMul", ["x", "x"], ["y"])], "g", [x], [y]),
-                          opset_imports=[helper.make_opsetid("", 17)])
+                          opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 s = ort.InferenceSession(model.SerializeToString(), providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
 a = np.random.default_rng(0).standard_normal((1024, 1024), dtype=np.float32)
 print("session providers", s.get_providers(), "max |MatMul - numpy| / max |numpy|",
       float(np.abs(s.run(None, {"x": a})[0] - a @ a).max() / np.abs(a @ a).max()))
 EOF
 
-if [ "$mode" = smoke ]; then
-    part optimize-smoke 120 python3 "$here/optimize_time.py" --provider CUDAExecutionProvider --examples mlp
-    exit 0
-fi
-part optimize 180 python3 "$here/optimize_time.py" --provider CUDAExecutionProvider --examples resnet,transformer,unet
-part step 100 python3 "$here/step_vs_eager.py" --provider CUDAExecutionProvider --rounds 20
-part step-batch8 100 python3 "$here/step_vs_eager.py" --provider CUDAExecutionProvider --rounds 10 --batch-scale 8 \
-    --examples resnet,densenet,unet,transformer,randwire
-part optimize-rest 90 python3 "$here/optimize_time.py" --provider CUDAExecutionProvider --examples mlp,densenet,randwire
-part cpu 80 python3 "$here/step_vs_eager.py" --threads all --rounds 5
+part optimize 200 python3 "$here/optimize_time.py" $cuda --examples "$examples"
+part step 100 python3 "$here/step_vs_eager.py" $cuda --rounds 20 --examples "$examples"
+part step-batch8 100 python3 "$here/step_vs_eager.py" $cuda --rounds 10 --batch-scale 8 --examples "$examples"
+part peak 90 python3 "$here/peak_oracle.py" $cuda --examples "$large"
+part optimize-large 150 python3 "$here/optimize_time.py" $cuda --size large --examples "$large"
+part cpu 80 python3 "$here/step_vs_eager.py" --threads all --rounds 5 --examples "$examples"

@@ -38,13 +38,28 @@ if ROOT not in sys.path:
 MiB = 2 ** 20
 
 
+LARGE_BATCH_SCALE = 8   # `--size large` for a bundled example: its batch times this (a GPU-sized step)
+
+
+def _example_size(name: str, size: str) -> dict:
+    """The size arguments of bundled example `name` at `size` (tiny, full, large)."""
+    if size == "tiny":
+        return {"small": True}
+    if size == "large":
+        import inspect
+
+        from graphopt import examples
+        return {"batch": inspect.signature(getattr(examples, name)).parameters["batch"].default * LARGE_BATCH_SCALE}
+    return {}
+
+
 def _model(kind: str, name: str, size: str, exporter: str, optimizer: str | None):
     from graphopt.build.optimizer import OptimizerSpec
     from graphopt.build.train_graph import build_training_graph
     spec = OptimizerSpec(optimizer, lr=1e-3) if optimizer else None
     if kind == "example":
         from graphopt.examples import example_inputs, forward_example
-        forward = forward_example(name, **({"small": True} if size == "tiny" else {}))
+        forward = forward_example(name, **_example_size(name, size))
         return build_training_graph(forward, optimizer=spec), example_inputs(forward)
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     import real_zoo
@@ -79,7 +94,8 @@ def write_model(kind: str, name: str, args, folder: str) -> tuple[str, str, str]
     path, inputs_path = os.path.join(folder, "train.onnx"), os.path.join(folder, "inputs.npz")
     onnx.save(train, path)
     save_inputs(inputs_path, inputs)
-    return (name if kind == "example" else f"{name}-{args.exporter}"), path, inputs_path
+    label = name if kind == "example" else f"{name}-{args.exporter}"
+    return (f"{label} ({args.size})" if args.size != "full" else label), path, inputs_path
 
 
 def optimize_measured_from_outside(path: str, inputs_path: str, out: str, report_path: str, *flags: str):

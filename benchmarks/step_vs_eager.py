@@ -185,7 +185,7 @@ def run_example(name: str, threads: int, rounds: int, batch_scale: int = 1) -> d
     module, forward, inputs = twin_example(name, **_size(name, batch_scale))
     models = {"per_tap": _built(forward, True), "whole_map": _built(forward, False)}
     # the oracle: the twin in float64 on the CPU (before the float32 one moves to the device)
-    exact = copy.deepcopy(module).double()
+    exact = copy.deepcopy(module).to(torch.float64)
     exact_args = [a.double() if a.is_floating_point() else a for a in torch_inputs(exact, inputs)]
     exact(*exact_args).backward()
     expected = {f"{pname}_grad": p.grad.detach().numpy()
