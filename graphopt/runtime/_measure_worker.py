@@ -27,7 +27,10 @@ region alive), so the device memory it held returns; then NVML's used memory of 
 before and after the measured run (which does not shrink): the difference is what the
 arena had to hold at once (its peak, plus fragmentation), plus outputs. NVML via
 ``pynvml`` when importable, else ``libnvidia-ml`` through ctypes. Device memory used by
-other processes on the same GPU at the same time disturbs the number.
+other processes on the same GPU at the same time disturbs the number. Beside it,
+``arena_growth_bytes``: what the arena grew by in the measured run by ONNX Runtime's own log (its
+"Extended allocation by N bytes" lines, read off this process's stderr with the default logger
+at INFO), without the driver's rounding; present when the warm-up's extensions were logged.
 """
 
 from __future__ import annotations
@@ -81,6 +84,29 @@ class _Nvml:
 
     def used(self) -> int:
         return self._used()
+
+
+def _arena_extensions(ort, run) -> list[int]:
+    """run(), with ONNX Runtime's default logger at INFO and this process's stderr (fd 2) sent to
+    a file meanwhile: the bytes of each extension of an arena it logged ("Extended allocation by
+    N bytes.", onnxruntime/core/framework/bfc_arena.cc). Empty when none was logged."""
+    import re
+    import tempfile
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as log:
+        os.dup2(log.fileno(), 2)
+        ort.set_default_logger_severity(1)
+        try:
+            run()
+        finally:
+            ort.set_default_logger_severity(3)
+            os.dup2(saved, 2)
+            os.close(saved)
+        log.seek(0)
+        text = log.read().decode("utf-8", "replace")
+    return [int(n) for n in re.findall(r"Extended allocation by (\d+) bytes", text)]
 
 
 def _nvml_index(device_id: int) -> int:
@@ -212,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         nvml = _Nvml(_nvml_index(args.device_id))
         shrink = ort.RunOptions()
         shrink.add_run_config_entry("memory.enable_memory_arena_shrinkage", f"gpu:{args.device_id}")
-        run(shrink)  # warm-up
+        warm_up_extensions = _arena_extensions(ort, lambda: run(shrink))  # warm-up
         release()
         gc.collect()
         # Arena back to its start: outputs bound to host memory, so that no device
@@ -229,11 +255,13 @@ def main(argv: list[str] | None = None) -> int:
             sess.run_with_ort_values(out_names, feeds, shrink)
         gc.collect()
         before = nvml.used()
-        run()
+        extensions = _arena_extensions(ort, run)
         after = nvml.used()
         release()
         result["peak_bytes"] = max(0, after - before)
         result["method"] = f"nvml ({nvml.source})"
+        if warm_up_extensions:   # ONNX Runtime's log reached us: what the arena grew by in the step
+            result["arena_growth_bytes"] = sum(extensions)
     else:
         run()  # warm-up
         release()

@@ -33,6 +33,7 @@ class Measurement:
     provider: str
     settings: SessionSettings
     method: str = ""  # how the peak was taken: "VmHWM", "ru_maxrss", "nvml (...)"
+    arena_growth_bytes: int | None = None  # CUDA: what the arena grew by in the step, by ONNX Runtime's log
 
 
 # Allocations of at least this many bytes come from mmap and go back to the OS when freed, so
@@ -133,6 +134,7 @@ def measure(
         provider=str(d["provider"]),
         settings=SessionSettings.from_dict(d["settings"]),
         method=str(d.get("method", "")),
+        arena_growth_bytes=d.get("arena_growth_bytes"),
     )
 
 
