@@ -1,13 +1,13 @@
 """The step's peak as graphopt measures it, against an independent oracle: the least memory limit
-under which ONNX Runtime runs the step (issue 25, item 6: on the GPU the peak is read off NVML,
-whose number nothing else checked).
+under which ONNX Runtime runs the step (issue 25, item 6: nothing else checked the GPU's).
 
     python benchmarks/peak_oracle.py [--examples resnet,unet] [--size full|large]
         [--provider CUDAExecutionProvider]
 
 Per model (the bundled examples' training graphs; `--size large`: 8x their batch): the peak of one
-step measured in a fresh process (graphopt.runtime.measure.measure: VmHWM on the CPU, NVML's used
-device memory on CUDA; there also the arena's growth by ONNX Runtime's own log), then the least arena cap under which two steps run in fresh processes
+step measured in a fresh process (graphopt.runtime.measure.measure: VmHWM on the CPU; on CUDA
+ONNX Runtime's log of its arena's growth, NVML's used device memory beside it), then the least
+arena cap under which two steps run in fresh processes
 (graphopt.runtime.measure.run_within_limit, bisected to 1% or 1 MiB; the weights, inputs and
 state buffers held outside the cap). Printed side by side, with their ratio. The cap is an upper
 bound of what the step needs at once (plus the arena's fragmentation), so a measured peak far
@@ -58,18 +58,18 @@ def main() -> None:
     add_model_arguments(parser)
     parser.add_argument("--provider", default=None, help="default: graphopt's (CUDA when present, else CPU)")
     args = parser.parse_args()
-    print("| model | measured peak (MiB, method) | arena growth by ORT's log (MiB) | least cap that runs (MiB) | "
-          "measured / least cap | arena growth / least cap | held outside the cap (MiB) | runs |")
+    print("| model | measured peak (MiB, method) | NVML's (CUDA, MiB) | least cap that runs (MiB) | "
+          "measured / least cap | NVML's / least cap | held outside the cap (MiB) | runs |")
     print("|---|---|---|---|---|---|---|---|")
     for kind, name in model_jobs(args):
         with tempfile.TemporaryDirectory(prefix="graphopt-oracle-") as tmp:
             label, path, inputs_path = write_model(kind, name, args, tmp)
             m = measure(path, inputs_path, provider=args.provider, repeats=1)
             cap, outside, runs = least_cap(path, inputs_path, args.provider, 2 * m.peak_bytes + 64 * MIB)
-            growth = m.arena_growth_bytes
+            nvml = m.nvml_peak_bytes
             print(f"| {label} | {m.peak_bytes / MIB:.1f} ({m.method}) | "
-                  f"{'-' if growth is None else f'{growth / MIB:.1f}'} | {cap / MIB:.1f} | {m.peak_bytes / cap:.2f} | "
-                  f"{'-' if growth is None else f'{growth / cap:.2f}'} | {outside / MIB:.1f} | {runs} |", flush=True)
+                  f"{'-' if nvml is None else f'{nvml / MIB:.1f}'} | {cap / MIB:.1f} | {m.peak_bytes / cap:.2f} | "
+                  f"{'-' if nvml is None else f'{nvml / cap:.2f}'} | {outside / MIB:.1f} | {runs} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -357,6 +357,27 @@ def test_measure_peak_matches_live_bytes(tmp_path):
     assert abs(peaks[0] - peaks[1]) <= 0.02 * expected, [p / MiB for p in peaks]
 
 
+def test_arena_extensions_are_read_off_onnx_runtimes_own_log(capfd):
+    """The CUDA peak's reading (graphopt/runtime/_measure_worker.py): ONNX Runtime's log of its
+    arena's growth, captured from fd 2 during a run. Checked here on the CPU arena, which logs
+    the same lines: a first run grows it by at least its two 4 MiB products, a second reuses
+    them, and stderr is this process's again afterwards."""
+    from graphopt.runtime._measure_worker import _arena_extensions
+    x = h.make_tensor_value_info("x", T.FLOAT, [1024, 1024])
+    y = h.make_tensor_value_info("y", T.FLOAT, [1024, 1024])
+    model = h.make_model(h.make_graph([h.make_node("MatMul", ["x", "x"], ["t"]), h.make_node("MatMul", ["t", "x"], ["y"])],
+                                      "g", [x], [y]), opset_imports=[h.make_opsetid("", 17)], ir_version=8)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    feeds = {"x": np.ones((1024, 1024), np.float32)}
+    first = _arena_extensions(ort, lambda: session.run(None, feeds))
+    assert sum(first) >= 2 * 4 * 1024 * 1024, first
+    assert _arena_extensions(ort, lambda: session.run(None, feeds)) == []
+    capfd.readouterr()
+    import os
+    os.write(2, b"after\n")
+    assert capfd.readouterr().err == "after\n"
+
+
 def test_measure_sees_order_dependent_peak(tmp_path):
     # Same training graph, two execution orders: ORT's DEFAULT walk on the unoptimized
     # file holds more activations than PRIORITY_BASED (file order).

@@ -32,8 +32,8 @@ class Measurement:
     step_seconds: float  # median of `repeats` runs
     provider: str
     settings: SessionSettings
-    method: str = ""  # how the peak was taken: "VmHWM", "ru_maxrss", "nvml (...)"
-    arena_growth_bytes: int | None = None  # CUDA: what the arena grew by in the step, by ONNX Runtime's log
+    method: str = ""  # how the peak was taken: "VmHWM", "ru_maxrss", "arena log", "nvml (...)"
+    nvml_peak_bytes: int | None = None  # CUDA: the device's used memory before and after the step, by NVML
 
 
 # Allocations of at least this many bytes come from mmap and go back to the OS when freed, so
@@ -134,7 +134,7 @@ def measure(
         provider=str(d["provider"]),
         settings=SessionSettings.from_dict(d["settings"]),
         method=str(d.get("method", "")),
-        arena_growth_bytes=d.get("arena_growth_bytes"),
+        nvml_peak_bytes=d.get("nvml_peak_bytes"),
     )
 
 
