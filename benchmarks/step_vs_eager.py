@@ -22,7 +22,8 @@ the same parameters and inputs, the same loss):
 * one profiled step of the built graph: the share of its kernel time per operator type (top 4).
 
 One thread by default (torch.set_num_threads, ORT's intra-op threads); `--threads all` uses
-every core.
+every core. `--parameters-as-inputs`: the examples' parameters are graph inputs fed every step, as
+in training, where ONNX Runtime cannot treat them as constants (see `_parameters_as_inputs`).
 
 `--provider CUDAExecutionProvider` (issue 25, item 6): ONNX Runtime's CUDA provider against
 torch eager on the GPU. The inputs live on the device and the outputs stay there (IOBinding);
@@ -112,15 +113,34 @@ def _synchronize():
         torch.cuda.synchronize()
 
 
+PARAMETERS_AS_INPUTS = False
+
+
 def _built(forward, per_tap: bool):
     from graphopt.build import rules
     from graphopt.build.train_graph import build_training_graph
     saved = rules.PER_TAP_WEIGHT_GRADIENTS
     rules.PER_TAP_WEIGHT_GRADIENTS = per_tap
     try:
-        return build_training_graph(forward)
+        model = build_training_graph(forward)
     finally:
         rules.PER_TAP_WEIGHT_GRADIENTS = saved
+    return _parameters_as_inputs(model) if PARAMETERS_AS_INPUTS else model
+
+
+def _parameters_as_inputs(model):
+    """`model` with every parameter (a float initializer whose gradient it outputs) also a graph
+    input, its value the default: as a training loop runs it, feeding new values every step.
+    ONNX Runtime then treats the parameters as values, not constants: no constant folding of
+    expressions of them, and its NCHWc layout (level ALL) leaves their Convs alone, since it
+    needs constant weights to reorder."""
+    import onnx
+    graded = {o.name[:-len("_grad")] for o in model.graph.output if o.name.endswith("_grad")}
+    have = {i.name for i in model.graph.input}
+    for t in model.graph.initializer:
+        if t.name in graded and t.name not in have:
+            model.graph.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+    return model
 
 
 def _op_type_shares(model, feeds, threads: int) -> list[tuple[str, float]]:
@@ -184,6 +204,11 @@ def run_example(name: str, threads: int, rounds: int, batch_scale: int = 1) -> d
     torch.set_num_threads(threads)
     module, forward, inputs = twin_example(name, **_size(name, batch_scale))
     models = {"per_tap": _built(forward, True), "whole_map": _built(forward, False)}
+    if PARAMETERS_AS_INPUTS:   # fed every step, as a training loop feeds them
+        from onnx import numpy_helper
+        fed = {i.name for i in models["per_tap"].graph.input}
+        inputs = dict(inputs, **{t.name: numpy_helper.to_array(t) for t in models["per_tap"].graph.initializer
+                                 if t.name in fed and t.name not in inputs})
     # the oracle: the twin in float64 on the CPU (before the float32 one moves to the device)
     exact = copy.deepcopy(module).to(torch.float64)
     exact_args = [a.double() if a.is_floating_point() else a for a in torch_inputs(exact, inputs)]
@@ -272,15 +297,22 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--provider", default="CPUExecutionProvider",
                         choices=("CPUExecutionProvider", "CUDAExecutionProvider"))
+    parser.add_argument("--parameters-as-inputs", action="store_true",
+                        help="the examples' parameters as graph inputs, as a training loop feeds them (ONNX Runtime "
+                             "then neither folds nor reorders them: no NCHWc Conv)")
     parser.add_argument("--batch-scale", type=int, default=1, metavar="K",
                         help="the examples at K times their bundled batch (e.g. a GPU-sized step)")
     args = parser.parse_args()
-    global PROVIDER
+    global PROVIDER, PARAMETERS_AS_INPUTS
     PROVIDER = args.provider
+    PARAMETERS_AS_INPUTS = args.parameters_as_inputs
+    if PARAMETERS_AS_INPUTS and args.corpus:
+        parser.error("--parameters-as-inputs applies to the examples only")
     if _cuda() and args.corpus:
         parser.error("--corpus runs on the CPU provider only (its gradient check is real_zoo's, on the CPU)")
     threads = os.cpu_count() or 1 if args.threads == "all" else int(args.threads)
-    print(f"{PROVIDER}, threads: {threads}; medians of {args.rounds} steps each, in turn, in one process")
+    print(f"{PROVIDER}, threads: {threads}; medians of {args.rounds} steps each, in turn, in one process"
+          + ("; parameters as graph inputs" if PARAMETERS_AS_INPUTS else ""))
     print("| model | built, per-tap weight grads (s) | built, whole-map (s) | torch eager (s) | per-tap / eager | "
           "whole-map / eager | worst gradient difference: per-tap, whole-map (against) | where ORT's step goes (per-tap) |")
     print("|---|---|---|---|---|---|---|---|")
