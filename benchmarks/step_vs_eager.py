@@ -121,8 +121,11 @@ def _built(forward, per_tap: bool):
     from graphopt.build.train_graph import build_training_graph
     saved = rules.PER_TAP_WEIGHT_GRADIENTS
     rules.PER_TAP_WEIGHT_GRADIENTS = per_tap
+    # fed parameters are built as `train-graph --optimizer` builds them (rules.FED_WEIGHTS)
+    fed = [t.name for t in forward.graph.initializer] if PARAMETERS_AS_INPUTS else []
     try:
-        model = build_training_graph(forward)
+        with rules.weights_fed(fed):
+            model = build_training_graph(forward)
     finally:
         rules.PER_TAP_WEIGHT_GRADIENTS = saved
     return _parameters_as_inputs(model) if PARAMETERS_AS_INPUTS else model

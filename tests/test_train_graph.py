@@ -516,6 +516,38 @@ class ConvInputGradients(nn.Module):
         return F.cross_entropy(self.head(torch.cat([h.flatten(1), v.flatten(1)], 1)), labels)
 
 
+def test_fed_weights_get_flipped_convolution_input_gradients_that_match_torch():
+    """Built with its optimizer inside, a graph's parameters are inputs fed every step, which ONNX
+    Runtime cannot fold: their input gradients are the flipped convolutions
+    (`rules.FED_WEIGHTS`), with `LARGER_INPUT_GRADIENTS_AS_CONV` off. The SGD step's update of
+    every parameter, read back as a gradient, equals torch's."""
+    from graphopt.build import rules
+    from graphopt.build.optimizer import OptimizerSpec
+    assert not rules.LARGER_INPUT_GRADIENTS_AS_CONV
+    torch.manual_seed(3)
+    module = ConvInputGradients()
+    args = (torch.randn(2, 3, 8, 8), torch.randint(0, 5, (2,)))
+    forward = _export(module, args, ["x", "labels"])
+    lr = 0.5
+    train = build_training_graph(forward, optimizer=OptimizerSpec("sgd", lr=lr))
+    transposed = [n for n in train.graph.node if n.op_type == "ConvTranspose"]
+    flipped = [n for n in train.graph.node if n.op_type == "Slice" and "x_weight_flipped" in n.output[0]]
+    assert (len(transposed), len(flipped)) == (2, 4)
+    params = dict(module.named_parameters())
+    feeds = {"x": args[0].numpy(), "labels": args[1].numpy()}
+    feeds.update({name: p.detach().numpy() for name, p in params.items()})
+    session = _session(train)
+    names = [o.name for o in session.get_outputs()]
+    updated = dict(zip(names, session.run(None, {k: v for k, v in feeds.items()
+                                                  if k in {i.name for i in session.get_inputs()}})))
+    module.zero_grad()
+    module(*args).backward()
+    for name, p in params.items():
+        expected = p.grad.detach().numpy()
+        got = (feeds[name] - updated[name + "_updated"]) / lr
+        assert np.abs(got - expected).max() / np.abs(expected).max() <= 1e-4, name
+
+
 @pytest.mark.parametrize("as_conv", [True, False])
 def test_conv_input_gradients_as_flipped_convolutions_match_torch(monkeypatch, as_conv):
     """With `rules.LARGER_INPUT_GRADIENTS_AS_CONV` (off by default: see there why), the input

@@ -7,8 +7,9 @@
 * The weight of a grouped Conv (depthwise, MobileNet) and of a ConvTranspose (U-Net):
   onnx-ad refuses both. Both are one grouped convolution of the (padded) input with the
   output's adjoint as filters, after moving the batch into the channels (weight_gradient).
-* The input of a stride-1 1 x 1 Conv without pads (and, with LARGER_INPUT_GRADIENTS_AS_CONV,
-  of a larger one with at least as many input channels as output ones): the adjoint convolved
+* The input of a stride-1 1 x 1 Conv without pads (and, for a weight the step is fed or with
+  LARGER_INPUT_GRADIENTS_AS_CONV, of a larger one with at least as many input channels as
+  output ones): the adjoint convolved
   with the weight transposed (and flipped in space), not onnx-ad's ConvTranspose
   (conv_input_gradient_applies).
 * MatMul of a sequence by a weight matrix: the weight's gradient as one Gemm over the
@@ -30,6 +31,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 
@@ -227,9 +229,30 @@ def _all_but_weight(rule, ctx, node, grads):
 # original (0.41x) instead of a plan at 0.27x, densenet 0.42x against 0.30x, randwire 0.39x
 # against 0.32x. On until graphopt's sessions run the blocked kernels too.
 LARGER_INPUT_GRADIENTS_AS_CONV = False
+# ... but on for the weights a training step is fed (`FED_WEIGHTS`: the parameters of a graph built
+# with its optimizer inside, graph inputs). The blocked kernels need the flipped weight to be a
+# constant ONNX Runtime folds at load; a fed weight is not, so the default session runs the same
+# kernels as graphopt's and both gain alike. By hand (the examples built both ways, parameters as
+# graph inputs, the two graphs' sessions timed in turn, the median of the 9 rounds' ratios, two
+# runs at two threads / one at one thread), the Conv form's step over ConvTranspose's, default
+# session: densenet 0.89 0.79 / 0.94, unet 0.96 0.93 / 0.99, randwire 0.96 0.83 / 1.02, resnet
+# 1.00 0.99 / 1.06; level EXTENDED: densenet 0.88 0.71 / 0.88, unet 0.95 0.91 / 0.93, randwire
+# 0.96 0.87 / 1.01, resnet 1.00 1.04 / 1.02.
+FED_WEIGHTS: frozenset = frozenset()
 
 
-def conv_input_gradient_applies(attrs, kernel, input_shape) -> bool:
+@contextlib.contextmanager
+def weights_fed(names):
+    """Within it, `names` are weights the training step is fed (`FED_WEIGHTS`)."""
+    global FED_WEIGHTS
+    saved, FED_WEIGHTS = FED_WEIGHTS, frozenset(names)
+    try:
+        yield
+    finally:
+        FED_WEIGHTS = saved
+
+
+def conv_input_gradient_applies(attrs, kernel, input_shape, fed: bool = False) -> bool:
     """Whether a Conv's input gradient is written as a Conv (`_conv_reverse`) instead of onnx-ad's
     ConvTranspose: an ungrouped convolution at stride 1 that is 1 x 1 without pads, or has no
     dilation, pads of at most kernel - 1 on every side and at least as many input channels as
@@ -249,7 +272,7 @@ def conv_input_gradient_applies(attrs, kernel, input_shape) -> bool:
     if all(k == 1 for k in kernel[2:]):
         return not any(pads)
     reach = [k - 1 for k in kernel[2:]]
-    return (LARGER_INPUT_GRADIENTS_AS_CONV and input_shape[1] >= kernel[0] and all(d == 1 for d in attrs["dilations"])
+    return ((LARGER_INPUT_GRADIENTS_AS_CONV or fed) and input_shape[1] >= kernel[0] and all(d == 1 for d in attrs["dilations"])
             and all(0 <= pads[i] <= reach[i] and 0 <= pads[spatial + i] <= reach[i] for i in range(spatial)))
 
 
@@ -261,7 +284,7 @@ def _conv_reverse(ctx, node, grads):
     # the weight's gradient here where it is grouped (onnx-ad refuses it) or per tap; else onnx-ad's
     weight_here = ctx.asked_for(w) and (attrs["group"] != 1 or (
         kernel is not None and per_tap_applies(x_shape, y_shape, kernel[2:], 1)))
-    input_here = ctx.asked_for(x) and conv_input_gradient_applies(attrs, kernel, x_shape)
+    input_here = ctx.asked_for(x) and conv_input_gradient_applies(attrs, kernel, x_shape, w in FED_WEIGHTS)
     if not weight_here and not input_here:
         return _CONV(ctx, node, grads)
     contributions = _all_but(_CONV, ctx, node, grads, {n for n, here in ((x, input_here), (w, weight_here)) if here})

@@ -433,8 +433,10 @@ def build_training_graph(forward: onnx.ModelProto, loss: str | None = None,
         # onnx-ad folds constant subgraphs with numpy; T5's relative position buckets take
         # log(0) and cast -inf to int64 where a Where discards them, as torch does: no warning
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-            reversed_model = onnx_ad.reverse(model, inputs=params, outputs=[seeded],
-                                             prefix="adj_", dim="nadj", layout="onnx")
+            # with the optimizer inside, the parameters stay graph inputs, fed every step
+            with rules.weights_fed(params if optimizer is not None else ()):
+                reversed_model = onnx_ad.reverse(model, inputs=params, outputs=[seeded],
+                                                 prefix="adj_", dim="nadj", layout="onnx")
     except onnx_ad.UnsupportedOperator as exc:
         message = str(exc)
         match = re.search(r"rule for (\S+) \(node '([^']*)'\)", message)
