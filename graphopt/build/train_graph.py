@@ -21,8 +21,8 @@ differentiates graph *inputs* and works with a trailing seed axis, so this modul
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-
 import re
 
 import numpy as np
@@ -433,8 +433,9 @@ def build_training_graph(forward: onnx.ModelProto, loss: str | None = None,
         # onnx-ad folds constant subgraphs with numpy; T5's relative position buckets take
         # log(0) and cast -inf to int64 where a Where discards them, as torch does: no warning
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-            # with the optimizer inside, the parameters stay graph inputs, fed every step
-            with rules.weights_fed(params if optimizer is not None else ()):
+            # with the optimizer inside, the parameters stay graph inputs, fed every step (else
+            # whatever a caller said is fed: rules.weights_fed)
+            with rules.weights_fed(params) if optimizer is not None else contextlib.nullcontext():
                 reversed_model = onnx_ad.reverse(model, inputs=params, outputs=[seeded],
                                                  prefix="adj_", dim="nadj", layout="onnx")
     except onnx_ad.UnsupportedOperator as exc:
