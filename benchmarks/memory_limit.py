@@ -85,17 +85,19 @@ def model_jobs(args) -> list[tuple[str, str]]:
 
 
 def write_model(kind: str, name: str, args, folder: str) -> tuple[str, str, str]:
-    """The training graph of (kind, name) and its inputs written in `folder`: (the row's label,
-    the model's path, the inputs' path)."""
+    """The training graph of (kind, name) and its inputs written in `folder` (its optimizer inside
+    when `args` has one): (the row's label, the model's path, the inputs' path)."""
     import onnx
 
     from graphopt.inputs import save_inputs
-    train, inputs = _model(kind, name, args.size, args.exporter, None)
+    optimizer = getattr(args, "optimizer", None)
+    train, inputs = _model(kind, name, args.size, args.exporter, optimizer)
     path, inputs_path = os.path.join(folder, "train.onnx"), os.path.join(folder, "inputs.npz")
     onnx.save(train, path)
     save_inputs(inputs_path, inputs)
     label = name if kind == "example" else f"{name}-{args.exporter}"
-    return (f"{label} ({args.size})" if args.size != "full" else label), path, inputs_path
+    notes = [n for n in (args.size if args.size != "full" else None, optimizer) if n]
+    return (f"{label} ({', '.join(notes)})" if notes else label), path, inputs_path
 
 
 def optimize_measured_from_outside(path: str, inputs_path: str, out: str, report_path: str, *flags: str):

@@ -12,7 +12,8 @@ issue's goal: at most 30x), the search's CPU seconds (goal: at most 2 s), the st
 model's error on every plan measured (the report's `plans_measured`), the outcome, and the
 returned model's measured peak and step time over the default session's.
 
-`--provider CUDAExecutionProvider` plans and measures on the GPU (issue 25, item 6).
+`--provider CUDAExecutionProvider` plans and measures on the GPU (issue 25, item 6); `--optimizer
+sgd` optimizes the training graphs with their optimizer step inside, as a training loop runs them.
 
     python benchmarks/optimize_time.py --against-fresh 3 [--examples mlp,resnet]
 
@@ -117,6 +118,8 @@ def main() -> None:
     add_model_arguments(parser)
     parser.add_argument("--threads", type=int, default=None, help="default: the CLI's (the machine's cores)")
     parser.add_argument("--provider", help="ONNX Runtime execution provider (default: the CLI's, CPU)")
+    parser.add_argument("--optimizer", choices=("sgd", "adamw"),
+                        help="the training graphs with their optimizer step inside (parameters fed every step)")
     parser.add_argument("--against-fresh", type=int, default=0, metavar="N",
                         help="N runs each, in turn: warm measuring processes against a fresh interpreter per run")
     args = parser.parse_args()
