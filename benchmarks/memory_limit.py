@@ -41,16 +41,21 @@ MiB = 2 ** 20
 LARGE_BATCH_SCALE = 8   # `--size large` for a bundled example: its batch times this (a GPU-sized step)
 
 
+def scaled_batch(name: str, scale: int) -> dict:
+    """The size arguments of bundled example `name` at `scale` times its default batch (1: as bundled)."""
+    if scale == 1:
+        return {}
+    import inspect
+
+    from graphopt import examples
+    return {"batch": inspect.signature(getattr(examples, name)).parameters["batch"].default * scale}
+
+
 def _example_size(name: str, size: str) -> dict:
     """The size arguments of bundled example `name` at `size` (tiny, full, large)."""
     if size == "tiny":
         return {"small": True}
-    if size == "large":
-        import inspect
-
-        from graphopt import examples
-        return {"batch": inspect.signature(getattr(examples, name)).parameters["batch"].default * LARGE_BATCH_SCALE}
-    return {}
+    return scaled_batch(name, LARGE_BATCH_SCALE if size == "large" else 1)
 
 
 def _model(kind: str, name: str, size: str, exporter: str, optimizer: str | None):

@@ -181,16 +181,6 @@ def _timed(models: dict, feeds: dict, eager, threads: int, rounds: int) -> dict:
     return {label: statistics.median(v) for label, v in seconds.items()}
 
 
-def _size(name: str, batch_scale: int) -> dict:
-    """The example's size arguments: its default batch times `batch_scale` (1: as bundled)."""
-    if batch_scale == 1:
-        return {}
-    import inspect
-
-    from graphopt import examples
-    return {"batch": inspect.signature(getattr(examples, name)).parameters["batch"].default * batch_scale}
-
-
 def _worst_difference(outputs: dict, expected: dict, floor: float) -> float:
     """max over parameters of max |a - b| / max |b| (the denominator floored at `floor`)."""
     import numpy as np
@@ -203,9 +193,10 @@ def run_example(name: str, threads: int, rounds: int, batch_scale: int = 1) -> d
 
     import numpy as np
     import torch
+    from memory_limit import scaled_batch
     from torch_twins import torch_inputs, twin_example
     torch.set_num_threads(threads)
-    module, forward, inputs = twin_example(name, **_size(name, batch_scale))
+    module, forward, inputs = twin_example(name, **scaled_batch(name, batch_scale))
     models = {"per_tap": _built(forward, True), "whole_map": _built(forward, False)}
     if PARAMETERS_AS_INPUTS:   # fed every step, as a training loop feeds them
         from onnx import numpy_helper
