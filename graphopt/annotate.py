@@ -351,7 +351,8 @@ def _open_exposing(model: onnx.ModelProto, names: list[str], providers: list, th
             os.close(fd)
             onnx.save(model, written)
             source = written
-        return open_session(source, _SIZES_SETTINGS, providers=providers, threads=threads, cap_bytes=cap_bytes)
+        return open_session(source, _SIZES_SETTINGS, providers=providers, threads=threads, cap_bytes=cap_bytes,
+                            spinning=False)
     except Exception as e:
         raise _load_error(e) from e
     finally:
@@ -393,7 +394,8 @@ def measure_exposed(model: onnx.ModelProto, inputs: dict[str, np.ndarray], names
 
 def _profile(model: onnx.ModelProto, inputs: dict[str, np.ndarray], settings: SessionSettings,
              runs: int, providers: list, threads: int, cap_bytes: int | None = None,
-             model_path: str | None = None, outputs_into: dict | None = None) -> tuple[str, list[dict]]:
+             model_path: str | None = None, outputs_into: dict | None = None,
+             spinning: bool = True) -> tuple[str, list[dict]]:
     """Open ``model`` (from ``model_path`` when given) with ``settings`` and profiling on, run it
     ``runs`` times; the provider and the kernel events of the last run (its outputs by name put
     into ``outputs_into`` when given)."""
@@ -402,7 +404,7 @@ def _profile(model: onnx.ModelProto, inputs: dict[str, np.ndarray], settings: Se
         try:
             sess = open_session(
                 model if model_path is None else model_path, settings, providers=providers, threads=threads,
-                profile_prefix=os.path.join(tmp, "profile"), cap_bytes=cap_bytes,
+                profile_prefix=os.path.join(tmp, "profile"), cap_bytes=cap_bytes, spinning=spinning,
             )
         except Exception as e:
             raise _load_error(e) from e
@@ -462,7 +464,8 @@ def measure_sizes(model: onnx.ModelProto, inputs: dict[str, np.ndarray], *,
         providers = default_providers()
     sizes, left = _static_sizes(model, inputs)
     if kernels is None:
-        _, kernels = _profile(model, inputs, _SIZES_SETTINGS, 1, providers, threads, cap_bytes, model_path)
+        _, kernels = _profile(model, inputs, _SIZES_SETTINGS, 1, providers, threads, cap_bytes, model_path,
+                              spinning=False)   # sizes only: its time is not read
     skip = {t.name for t in model.graph.initializer}
     _sizes_from_kernels(model, kernels, sizes, skip)
     unknown = [n for n in left if n not in sizes.bytes]

@@ -94,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     rss_before = status_kb("VmRSS") if have_hwm else None
     mark_session_start()
     try:
-        sess = open_session(args.model, settings, providers=[provider], threads=args.threads, cap_bytes=cap)
+        sess = open_session(args.model, settings, providers=[provider], threads=args.threads, cap_bytes=cap,
+                            spinning=False)
         feeds = {k: ort.OrtValue.ortvalue_from_numpy(v, device, args.device_id) for k, v in feeds_np.items()}
         out_names = [o.name for o in sess.get_outputs()]
         run, release = _step_runner(sess, model, feeds, out_names, device, args.device_id)

@@ -216,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         providers = [provider]
 
-    so = session_options(settings, threads=args.threads, arena=args.arena)
+    # a peak run (no arena) is not timed: its threads need not spin, and it runs beside other work
+    so = session_options(settings, threads=args.threads, arena=args.arena, spinning=args.arena)
     kwargs = {}
     if settings.disabled_optimizers:
         kwargs["disabled_optimizers"] = list(settings.disabled_optimizers)

@@ -181,6 +181,10 @@ def _set_metadata(model: onnx.ModelProto, key: str, value: str) -> None:
     model.metadata_props.add(key=key, value=value)
 
 
+# ONNX Runtime's session config key: "0" makes idle intra-op threads sleep instead of spin
+ALLOW_SPINNING_CONFIG = "session.intra_op.allow_spinning"
+
+
 def session_options(
     settings: SessionSettings,
     *,
@@ -188,12 +192,16 @@ def session_options(
     arena: bool = False,
     profile_prefix: str | None = None,
     deterministic: bool = False,
+    spinning: bool = True,
 ) -> ort.SessionOptions:
     """SessionOptions for ``settings``.
 
     ``disabled_optimizers`` cannot be expressed in SessionOptions: ORT takes it as a
     keyword of ``InferenceSession`` (``open_session`` passes it).
-    ``threads=None`` leaves ORT's thread defaults.
+    ``threads=None`` leaves ORT's thread defaults. ``spinning=False``: the intra-op threads
+    sleep when idle instead of spinning for work (ONNX Runtime's default, kept wherever a step is
+    timed); for the runs whose time nobody reads (a peak, a capped run, sizes), which often run
+    beside graphopt's other work: their spinning threads took the cores that work needed.
     """
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.__members__[settings.graph_optimization_level]
@@ -211,6 +219,8 @@ def session_options(
         so.profile_file_prefix = str(profile_prefix)
     if deterministic:
         so.use_deterministic_compute = True
+    if not spinning:
+        so.add_session_config_entry(ALLOW_SPINNING_CONFIG, "0")
     so.log_severity_level = 3
     return so
 
@@ -249,6 +259,7 @@ def open_session(
     profile_prefix: str | None = None,
     deterministic: bool = False,
     cap_bytes: int | None = None,
+    spinning: bool = True,
 ) -> ort.InferenceSession:
     """Open an ORT session as the plan needs.
 
@@ -272,7 +283,8 @@ def open_session(
         providers = providers_within(first, cap_bytes)
         arena = True
     so = session_options(
-        settings, threads=threads, arena=arena, profile_prefix=profile_prefix, deterministic=deterministic
+        settings, threads=threads, arena=arena, profile_prefix=profile_prefix, deterministic=deterministic,
+        spinning=spinning,
     )
     if cap_bytes is not None:
         so.log_severity_level = 4   # an allocation refused under the cap is the caller's to report
