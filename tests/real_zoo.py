@@ -534,7 +534,12 @@ def gradient_check(model: RealModel, forward: onnx.ModelProto, train: onnx.Model
       nudges). A model with a unit whose pre-activation sits within rounding of a kink (a
       ReLU input of -1e-7 among values of 4, as in T5-small) has a large one: float32
       rounding in ONNX Runtime's order of operations can land on the other side of the kink
-      than torch's, and that is rounding, not a wrong gradient."""
+      than torch's, and that is rounding, not a wrong gradient.
+
+    The same three on every matched gradient at once (``*_l2``: the norm of the differences of
+    all of them, concatenated, over the norm of the float64 gradients): a rounding flip at a
+    kink moves a few elements, which the worst-element measure above cannot tell from a wrong
+    gradient; a wrong rule or scale moves the whole vector."""
     import numpy as np
     import onnxruntime as ort
     options = ort.SessionOptions()
@@ -559,6 +564,7 @@ def gradient_check(model: RealModel, forward: onnx.ModelProto, train: onnx.Model
               "unmatched": sorted(n for n, (o, _) in matched.items() if o is None),
               "grad_error_fp32": 0.0, "grad_error_fp64": 0.0, "torch_fp32_vs_fp64": 0.0,
               "fp32_sensitivity": 0.0, "worst_fp64": "", "parameters": 0}
+    squares = {"grad_error_fp64_l2": 0.0, "torch_fp32_vs_fp64_l2": 0.0, "fp32_sensitivity_l2": 0.0, "": 0.0}
     for name, (onnx_name, layout) in matched.items():
         if onnx_name is None or name not in grads64:
             continue
@@ -576,4 +582,15 @@ def gradient_check(model: RealModel, forward: onnx.ModelProto, train: onnx.Model
         for other in nudged:
             report["fp32_sensitivity"] = max(report["fp32_sensitivity"],
                                              relative_error(other[name], grads64[name], floor))
+        reference = np.asarray(grads64[name], np.float64)
+        squares[""] += float(np.sum(reference ** 2))
+        squares["grad_error_fp64_l2"] += float(np.sum((np.asarray(value, np.float64) - reference) ** 2))
+        squares["torch_fp32_vs_fp64_l2"] += float(np.sum((np.asarray(grads32[name], np.float64) - reference) ** 2))
+    for other in nudged:   # the worst nudge's
+        total = sum(float(np.sum((np.asarray(other[n], np.float64) - np.asarray(grads64[n], np.float64)) ** 2))
+                    for n, (o, _) in matched.items() if o is not None and n in grads64)
+        squares["fp32_sensitivity_l2"] = max(squares["fp32_sensitivity_l2"], total)
+    norm = squares.pop("") ** 0.5
+    for key, value in squares.items():
+        report[key] = value ** 0.5 / norm if norm else 0.0
     return report

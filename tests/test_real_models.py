@@ -19,6 +19,11 @@ LOSS_TOLERANCE = 1e-4
 # or 10 x the float32 noise floor, if larger: torch's own float32-vs-float64 difference, or
 # how far float64 gradients move under a one-epsilon nudge (real_zoo.gradient_check)
 GRADIENT_TOLERANCE = 1e-3
+# and on all gradients at once (relative L2, real_zoo.gradient_check's ``*_l2``): at most 5 x the
+# same noise on that measure, or this floor. On the test subset the errors measured 0.6-1.2 x
+# that noise; the worst-element tolerance above let a 30% error through on resnet50 (its float32
+# noise there is 9.7e-2, from ReLU kinks), this one holds it under 1.4e-2.
+GRADIENT_TOLERANCE_L2 = 1e-5
 INT64_MIN = np.iinfo(np.int64).min
 
 
@@ -38,6 +43,8 @@ def _check_against_torch(model: real_zoo.RealModel, exporter: str) -> dict:
     assert report["loss_error"] <= LOSS_TOLERANCE, context
     noise = max(report["torch_fp32_vs_fp64"], report["fp32_sensitivity"])
     assert report["grad_error_fp64"] <= max(GRADIENT_TOLERANCE, 10 * noise), context
+    noise_l2 = max(report["torch_fp32_vs_fp64_l2"], report["fp32_sensitivity_l2"])
+    assert report["grad_error_fp64_l2"] <= max(GRADIENT_TOLERANCE_L2, 5 * noise_l2), context
     return report
 
 
