@@ -1183,8 +1183,8 @@ def _objective(prepared: Prepared, chosen: Plan, options: OptimizeOptions) -> Ob
 def _describe(report: Report, chosen: Plan | None, model: onnx.ModelProto) -> None:
     """The returned plan in `report` (None: the original is returned)."""
     report.nodes.optimized = len(model.graph.node)
-    if chosen is None:
-        report.checkpoints, report.recompute_nodes = [], 0
+    if chosen is None:   # nothing of a plan measured and rejected stays: the original has no solver
+        report.checkpoints, report.recompute_nodes, report.solver_exact = [], 0, None
         return
     report.strategy = chosen.strategy
     report.checkpoints = sorted(chosen.checkpoints)
