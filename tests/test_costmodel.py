@@ -12,6 +12,8 @@ import dataclasses
 import heapq
 import random
 
+import numpy as np
+
 import pytest
 
 from graphopt.costgraph import CostGraph, Op
@@ -161,3 +163,31 @@ def test_schedule_for_refuses_exactly_the_schedules_longer_than_max_steps(graph)
         for bound in (len(full) - 1, len(full), len(full) + 1, len(graph.forward_order)):
             bounded = schedule_for(graph, keep, gap, bound)
             assert bounded == (full if len(full) <= bound else None), (trial, gap, bound, len(full))
+
+
+@pytest.mark.parametrize("graph", list(_graphs())[::2], ids=lambda g: repr(g))
+def test_priority_order_by_the_letter_equals_the_reference_on_repeated_steps(graph):
+    """A schedule whose steps repeat (the same (op, copy) twice) or whose copies are negative is
+    not a plan's; `priority_order` takes its general path there (`_priority_order_general`: a
+    read depends on the LAST step writing that version, which may come later). Against the
+    step-by-step reference, on schedules made so from plans' ones."""
+    rng = random.Random(len(graph) + 7)
+    candidates = list(graph.candidate_checkpoints)
+    for trial in range(8):
+        g = _with_flags(graph, rng, runs_first=0.15 * (trial % 3))
+        schedule = list(schedule_for(g, {t for t in candidates if rng.random() < 0.5}, rng.choice([None, 0, 2])))
+        for _ in range(rng.randint(1, 3)):
+            name, copy = schedule[rng.randrange(len(schedule))]
+            where = rng.randrange(len(schedule) + 1)
+            schedule.insert(where, (name, -1 if trial % 2 else copy))
+        executed = priority_order(g, schedule)
+        assert executed == reference_order(g, schedule), (trial, schedule)
+
+
+def test_the_empty_schedule_costs_nothing():
+    graph = next(iter(_graphs()))
+    sim = simulate(graph, [])
+    assert (sim.peak_bytes, sim.peak_step, sim.compute_seconds, sim.recompute_seconds) == (0, 0, 0.0, 0.0)
+    assert isinstance(sim.peak_bytes, int) and isinstance(sim.compute_seconds, float)
+    assert sim.live_bytes.shape == (0,) and sim.live_bytes.dtype == np.int64
+    assert priority_order(graph, []) == []
