@@ -1,0 +1,152 @@
+"""Mutation testing (issue 26): mutmut changes one thing at a time in the modules where a silent
+error costs users most (a comparison flipped, a constant moved, a call's argument dropped) and
+runs the tests that cover the changed function; a mutant no test notices is a gap.
+
+    python tests/mutation.py [--modules costmodel,search.auto] [--children 2] [--survivors]
+
+Per module (`MODULES`: the file and the tests run against its mutants), in a copy of the
+repository's tracked files (mutmut writes its `mutants/` beside the code; the copy keeps the
+checkout clean and lets each module have its own settings): `mutmut run`, then `mutmut results
+--all true`. Printed: one row per module, the mutants killed (a test failed, or the mutant hung
+past mutmut's timeout), survived (the tests passed), not covered (no selected test runs the
+function), listed as equivalent (`EQUIVALENT_FILE`: a mutant that cannot change what the code
+does, one line each saying why) and the score, killed over all but the equivalent ones.
+`--survivors` prints each surviving or uncovered mutant's diff (`mutmut show`).
+
+mutmut is in the test extra (`pip install -e '.[test]'`).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EQUIVALENT_FILE = os.path.join(ROOT, "tests", "mutation_equivalent.txt")
+
+# module -> (its file, the tests mutmut runs against its mutants)
+MODULES = {
+    "costmodel": ("graphopt/costmodel.py", ["tests/test_costmodel.py", "tests/test_search.py"]),
+    "costgraph": ("graphopt/costgraph.py", ["tests/test_costmodel.py", "tests/test_search.py"]),
+    "search.registry": ("graphopt/search/registry.py", ["tests/test_search.py"]),
+    "search.auto": ("graphopt/search/auto.py", ["tests/test_search.py", "tests/test_oracles.py"]),
+    "build.file_order": ("graphopt/build/file_order.py", ["tests/test_file_order.py"]),
+}
+# what CI runs (tests/test_mutation.py): the cost model against its own step-by-step references
+# alone, about a minute on two cores
+FAST = {"costmodel": ("graphopt/costmodel.py", ["tests/test_costmodel.py"])}
+KILLED = {"killed", "timeout"}
+
+
+def _copy_tracked(destination: str) -> None:
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    for relative in filter(None, files.decode().split("\0")):
+        source = os.path.join(ROOT, relative)
+        if not os.path.isfile(source):
+            continue
+        target = os.path.join(destination, relative)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        shutil.copy2(source, target)
+
+
+def _configure(folder: str, path: str, tests: list[str]) -> None:
+    """The copy's pyproject with its [tool.mutmut] section for this module alone."""
+    pyproject = os.path.join(folder, "pyproject.toml")
+    with open(pyproject) as f:
+        text = f.read()
+    head, _, rest = text.partition("[tool.mutmut]")
+    tail = rest[rest.find("\n["):] if "\n[" in rest else ""
+    section = ("[tool.mutmut]\n"
+               'source_paths = ["graphopt"]\n'
+               f"only_mutate = {[path]!r}\n"
+               f"pytest_add_cli_args_test_selection = {tests!r}\n"
+               'also_copy = ["benchmarks", "service", "clients", "proto"]\n'
+               # a mutant that loops is stopped at 3x its tests' time (mutmut's default: 15x)
+               "timeout_multiplier = 3.0\n").replace("'", '"')
+    with open(pyproject, "w") as f:
+        f.write(head.rstrip() + "\n\n" + section + tail)
+
+
+def equivalent_mutants() -> dict[str, str]:
+    """name -> why, from EQUIVALENT_FILE (``name  # why`` per line)."""
+    found = {}
+    if os.path.exists(EQUIVALENT_FILE):
+        with open(EQUIVALENT_FILE) as f:
+            for line in f:
+                name, _, why = line.partition("#")
+                if name.strip():
+                    found[name.strip()] = why.strip()
+    return found
+
+
+def run_module(name: str, children: int, survivors: bool, modules: dict = MODULES) -> Counter:
+    path, tests = modules[name]
+    with tempfile.TemporaryDirectory(prefix="graphopt-mutation-") as folder:
+        _copy_tracked(folder)
+        _configure(folder, path, tests)
+        env = dict(os.environ, PYTHONPATH=folder)
+        done = subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children", str(children)],
+                              cwd=folder, env=env, capture_output=True, text=True)
+        if done.returncode != 0:
+            sys.stderr.write(done.stdout[-3000:] + done.stderr[-3000:])
+            raise SystemExit(f"mutmut run failed on {name} ({done.returncode})")
+        listed = subprocess.run([sys.executable, "-m", "mutmut", "results", "--all", "true"], cwd=folder, env=env,
+                                capture_output=True, text=True, check=True).stdout
+        equivalent = equivalent_mutants()
+        counts: Counter = Counter()
+        left = []
+        for line in listed.splitlines():
+            mutant, _, status = line.strip().rpartition(": ")
+            if not mutant:
+                continue
+            if mutant in equivalent:
+                counts["equivalent"] += 1
+            elif status in KILLED:
+                counts["killed"] += 1
+            elif status == "no tests":
+                counts["not covered"] += 1
+                left.append(mutant)
+            else:
+                counts["survived"] += 1
+                left.append(mutant)
+        if survivors:
+            for mutant in left:
+                shown = subprocess.run([sys.executable, "-m", "mutmut", "show", mutant], cwd=folder, env=env,
+                                       capture_output=True, text=True).stdout
+                print(shown, flush=True)
+        return counts
+
+
+def score(counts: Counter) -> float:
+    judged = counts["killed"] + counts["survived"] + counts["not covered"]
+    return counts["killed"] / judged if judged else 1.0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--modules", default=",".join(MODULES))
+    ap.add_argument("--children", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--survivors", action="store_true")
+    args = ap.parse_args()
+    names = [n for n in args.modules.split(",") if n]
+    unknown = [n for n in names if n not in MODULES]
+    if unknown:
+        raise SystemExit(f"unknown modules {unknown} (known: {', '.join(MODULES)})")
+    rows = []
+    for name in names:
+        counts = run_module(name, args.children, args.survivors)
+        rows.append((name, counts))
+        print(f"{name}: {dict(counts)} score {score(counts):.1%}", file=sys.stderr, flush=True)
+    print("| module | file | killed | survived | not covered | equivalent | score |")
+    print("|---|---|---|---|---|---|---|")
+    for name, c in rows:
+        print(f"| {name} | {MODULES[name][0]} | {c['killed']} | {c['survived']} | {c['not covered']} | "
+              f"{c['equivalent']} | {score(c):.1%} |")
+
+
+if __name__ == "__main__":
+    main()
