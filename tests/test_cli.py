@@ -45,8 +45,12 @@ def test_optimize_writes_model_and_report(small_training, tmp_path):
     typed = Report.from_dict(report)
     assert typed.to_dict() == report
     assert summary_text(typed) in proc.stdout
-    for label in ("original_default_session", "original_optimizations_off", "optimized"):
-        assert report["measured"][label]["peak_bytes"] > 0, label
+    # (this small model's peaks can measure 0: its buffers fit in pages the process already had)
+    peaks = {label: report["measured"][label]["peak_bytes"]
+             for label in ("original_default_session", "original_optimizations_off", "optimized")}
+    assert all(isinstance(p, int) and p >= 0 for p in peaks.values()), peaks
+    if report["outcome"] == "optimized":   # returned only below the original in both sessions
+        assert peaks["optimized"] < min(peaks["original_default_session"], peaks["original_optimizations_off"]), peaks
     assert report["measured"]["original_default_session"]["step_seconds"] > 0
     assert report["measured"]["optimized"]["step_seconds"] > 0
     # the original with optimizations off is timed only where the original is returned and that
