@@ -184,8 +184,8 @@ def test_a_limit_that_binds_is_honoured_by_measurement():
     if report.outcome == "optimized":
         assert report.ratios.step_time_vs_default_session <= 1.0, (report.ratios, attempts)
         assert attempts[-1].measured_overhead <= 0.0, attempts
-    else:   # and nothing of the plans it rejected is said of the original it returns
-        assert all(a.measured_overhead > 0.0 for a in attempts), attempts
+    else:   # (over the limit, or not below the original's peak) nothing of the plans it rejected
+        # is said of the original it returns
         assert report.solver_exact is None and report.checkpoints == [] and report.recompute_nodes == 0, report
 
 
