@@ -73,7 +73,7 @@ def build_row(name: str, size: str, exporter: str, folder: str) -> dict:
     """Export and build; the training graph and its inputs saved in `folder` (a worker
     process, so that torch's memory is gone before optimize runs)."""
     import real_zoo
-    from graphopt.build.train_graph import build_training_graph
+    from graphopt.builder.train_graph import build_training_graph
     from graphopt.inputs import save_inputs
     from graphopt.optimize import save_model
 

@@ -126,7 +126,7 @@ def build(spec: str, cache: str) -> None:
     import numpy as np
     import onnx
     import real_zoo
-    from graphopt.build.train_graph import build_training_graph
+    from graphopt.builder.train_graph import build_training_graph
     from graphopt.ingest import name_nodes
     from graphopt.inputs import save_inputs
     name, size = spec.split(":")

@@ -16,7 +16,7 @@ that a step's peak is mostly constant overhead); NAME=N,... overrides single mod
   vocabulary and a [CLS] column stays [CLS]), cross-entropy labels uniform over the classes,
   MSE targets ~ N(0, 1); one .npz that both sides read;
 * the module exported with the scaled inputs (torch_zoo.export: shapes are static), turned
-  into a training graph by graphopt.build.train_graph.build_training_graph (the entry's loss
+  into a training graph by graphopt.builder.train_graph.build_training_graph (the entry's loss
   and class axis) and measured by graphopt.runtime.measure.measure(..., threads=1) under the
   session graphopt measures originals with (graphopt.optimize.ORIGINAL_UNOPTIMIZED: graph
   optimizations, memory pattern and reuse off) and under a plain session
@@ -212,7 +212,7 @@ def prepare(name: str, scale: int, folder: str) -> dict:
     """Export at the scaled batch and save the inputs, then build the training graph and save
     it (a build error is recorded as "error"; the inputs are there for torch anyway)."""
     import torch
-    from graphopt.build.train_graph import build_training_graph
+    from graphopt.builder.train_graph import build_training_graph
     from graphopt.inputs import save_inputs
     from graphopt.optimize import save_model
     from torch_zoo import export

@@ -51,8 +51,8 @@ def run_one(name: str, size: str, folder: str, optimize_it: bool, torch_modes: l
     import onnx
 
     import real_zoo
-    from graphopt.build.optimizer import OptimizerSpec
-    from graphopt.build.train_graph import build_training_graph
+    from graphopt.builder.optimizer import OptimizerSpec
+    from graphopt.builder.train_graph import build_training_graph
     from graphopt.inputs import save_inputs
     from graphopt.optimize import save_model
     from graphopt.runtime.measure import measure

@@ -59,8 +59,8 @@ def _example_size(name: str, size: str) -> dict:
 
 
 def _model(kind: str, name: str, size: str, exporter: str, optimizer: str | None):
-    from graphopt.build.optimizer import OptimizerSpec
-    from graphopt.build.train_graph import build_training_graph
+    from graphopt.builder.optimizer import OptimizerSpec
+    from graphopt.builder.train_graph import build_training_graph
     spec = OptimizerSpec(optimizer, lr=1e-3) if optimizer else None
     if kind == "example":
         from graphopt.examples import example_inputs, forward_example

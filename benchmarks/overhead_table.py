@@ -46,7 +46,7 @@ def corpus_models(names: list[str], size: str):
     the legacy exporter and built with a cross-entropy loss, as benchmarks/real_models.py does."""
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     import real_zoo
-    from graphopt.build.train_graph import build_training_graph
+    from graphopt.builder.train_graph import build_training_graph
     for name in names:
         model = real_zoo.CORPUS[name](size)
         train = build_training_graph(real_zoo.export(model, "legacy"), loss="cross_entropy",

@@ -53,7 +53,7 @@ def run_one(name: str, size: str, exporter: str, eager: bool, grad_check: bool) 
     import onnx
 
     import real_zoo
-    from graphopt.build.train_graph import build_training_graph
+    from graphopt.builder.train_graph import build_training_graph
     from graphopt.optimize import OptimizeOptions, optimize
 
     row = {"model": name, "exporter": exporter, "size": size}

@@ -110,7 +110,7 @@ def prepare(name: str, size: str, exporter: str, folder: str) -> dict:
     """Export, save the inputs (folder/NAME.npz), build and save the training graph
     (folder/NAME.onnx, the names builder_vs_eager.explain reads)."""
     import real_zoo
-    from graphopt.build.train_graph import build_training_graph
+    from graphopt.builder.train_graph import build_training_graph
     from graphopt.inputs import save_inputs
     from graphopt.optimize import save_model
 

@@ -215,7 +215,7 @@ def build_corpus_graph(model: str, size: str, exporter: str, path: str) -> dict:
     if TESTS not in sys.path:
         sys.path.insert(0, TESTS)
     import real_zoo
-    from graphopt.build.train_graph import build_training_graph
+    from graphopt.builder.train_graph import build_training_graph
     from graphopt.optimize import OptimizeOptions
 
     meta = dict(model=model, size=size, exporter=exporter, made_at_commit=_commit())

@@ -9,7 +9,7 @@ For each bundled example (graphopt/examples.py) and its torch twin (benchmarks/t
 the same parameters and inputs, the same loss):
 
 * the training graph as graphopt builds it, and built again with every Conv gradient as it was
-  before (graphopt.build.rules.PER_TAP_WEIGHT_GRADIENTS off: weight gradients as whole-map
+  before (graphopt.builder.rules.PER_TAP_WEIGHT_GRADIENTS off: weight gradients as whole-map
   convolutions, input gradients as ONNX Runtime's ConvTranspose);
 * each in a plain onnxruntime.InferenceSession (its defaults: all graph optimizations, the
   arena), and the twin's eager step (forward, loss, backward; every .grad None before it);
@@ -117,8 +117,8 @@ PARAMETERS_AS_INPUTS = False
 
 
 def _built(forward, per_tap: bool):
-    from graphopt.build import rules
-    from graphopt.build.train_graph import build_training_graph
+    from graphopt.builder import rules
+    from graphopt.builder.train_graph import build_training_graph
     saved = rules.PER_TAP_WEIGHT_GRADIENTS
     rules.PER_TAP_WEIGHT_GRADIENTS = per_tap
     # fed parameters are built as `train-graph --optimizer` builds them (rules.FED_WEIGHTS)
@@ -247,11 +247,11 @@ def run_corpus(name: str, size: str, exporter: str, threads: int, rounds: int) -
     import torch
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     import real_zoo
-    from graphopt.build.train_graph import build_training_graph
+    from graphopt.builder.train_graph import build_training_graph
     torch.set_num_threads(threads)
     model = real_zoo.CORPUS[name](size)
     forward = real_zoo.export(model, exporter)
-    from graphopt.build import rules
+    from graphopt.builder import rules
     models = {}
     for label, per_tap in (("per_tap", True), ("whole_map", False)):
         saved, rules.PER_TAP_WEIGHT_GRADIENTS = rules.PER_TAP_WEIGHT_GRADIENTS, per_tap

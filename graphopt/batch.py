@@ -142,7 +142,7 @@ def done_before(job: BatchJob) -> dict | None:
 def prepare(job: BatchJob, options: BatchOptions) -> None:
     """Classify the model; a forward model gets its training graph in the job's folder."""
     from .analyze import analyze
-    from .build.train_graph import build_training_graph
+    from .builder.train_graph import build_training_graph
     from .ingest import load_model, name_nodes
     from .optimize import save_model
     model = load_model(job.source)

@@ -190,7 +190,7 @@ def cmd_measure(args) -> int:
 
 def _optimizer_spec(args):
     """The --optimizer options as an OptimizerSpec (None without --optimizer)."""
-    from .build.optimizer import OptimizerSpec
+    from .builder.optimizer import OptimizerSpec
     given = {k: getattr(args, k) for k in ("lr", "momentum", "weight_decay", "betas", "eps")
              if getattr(args, k) is not None}
     if args.optimizer is None:
@@ -215,7 +215,7 @@ def _optimizer_spec(args):
 
 
 def cmd_train_graph(args) -> int:
-    from .build.train_graph import build_training_graph
+    from .builder.train_graph import build_training_graph
     from .ingest import load_model
     from .optimize import save_model
     optimizer = _optimizer_spec(args)
@@ -425,7 +425,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--labels", default="labels", help="name of the label input the loss adds (default labels)")
     p.add_argument("--class-axis", type=int, help="cross_entropy: the class axis (default 1 for rank 2, else last)")
     p.add_argument("--freeze", nargs="*", help="initializers that are not trained")
-    from .build.optimizer import OPTIMIZERS
+    from .builder.optimizer import OPTIMIZERS
     p.add_argument("--optimizer", choices=OPTIMIZERS,
                    help="put the optimizer step in the graph: inputs the parameters and optimizer state, "
                         "outputs loss then <input>_updated (torch.optim.SGD / AdamW semantics)")

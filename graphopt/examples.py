@@ -2,7 +2,7 @@
 
 Each builder returns a FORWARD model (inputs: data and labels/target; parameters as
 initializers; first output: a scalar `loss`). `training_example(name, **size)` turns one
-into a training graph (`graphopt.build.train_graph.build_training_graph`) and returns it
+into a training graph (`graphopt.builder.train_graph.build_training_graph`) and returns it
 with deterministic inputs.
 
 Default sizes are chosen so that one training step in onnxruntime CPU has a peak of roughly
@@ -416,7 +416,7 @@ def _classes(model):
 def training_example(name: str, seed: int = 0, **size):
     """(training model, inputs) for example `name`: the training graph built from the
     forward (loss, then `<param>_grad` per parameter) and deterministic seeded inputs."""
-    from graphopt.build.train_graph import build_training_graph
+    from graphopt.builder.train_graph import build_training_graph
     forward = forward_example(name, seed=seed, **size)
     feeds = example_inputs(forward, seed=seed)
     return build_training_graph(forward), feeds

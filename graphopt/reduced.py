@@ -36,7 +36,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .build.graph_util import attribute, infer_shapes
+from .builder.graph_util import attribute, infer_shapes
 from .errors import InvalidModelError
 
 # Where a constant gives a node its output's shape: op type -> input position.
@@ -138,7 +138,7 @@ def full_shapes(model: onnx.ModelProto) -> dict[str, list[int]]:
     """Every tensor's static shape: ONNX shape inference with data propagation, completed by
     evaluating the small shape computations it leaves unknown (`_fold`) and inferring again
     with their values as constants."""
-    from .build.graph_util import small_constants
+    from .builder.graph_util import small_constants
     shapes = _inferred(model)
     values = dict(small_constants(model, _FOLD_MAX_ELEMENTS))
     for _ in range(4):
@@ -167,7 +167,7 @@ def full_shapes(model: onnx.ModelProto) -> dict[str, list[int]]:
 
 def _graph_only(model: onnx.ModelProto) -> onnx.ModelProto:
     """`model` without the data of its large initializers (declared as inputs instead)."""
-    from .build.graph_util import shape_skeleton
+    from .builder.graph_util import shape_skeleton
     return shape_skeleton(model)
 
 
@@ -425,7 +425,7 @@ def make_twin(model: onnx.ModelProto, inputs: dict[str, np.ndarray], batch: int,
     shapes = dict(shapes) if shapes is not None else full_shapes(model)
     for n in inputs:
         shapes.setdefault(n, list(np.shape(inputs[n])))
-    from .build.graph_util import small_constants
+    from .builder.graph_util import small_constants
     constants = small_constants(model)
     learned: dict[str, Position] = {}
     for _ in range(TWIN_PASSES):

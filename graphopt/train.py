@@ -1,5 +1,5 @@
 """Train with a training graph whose optimizer step is inside it (`graphopt train-graph
---optimizer`, graphopt/build/optimizer.py), on ONNX Runtime.
+--optimizer`, graphopt/builder/optimizer.py), on ONNX Runtime.
 
 Step i (from 0) feeds rows ``[i*B, (i+1)*B)`` of every data array, modulo the number of
 samples; every ``<name>_updated`` output becomes input ``<name>`` at the next step. The model

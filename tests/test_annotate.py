@@ -17,7 +17,7 @@ from onnx import helper as h
 
 import real_zoo
 from graphopt.annotate import SOURCES, annotate, measure_exposed, measure_sizes, profile_events
-from graphopt.build.train_graph import build_training_graph
+from graphopt.builder.train_graph import build_training_graph
 from graphopt.ingest import name_nodes
 from graphopt.inputs import synthesize_inputs
 from graphopt.runtime.session import UNOPTIMIZED_SETTINGS, SessionSettings

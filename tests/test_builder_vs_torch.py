@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from torch_zoo import ZOO, ZooEntry, export, op_types  # noqa: E402
 
-from graphopt.build.train_graph import build_training_graph  # noqa: E402
+from graphopt.builder.train_graph import build_training_graph  # noqa: E402
 from graphopt.errors import UnsupportedOpError  # noqa: E402
 from graphopt.optimize import OptimizeOptions, optimize  # noqa: E402
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch import nn
 
-from graphopt.build.train_graph import build_training_graph
+from graphopt.builder.train_graph import build_training_graph
 from graphopt.inputs import save_inputs
 from graphopt.optimize import ORIGINAL_UNOPTIMIZED, OptimizeOptions, optimize, save_model
 from graphopt.pipeline import first_in_order, prepare, rewrite_plan

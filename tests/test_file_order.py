@@ -1,4 +1,4 @@
-"""The builder's node orders (graphopt/build/file_order.py), checked against ONNX Runtime: the
+"""The builder's node orders (graphopt/builder/file_order.py), checked against ONNX Runtime: the
 DEFAULT walk it predicts is the order ORT runs, the sink never raises the cost model's peak,
 and a training graph with its optimizer step runs exactly in its file's order, at a measured
 peak no higher than ORT's own DEFAULT walk of the same graph gives."""
@@ -14,9 +14,9 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from graphopt.analyze import analyze  # noqa: E402
-from graphopt.build.file_order import default_order, sink_to_readers, static_tensor_bytes  # noqa: E402
-from graphopt.build.optimizer import OptimizerSpec  # noqa: E402
-from graphopt.build.train_graph import build_training_graph  # noqa: E402
+from graphopt.builder.file_order import default_order, sink_to_readers, static_tensor_bytes  # noqa: E402
+from graphopt.builder.optimizer import OptimizerSpec  # noqa: E402
+from graphopt.builder.train_graph import build_training_graph  # noqa: E402
 from graphopt.costmodel import priority_order, simulate  # noqa: E402
 from graphopt.examples import example_inputs, forward_example  # noqa: E402
 from graphopt.inputs import save_inputs  # noqa: E402
@@ -145,7 +145,7 @@ def test_sinking_a_tied_embeddings_gradient_lowers_the_peak_predicted_and_measur
 
 
 def test_leanest_file_order_refuses_candidates_that_are_not_orders_of_every_node():
-    from graphopt.build.file_order import leanest_file_order
+    from graphopt.builder.file_order import leanest_file_order
     model = _tied_embedding_with_a_wide_middle()
     names = [n.name for n in model.graph.node]
     before = [n.name for n in model.graph.node]

@@ -14,8 +14,8 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from graphopt.build.optimizer import OptimizerSpec
-from graphopt.build.train_graph import build_training_graph
+from graphopt.builder.optimizer import OptimizerSpec
+from graphopt.builder.train_graph import build_training_graph
 from graphopt.errors import MemoryLimitError
 from graphopt.examples import example_inputs, forward_example, training_example
 from graphopt.inputs import save_inputs

@@ -13,7 +13,7 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 import real_zoo
-from graphopt.build.train_graph import build_training_graph
+from graphopt.builder.train_graph import build_training_graph
 
 LOSS_TOLERANCE = 1e-4
 # or 10 x the float32 noise floor, if larger: torch's own float32-vs-float64 difference, or

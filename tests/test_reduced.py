@@ -14,7 +14,7 @@ import pytest
 
 from graphopt.analyze import analyze, fed_back_outputs
 from graphopt.examples import example_inputs, forward_example
-from graphopt.build.train_graph import build_training_graph
+from graphopt.builder.train_graph import build_training_graph
 from graphopt.reduced import TwinError, batch_inputs, extrapolate, full_shapes, make_twin
 
 

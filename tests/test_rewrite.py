@@ -118,7 +118,7 @@ def batchnorm_training_graph(batch=8, channels=4, size=6, classes=3):
     """Conv -> BatchNormalization -> Relu -> Conv -> pool -> logits, in the form model zoos
     hold it (BatchNormalization in eval form), built into a training graph by graphopt's own
     builder: the node runs in training mode and reads copies of its running statistics."""
-    from graphopt.build.train_graph import build_training_graph
+    from graphopt.builder.train_graph import build_training_graph
     rng = np.random.default_rng(3)
     f32 = lambda a: a.astype(np.float32)  # noqa: E731
     inits = [numpy_helper.from_array(f32(rng.standard_normal((channels, 3, 3, 3)) * 0.3), "w1"),

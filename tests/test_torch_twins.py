@@ -13,7 +13,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 from torch_twins import TWINS, twin_example, torch_inputs  # noqa: E402
 
-from graphopt.build.train_graph import build_training_graph  # noqa: E402
+from graphopt.builder.train_graph import build_training_graph  # noqa: E402
 from graphopt.examples import EXAMPLES, training_example  # noqa: E402
 from graphopt.runtime.session import open_session  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""The optimizer step inside the training graph (graphopt/build/optimizer.py) and the training
+"""The optimizer step inside the training graph (graphopt/builder/optimizer.py) and the training
 loop on ONNX Runtime (graphopt/train.py), against torch.optim on the same model, data and
 initial weights; the graph graphopt optimizes trains exactly like the one it was given."""
 from __future__ import annotations
@@ -26,8 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from torch_zoo import ZOO, export  # noqa: E402
 
 from graphopt.analyze import fed_back_outputs  # noqa: E402
-from graphopt.build.optimizer import OptimizerSpec  # noqa: E402
-from graphopt.build.train_graph import build_training_graph  # noqa: E402
+from graphopt.builder.optimizer import OptimizerSpec  # noqa: E402
+from graphopt.builder.train_graph import build_training_graph  # noqa: E402
 from graphopt.errors import GraphoptError, InvalidModelError, InvalidOptionError  # noqa: E402
 from graphopt.examples import example_inputs, forward_example  # noqa: E402
 from graphopt.optimize import OptimizeOptions, optimize  # noqa: E402

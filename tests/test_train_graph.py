@@ -8,8 +8,8 @@ import pytest
 from graphopt.runtime.session import open_session
 from onnx import TensorProto, helper, numpy_helper
 
-from graphopt.build.deterministic import static_shapes
-from graphopt.build.train_graph import build_training_graph
+from graphopt.builder.deterministic import static_shapes
+from graphopt.builder.train_graph import build_training_graph
 from graphopt.errors import InvalidModelError, UnsupportedOpError
 
 torch = pytest.importorskip("torch")
@@ -239,7 +239,7 @@ def test_embedding_gradient_is_exact_with_threads():
 def _table_sized(train, elements):
     """Backward nodes (not reshapes) whose output has `elements` elements: the buffers of that
     size one training step allocates."""
-    from graphopt.build.deterministic import static_shapes
+    from graphopt.builder.deterministic import static_shapes
     shapes = static_shapes(train)
     aliases = {"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity"}
     return [n for n in train.graph.node if n.op_type not in aliases and shapes.get(n.output[0])
@@ -521,8 +521,8 @@ def test_fed_weights_get_flipped_convolution_input_gradients_that_match_torch():
     Runtime cannot fold: their input gradients are the flipped convolutions
     (`rules.FED_WEIGHTS`), with `LARGER_INPUT_GRADIENTS_AS_CONV` off. The SGD step's update of
     every parameter, read back as a gradient, equals torch's."""
-    from graphopt.build import rules
-    from graphopt.build.optimizer import OptimizerSpec
+    from graphopt.builder import rules
+    from graphopt.builder.optimizer import OptimizerSpec
     assert not rules.LARGER_INPUT_GRADIENTS_AS_CONV
     torch.manual_seed(3)
     module = ConvInputGradients()
@@ -556,7 +556,7 @@ def test_conv_input_gradients_as_flipped_convolutions_match_torch(monkeypatch, a
     flipped in space: every parameter's gradient upstream of them equals torch's, and only the
     wider and the dilated convolutions keep ConvTranspose. Off, all six keep it (and the
     shifted adjoints of the per-tap weight gradients are checked the same way)."""
-    from graphopt.build import rules
+    from graphopt.builder import rules
     monkeypatch.setattr(rules, "LARGER_INPUT_GRADIENTS_AS_CONV", as_conv)
     torch.manual_seed(3)
     module = ConvInputGradients()

@@ -509,7 +509,7 @@ def fpn():
 
 class ConvForms(nn.Module):
     """The convolution shapes whose weight gradients the builder writes in different forms
-    (graphopt/build/rules.py): a 3-channel stem (whole-map convolution), a dilated 3x3 over 8
+    (graphopt/builder/rules.py): a 3-channel stem (whole-map convolution), a dilated 3x3 over 8
     channels (per tap), a dilated 3x3 from 16 channels to 8 (per tap, the adjoint moved), a 1x1
     (per tap; its input gradient a Conv), a strided depthwise 3x3 (per tap, elementwise), a
     grouped 3x3 (groups of 4 channels: whole-map, grouped), a strided 1x1, a transposed 3x3 at

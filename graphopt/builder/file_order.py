@@ -1,6 +1,6 @@
 """The builder's node order for a graph that runs in file order (``PRIORITY_BASED``).
 
-A training graph with its optimizer step runs in the order of its file (graphopt/build/
+A training graph with its optimizer step runs in the order of its file (graphopt/builder/
 optimizer.py writes each update where it should run), so the builder picks that order:
 `leanest_file_order` keeps the candidate order the cost model gives the least peak, after
 `sink_to_readers` has moved each node whose outputs outweigh the inputs it keeps alive down to

@@ -338,14 +338,14 @@ def build_training_graph(forward: onnx.ModelProto, loss: str | None = None,
     ``<stat>_updated``, Dropout masks).
 
     `loss`: ``cross_entropy`` or ``mse`` put that loss on the forward's first output against a
-    new input `labels` (see graphopt/build/losses.py); ``output:NAME`` (or None: the output
+    new input `labels` (see graphopt/builder/losses.py); ``output:NAME`` (or None: the output
     named ``loss``, else the first output) takes the scalar loss the model computes.
     `parameters` defaults to every floating-point initializer from which a derivative reaches
     the loss, minus `freeze`. BatchNormalization and Dropout run in training mode
-    (graphopt/build/training_mode.py).
+    (graphopt/builder/training_mode.py).
 
     `optimizer`: the update of each parameter in the graph instead of its gradient as an output
-    (graphopt/build/optimizer.py): inputs the parameters and optimizer state, outputs ``loss``
+    (graphopt/builder/optimizer.py): inputs the parameters and optimizer state, outputs ``loss``
     then every ``<input>_updated``.
 
     Raises UnsupportedOpError for an operator without a gradient rule and InvalidModelError
