@@ -390,3 +390,15 @@ def test_what_no_budget_changes_is_reused_without_changing_plans(name, seed):
         cold = solve(CostGraph.from_dict(graph.to_dict()), budget_bytes=budget)
         assert (cold.checkpoints, cold.peak_bytes, cold.recompute_seconds) == \
             (plan.checkpoints, plan.peak_bytes, plan.recompute_seconds), budget
+
+
+def test_auto_seeds_are_registered_strategies_called_as_registered():
+    """`auto` keeps its own seed table (the registry lists auto, so auto cannot read the
+    registry without a cycle): each seed is the registry's strategy of that name, with its
+    solve function and its budget support, and every registered solver but the oracles and
+    the local search is a seed."""
+    from graphopt.search.auto import SEEDS
+    for seed in SEEDS:
+        registered = STRATEGIES[seed.name]
+        assert seed.solve is registered.solve and seed.takes_budget == registered.takes_budget, seed.name
+    assert {s.name for s in SEEDS} == set(STRATEGIES) - {"auto", "greedy", "milp"}

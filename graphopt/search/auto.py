@@ -27,8 +27,8 @@ that recomputes several times more for a 0.5% lower peak is not what users want)
 budget, least recompute seconds among plans whose peak fits (the least peak when none fits).
 
 Work, not time. Every limit inside `auto` is counted in work, so a plan does not depend on
-the machine's speed: a solver is run only on graphs with at most its registry entry's
-`auto_max_candidates` candidate checkpoints (the exact DPs grow too fast beyond); Feng & Huang gets
+the machine's speed: a solver is run only on graphs with at most its `Seed.max_candidates`
+candidate checkpoints (the exact DPs grow too fast beyond); Feng & Huang gets
 FENG_HUANG_LABELS and FENG_HUANG_COMPARISONS of work (then the best so far); Chen's greedy a grid of CHEN_GREEDY_GRID
 budgets; the chain solver CHAIN_BOUNDS model bounds; Kusumoto's exact DP KUSUMOTO_LOWER_SETS
 lower sets;
@@ -45,14 +45,42 @@ import dataclasses
 import time
 import weakref
 
-from ..costgraph import CostGraph
-from .greedy import greedy, objective, value_prefix
-from .plan import Plan, make_plan, peak_floor_bytes
+from typing import Callable
 
-# The seeds are the registry's strategies marked `in_auto` (each on graphs up to its
-# `auto_max_candidates`), the fast ones first, so that where they already reach the peak
-# floor the slow ones are not run.
-FAST_SEEDS = ("store-all", "chen-sqrt", "chen-greedy", "chain")
+from ..costgraph import CostGraph
+from .chain import chain
+from .chen_greedy import chen_greedy
+from .chen_sqrt import chen_sqrt
+from .feng_huang import feng_huang
+from .greedy import greedy, objective, value_prefix
+from .kusumoto import kusumoto, kusumoto_approx
+from .plan import Plan, make_plan, peak_floor_bytes
+from .store_all import store_all
+
+
+@dataclasses.dataclass(frozen=True)
+class Seed:
+    """A solver whose plan seeds the local search: run on graphs with at most `max_candidates`
+    candidate checkpoints (None: always; beyond, the exact DPs grow too fast: see
+    benchmarks/solver_timing.py). Its name is its registry name."""
+    name: str
+    solve: Callable[..., Plan]
+    takes_budget: bool
+    max_candidates: int | None = None
+    fast: bool = False       # run even when a plan is already at the peak floor
+
+
+# The seeds in the order they run: the fast ones first, so that where they already reach the
+# peak floor the slow ones are not run.
+SEEDS = (
+    Seed("store-all", store_all, takes_budget=False, fast=True),
+    Seed("chen-sqrt", chen_sqrt, takes_budget=False, fast=True),
+    Seed("chen-greedy", chen_greedy, takes_budget=True, fast=True),
+    Seed("chain", chain, takes_budget=True, max_candidates=500, fast=True),
+    Seed("feng-huang", feng_huang, takes_budget=False, max_candidates=150),
+    Seed("kusumoto", kusumoto, takes_budget=True, max_candidates=120),
+    Seed("kusumoto-approx", kusumoto_approx, takes_budget=True, max_candidates=40),
+)
 # work of its branch and bound (labels x frontier), then the best so far: at 30,000 instead of
 # 150,000, the same least peaks within 1.1x, 1.25x and 1.5x store-all's step on the six examples'
 # graphs (both base orders), 4 s less CPU on densenet's (by hand, this stop)
@@ -135,7 +163,6 @@ def least_peak_local(graph: CostGraph, plans: list[Plan], seconds_limit: float) 
 
 def auto(graph: CostGraph, budget_bytes: int | None = None, *,
          time_limit_seconds: float = 60.0) -> Plan:
-    from .registry import STRATEGIES        # the registry lists auto itself
     started = time.perf_counter()
     deadline = started + time_limit_seconds  # a safety net only: work limits decide
     candidates = len(graph.candidate_checkpoints)
@@ -148,21 +175,19 @@ def auto(graph: CostGraph, budget_bytes: int | None = None, *,
         return (budget_bytes is None and bool(seeds)
                 and min(p.peak_bytes for p in seeds) <= floor_bytes * (1 + PEAK_TOLERANCE))
 
-    in_auto = [s for s in STRATEGIES.values() if s.in_auto]
-    for strategy in sorted(in_auto, key=lambda s: FAST_SEEDS.index(s.name) if s.name in FAST_SEEDS
-                           else len(FAST_SEEDS)):
-        name, limit = strategy.name, strategy.auto_max_candidates
+    for seed in SEEDS:
+        name, limit = seed.name, seed.max_candidates
         if (limit is not None and candidates > limit) or (seeds and time.perf_counter() > deadline):
             continue
-        if name not in FAST_SEEDS and at_floor():
+        if not seed.fast and at_floor():
             continue
         t = time.perf_counter()
-        if strategy.takes_budget:
-            plan = strategy.solve(graph, budget_bytes=budget_bytes, **_seed_options(name, graph))
+        if seed.takes_budget:
+            plan = seed.solve(graph, budget_bytes=budget_bytes, **_seed_options(name, graph))
         else:
             solved = _BUDGETLESS_SEEDS.setdefault(graph, {})
             if name not in solved:
-                solved[name] = strategy.solve(graph, **_seed_options(name, graph))
+                solved[name] = seed.solve(graph, **_seed_options(name, graph))
             plan = dataclasses.replace(solved[name], notes=dict(solved[name].notes))
         seed_seconds[name] = time.perf_counter() - t
         plan.notes["seed"] = name

@@ -33,11 +33,6 @@ class Strategy:
     description: str
     takes_budget: bool      # with a budget: the least recompute time whose cost-model peak fits
     exact_for: str = ""     # the model under which its plans can be optimal ("" : a heuristic)
-    # a seed of `auto`: on graphs with at most this many candidate checkpoints (None: always;
-    # beyond, the exact DPs grow too fast: see benchmarks/solver_timing.py)
-    in_auto: bool = False
-    auto_max_candidates: int | None = None
-
     def check(self, budget_bytes: int | None) -> None:
         """Refuse what this strategy cannot do (before any work is spent)."""
         if budget_bytes is not None and not self.takes_budget:
@@ -60,27 +55,23 @@ _LIST = [
              exact_for="the cost model, when its peak reaches the peak floor (a lower bound on every plan)"),
     Strategy("feng-huang", feng_huang,
              "Feng & Huang 2021: least peak on arbitrary graphs (exact for its segment model)",
-             takes_budget=False, exact_for="the segment model, unless its effort limit was reached",
-             in_auto=True, auto_max_candidates=150),
+             takes_budget=False, exact_for="the segment model, unless its effort limit was reached"),
     Strategy("kusumoto", kusumoto,
              "Kusumoto et al. 2019: least recompute time under a budget, exact lower-set DP (approximate "
              "above a width guard)", takes_budget=True,
-             exact_for="its lower-set model, below the width guard", in_auto=True, auto_max_candidates=120),
+             exact_for="its lower-set model, below the width guard"),
     Strategy("kusumoto-approx", kusumoto_approx,
-             "Kusumoto et al. 2019: approximate DP over ancestor-closure lower sets", takes_budget=True,
-             in_auto=True, auto_max_candidates=40),
+             "Kusumoto et al. 2019: approximate DP over ancestor-closure lower sets", takes_budget=True),
     Strategy("chain", chain,
              "arXiv 2502.12499: exact DP / linear algorithm on layer chains (branches kept)",
-             takes_budget=True, exact_for="its layer-chain model", in_auto=True, auto_max_candidates=500),
+             takes_budget=True, exact_for="its layer-chain model"),
     Strategy("greedy", greedy,
              "local search over checkpoint sets on the cost model, seeded with Chen and segmentations",
              takes_budget=True),
     Strategy("chen-greedy", chen_greedy,
-             "Chen et al. 2016: greedy segments under a swept size budget", takes_budget=True, in_auto=True),
-    Strategy("chen-sqrt", chen_sqrt, "Chen et al. 2016: sqrt(n) equal-bytes segments", takes_budget=False,
-             in_auto=True),
-    Strategy("store-all", store_all, "keep every forward tensor (no recomputation)", takes_budget=False,
-             in_auto=True),
+             "Chen et al. 2016: greedy segments under a swept size budget", takes_budget=True),
+    Strategy("chen-sqrt", chen_sqrt, "Chen et al. 2016: sqrt(n) equal-bytes segments", takes_budget=False),
+    Strategy("store-all", store_all, "keep every forward tensor (no recomputation)", takes_budget=False),
     Strategy("milp", milp, "exact MILP of Kusumoto's model with HiGHS (small graphs; an oracle)",
              takes_budget=True, exact_for="Kusumoto's model, when HiGHS proves optimality"),
 ]
