@@ -147,7 +147,7 @@ def _parameters_as_inputs(model):
 
 
 def _op_type_shares(model, feeds, threads: int) -> list[tuple[str, float]]:
-    from graphopt.annotate import profile_events
+    from graphopt.runtime.profile import profile_events
     with tempfile.TemporaryDirectory() as tmp:
         session = _session(model, threads, os.path.join(tmp, "p"))
         step = _stepper(session, feeds)

@@ -11,13 +11,13 @@ from typing import TYPE_CHECKING
 import onnx
 
 from .errors import InvalidModelError, UnsupportedOpError
+from .runtime.step_state import UPDATED_SUFFIX, fed_back_outputs  # noqa: F401  (the library's names)
 from .ingest import KNOWN_DOMAINS, subgraphs
+from .onnx_ops import FLOAT_TYPES
 
 if TYPE_CHECKING:
     import networkx as nx
 
-FLOAT_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE,
-                         onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16})
 
 
 @dataclass
@@ -34,19 +34,6 @@ class TrainingGraph:
     @property
     def nodes(self) -> dict[str, onnx.NodeProto]:
         return {n.name: n for n in self.model.graph.node}
-
-
-UPDATED_SUFFIX = "_updated"
-
-
-def fed_back_outputs(model: onnx.ModelProto) -> dict[str, str]:
-    """output name -> input name for every output ``<name>_updated`` whose ``<name>`` is a graph
-    input: the state a training step returns (updated parameters, optimizer state, running
-    statistics), which a trainer feeds back at the next step. A trainer writes these outputs
-    into buffers it provides (graphopt.train), so they take no memory during the step."""
-    inputs = {v.name for v in model.graph.input}
-    return {o.name: o.name[:-len(UPDATED_SUFFIX)] for o in model.graph.output
-            if o.name.endswith(UPDATED_SUFFIX) and o.name[:-len(UPDATED_SUFFIX)] in inputs}
 
 
 def producers(model: onnx.ModelProto) -> dict[str, onnx.NodeProto]:

@@ -15,6 +15,7 @@ import onnx
 from onnx import helper, numpy_helper, shape_inference
 
 from graphopt.errors import InvalidModelError, LimitExceededError
+from graphopt.runtime.arrays import load_arrays, save_arrays
 
 
 class InputSpecError(InvalidModelError, ValueError):
@@ -374,21 +375,6 @@ def synthesize_inputs(
     return feeds
 
 
-_NAMES_KEY = "__graphopt_input_names__"
-
-
-def save_inputs(path: str | os.PathLike, inputs: dict[str, np.ndarray]) -> None:
-    """Save a feed dict as .npz (names stored separately, so any name is safe)."""
-    names = list(inputs)
-    arrays = [np.asarray(inputs[n]) for n in names]
-    with open(path, "wb") as f:
-        np.savez(f, *arrays, **{_NAMES_KEY: np.array(names, dtype=np.str_)})
-
-
-def load_inputs(path: str | os.PathLike) -> dict[str, np.ndarray]:
-    """Load a feed dict written by :func:`save_inputs` (or any plain .npz: keys are names)."""
-    with np.load(path, allow_pickle=False) as z:
-        if _NAMES_KEY in z.files:
-            names = [str(n) for n in z[_NAMES_KEY]]
-            return {n: np.ascontiguousarray(z[f"arr_{i}"]) for i, n in enumerate(names)}
-        return {k: np.ascontiguousarray(z[k]) for k in z.files}
+# a step's inputs as a file (the format of `runtime.arrays`)
+save_inputs = save_arrays
+load_inputs = load_arrays

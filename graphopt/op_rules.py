@@ -13,9 +13,9 @@ from onnx import defs, shape_inference
 from .analyze import TrainingGraph, fed_back_outputs, implicit_inputs
 from .costgraph import CostGraph, Op
 from .runtime.measure import MMAP_THRESHOLD_BYTES
+from .onnx_ops import ALIAS_OPS, STANDARD_DOMAINS
 
 # Ops whose output 0 shares the buffer of input 0 in ONNX Runtime's CPU and CUDA providers.
-ALIAS_OPS = frozenset({"Reshape", "Identity", "Squeeze", "Unsqueeze", "Flatten"})
 # Ops that draw random numbers: never recomputed (their outputs are always checkpoints).
 RANDOM_OPS = frozenset({"Dropout", "RandomNormal", "RandomNormalLike", "RandomUniform",
                         "RandomUniformLike", "Multinomial", "Bernoulli"})
@@ -126,7 +126,7 @@ def workspace_bytes(node: onnx.NodeProto, shapes: dict, tensor_bytes: dict[str, 
     op_type = node.op_type
     if node.domain == "com.microsoft" and op_type == "FusedConv":
         op_type = "Conv"   # ORT's Conv+activation (runtime/offline.py): the same MLAS convolution
-    elif node.domain not in ("", "ai.onnx"):
+    elif node.domain not in STANDARD_DOMAINS:
         return 0
     outs = [t for t in node.output if t]
     if not outs:
@@ -207,7 +207,7 @@ def is_alias(node: onnx.NodeProto, graph_outputs: frozenset | set = frozenset())
     Measured on 1.32 (tests/test_cost_rules.py; traced in mobilenet_v2's backward, where each
     weight gradient ``Reshape`` to a graph output held input + output while it ran, then the
     output alone)."""
-    if not (node.domain in ("", "ai.onnx") and node.op_type in ALIAS_OPS):
+    if not (node.domain in STANDARD_DOMAINS and node.op_type in ALIAS_OPS):
         return False
     return not (node.output and node.output[0] in graph_outputs)
 
@@ -244,7 +244,7 @@ def clobbered_inputs(node: onnx.NodeProto) -> tuple[str, ...]:
     aliased): a training-mode BatchNormalization writes the updated running statistics into
     the buffers of its statistics inputs (3 and 4). Read after the op, such a tensor holds the
     updated values, so no plan may keep it for a later reader (a recomputed clone)."""
-    if node.domain in ("", "ai.onnx") and node.op_type == "BatchNormalization":
+    if node.domain in STANDARD_DOMAINS and node.op_type == "BatchNormalization":
         training = next((a.i for a in node.attribute if a.name == "training_mode"), 0)
         if training:
             return tuple(t for t in node.input[3:5] if t)
@@ -316,7 +316,7 @@ def build_cost_graph(training: TrainingGraph, tensor_bytes: dict[str, int],
         for k, t in enumerate(node.output):
             if t and k in optional and t not in outputs and k > 0:
                 droppable.add(t)
-        folded = node.domain in ("", "ai.onnx") and node.op_type in FOLDED_AT_LOAD_OPS
+        folded = node.domain in STANDARD_DOMAINS and node.op_type in FOLDED_AT_LOAD_OPS
         ops[name] = Op(
             name=name,
             op_type=node.op_type,

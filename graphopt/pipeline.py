@@ -65,7 +65,8 @@ from .report import (OUTCOME_OPTIMIZED, OUTCOME_ORIGINAL, OUTCOME_UNMEASURED, An
                      PlanMeasured, PlanTried, Predicted, PredictedRun, PredictionError, Ratios, RejectedForOutputs,
                      RejectedPlan, Report, Objective, OverheadAttempt)
 from .rewrite import PLANNED_SETTINGS, expand_functions, has_function, rewrite
-from .runtime.isolated import Workspace, run_task
+from .runtime.isolated import Workspace
+from .tasks import run_task
 from .reduced import TwinError, batch_inputs, full_shapes, full_size_annotations, make_twin
 from .runtime.limit import initializer_bytes, out_of_memory
 from .runtime.measure import Measurement, measure, run_within_limit, time_steps

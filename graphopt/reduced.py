@@ -38,6 +38,7 @@ from onnx import helper, numpy_helper
 
 from .builder.graph_util import attribute, infer_shapes
 from .errors import InvalidModelError
+from .onnx_ops import STANDARD_DOMAINS
 
 # Where a constant gives a node its output's shape: op type -> input position.
 SHAPE_SLOTS = {"Reshape": 1, "Expand": 1, "ConstantOfShape": 0, "Resize": 3}
@@ -101,7 +102,7 @@ def _fold(model: onnx.ModelProto, shapes: dict[str, list[int]], values: dict[str
     from onnx.reference import ReferenceEvaluator
     added = 0
     for node in model.graph.node:
-        if node.op_type not in _FOLDABLE or node.domain not in ("", "ai.onnx") or not node.output:
+        if node.op_type not in _FOLDABLE or node.domain not in STANDARD_DOMAINS or not node.output:
             continue
         if all(o in values for o in node.output if o):
             continue

@@ -33,6 +33,7 @@ from .op_rules import clobbered_inputs
 from .costmodel import resolve_versions
 from .runtime.session import SessionSettings, write_settings
 from .search.plan import Plan
+from .onnx_ops import STANDARD_DOMAINS
 
 PLAN_KEY = "graphopt.plan"
 
@@ -167,7 +168,7 @@ def _function_body(node: onnx.NodeProto, opset: int, input_types: list[onnx.Type
     function.ParseFromString(body)
     body_opset = {o.domain: o.version for o in function.opset_import}.get("", opset)
     for inner in function.node:
-        if inner.domain not in ("", "ai.onnx"):
+        if inner.domain not in STANDARD_DOMAINS:
             return None
         try:
             same = (onnx.defs.get_schema(inner.op_type, body_opset).since_version
@@ -194,7 +195,7 @@ def expand_functions(model: onnx.ModelProto, names, input_types: dict[str, onnx.
     selected = []
     sizes: dict[str, int] = {}
     for k, node in enumerate(work.graph.node):
-        if node.name not in names or node.domain not in ("", "ai.onnx"):
+        if node.name not in names or node.domain not in STANDARD_DOMAINS:
             continue
         types = None
         if input_types is not None:

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 
-from graphopt.annotate import _parse_profile
+from graphopt.runtime.arrays import save_arrays, saved_arrays
+from graphopt.runtime.profile import last_run_order_and_seconds
 from graphopt.ingest import subgraphs
 from graphopt.runtime.session import SessionSettings, open_session
 
@@ -133,8 +134,7 @@ def compare_outputs(
 
 def save_outputs(path: str | os.PathLike, outputs: dict[str, np.ndarray]) -> None:
     """Write a run's outputs to ``path`` (.npz, any names), for :func:`compare_with_saved`."""
-    from graphopt.inputs import save_inputs
-    save_inputs(path, outputs)
+    save_arrays(path, outputs)
 
 
 def compare_with_saved(
@@ -144,16 +144,14 @@ def compare_with_saved(
 ) -> OutputComparison:
     """:func:`compare_outputs` against outputs saved by :func:`save_outputs`, reading one
     reference array at a time (the reference run's outputs are never all in memory)."""
-    from graphopt.inputs import _NAMES_KEY
     per: dict[str, float] = {}
-    with np.load(reference_path, allow_pickle=False) as z:
-        names = [str(n) for n in z[_NAMES_KEY]]
-        for i, name in enumerate(names):
-            if name not in candidate:
-                per[name] = math.inf
-                continue
-            per.update(compare_outputs({name: z[f"arr_{i}"]}, {name: candidate[name]}, tolerance).per_output)
-    known = set(names)
+    known = set()
+    for name, reference in saved_arrays(reference_path):
+        known.add(name)
+        if name not in candidate:
+            per[name] = math.inf
+            continue
+        per.update(compare_outputs({name: reference}, {name: candidate[name]}, tolerance).per_output)
     for name in candidate:
         if name not in known:
             per[name] = math.inf
@@ -188,7 +186,7 @@ def executed_order(
             return []
         inner = subgraph_node_names(model if isinstance(model, onnx.ModelProto)
                                     else onnx.load(str(model), load_external_data=False))
-        return [name for name in _parse_profile(path)[0] if name not in inner]
+        return [name for name in last_run_order_and_seconds(path)[0] if name not in inner]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

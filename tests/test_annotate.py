@@ -16,7 +16,8 @@ from onnx import TensorProto as T
 from onnx import helper as h
 
 import real_zoo
-from graphopt.annotate import SOURCES, annotate, measure_exposed, measure_sizes, profile_events
+from graphopt.annotate import SOURCES, annotate, measure_exposed, measure_sizes
+from graphopt.runtime.profile import profile_events
 from graphopt.builder.train_graph import build_training_graph
 from graphopt.ingest import name_nodes
 from graphopt.inputs import synthesize_inputs

@@ -74,8 +74,8 @@ def test_a_warm_child_reports_what_a_fresh_interpreter_reports(monkeypatch):
     results = {}
     for switch in ("0", "1"):
         monkeypatch.setenv(warm.SWITCH_ENV, switch)
-        failed = warm.run_module("graphopt.runtime._task_worker", ["annotate"], input="not json")
-        answered = warm.run_module("graphopt.runtime._task_worker", ["no-such-task"], input="{}")
+        failed = warm.run_module("graphopt.tasks", ["annotate"], input="not json")
+        answered = warm.run_module("graphopt.tasks", ["no-such-task"], input="{}")
         results[switch] = (failed.returncode, failed.stderr.strip().splitlines()[-1], answered.returncode,
                            json.loads(answered.stdout.splitlines()[-1])["error"]["type"])
     assert results["0"] == results["1"], results
@@ -100,7 +100,7 @@ def test_a_dead_warm_parent_is_replaced(monkeypatch):
     first = warm.warm_parent()
     first.proc.kill()
     first.proc.wait()
-    done = warm.run_module("graphopt.runtime._task_worker", ["no-such-task"], input="{}")
+    done = warm.run_module("graphopt.tasks", ["no-such-task"], input="{}")
     assert done.returncode == 0 and "error" in json.loads(done.stdout.splitlines()[-1])
     second = warm.warm_parent()
     assert second is not first and second.proc.pid != first.proc.pid and second.alive()
@@ -109,7 +109,7 @@ def test_a_dead_warm_parent_is_replaced(monkeypatch):
 def test_a_caller_that_ends_leaves_no_warm_process_behind():
     script = ("from graphopt.runtime import warm\n"
               "assert warm.warm_parent() is not None\n"
-              "print(warm.run_module('graphopt.runtime._task_worker', ['x'], input='{}').returncode)\n")
+              "print(warm.run_module('graphopt.tasks', ['x'], input='{}').returncode)\n")
     env = dict(os.environ, **{warm.SWITCH_ENV: "1"})
     caller = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env,
                               start_new_session=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
+from graphopt.onnx_ops import STANDARD_DOMAINS
 
 
 def attribute(node: onnx.NodeProto, name: str, default):
@@ -86,7 +87,7 @@ def sequence_splits_to_split(model: onnx.ModelProto) -> int:
     keepdims=0). onnx-ad differentiates no sequence ops; Split it does. Returns how many
     were replaced; a sequence used any other way is left as it is."""
     graph = model.graph
-    splits = [n for n in graph.node if n.op_type == "SplitToSequence" and n.domain in ("", "ai.onnx")]
+    splits = [n for n in graph.node if n.op_type == "SplitToSequence" and n.domain in STANDARD_DOMAINS]
     if not splits:
         return 0
     consts = small_constants(model)
@@ -100,7 +101,7 @@ def sequence_splits_to_split(model: onnx.ModelProto) -> int:
     for value in list(inferred.graph.value_info) + list(inferred.graph.input):
         dims = value.type.tensor_type.shape.dim
         shapes[value.name] = [d.dim_value if d.HasField("dim_value") else None for d in dims]
-    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 18)
+    opset = next((o.version for o in model.opset_import if o.domain in STANDARD_DOMAINS), 18)
     fresh = Names(model).fresh
     replace: dict[int, list] = {}
     for node in splits:

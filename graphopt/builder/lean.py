@@ -34,6 +34,7 @@ import onnx
 from onnx import helper
 
 from .graph_util import Names, attribute, small_constants
+from graphopt.onnx_ops import ALIAS_OPS, STANDARD_DOMAINS
 
 
 def _readers(model: onnx.ModelProto) -> dict[str, list[onnx.NodeProto]]:
@@ -214,9 +215,6 @@ def recompute_gelu_intermediates(model: onnx.ModelProto, backward: set[str]) -> 
     return changed
 
 
-_ALIASES = ("Reshape", "Unsqueeze", "Squeeze", "Flatten", "Identity")
-
-
 def _squeezed(shape):
     return None if shape is None or None in shape else [d for d in shape if d != 1]
 
@@ -258,7 +256,7 @@ def transposed_products(model: onnx.ModelProto, shapes: dict[str, list]) -> int:
             if producer is None or source in outputs or len(readers.get(source, [])) != 1:
                 producer = None
                 break
-            if producer.op_type in _ALIASES and _squeezed(shapes.get(producer.input[0])) == _squeezed(in_shape):
+            if producer.op_type in ALIAS_OPS and _squeezed(shapes.get(producer.input[0])) == _squeezed(in_shape):
                 chain.append(producer)
                 source = producer.input[0]
                 continue
@@ -338,11 +336,11 @@ def outputs_written_in_place(model: onnx.ModelProto, shapes: dict[str, list]) ->
         return None if shape is None or None in shape else list(shape)
 
     for alias in list(graph.node):
-        if alias.op_type not in _ALIASES or alias.output[0] not in outputs:
+        if alias.op_type not in ALIAS_OPS or alias.output[0] not in outputs:
             continue
         source, target = alias.input[0], alias.output[0]
         producer = producers.get(source)
-        if producer is None or producer.op_type in _ALIASES or source in outputs or source in declared \
+        if producer is None or producer.op_type in ALIAS_OPS or source in outputs or source in declared \
                 or len(readers.get(source, [])) != 1 or len(producer.output) != 1:
             continue
         have, want = static(source), static(target)
@@ -423,7 +421,7 @@ def gradients_early(model: onnx.ModelProto, sources: set[str]) -> int:
     every = list(graph.node)
     near = set(sources)
     for node in every:
-        if node.op_type in _ALIASES and node.input and node.input[0] in near:
+        if node.op_type in ALIAS_OPS and node.input and node.input[0] in near:
             near.update(node.output)
     read = {name for node in every for name in node.input}
     wanted = {o.name for o in graph.output}
@@ -462,14 +460,14 @@ def transposed_weights_into_gemm(model: onnx.ModelProto, shapes: dict[str, list]
         return None if shape is None or None in shape else list(shape)
 
     for node in every:
-        if node.op_type != "Transpose" or node.domain not in ("", "ai.onnx"):
+        if node.op_type != "Transpose" or node.domain not in STANDARD_DOMAINS:
             continue
         w_shape = static(node.input[0])
         if w_shape is None or len(w_shape) != 2 or list(attribute(node, "perm", [1, 0])) != [1, 0]:
             continue
         matmuls = readers.get(node.output[0], [])
         if not matmuls or node.output[0] in outputs or not all(
-                r.op_type == "MatMul" and r.domain in ("", "ai.onnx") and list(r.input).count(node.output[0]) == 1
+                r.op_type == "MatMul" and r.domain in STANDARD_DOMAINS and list(r.input).count(node.output[0]) == 1
                 and r.input[1] == node.output[0] and static(r.input[0]) is not None
                 and len(static(r.input[0])) >= 2 and static(r.output[0]) is not None for r in matmuls):
             continue
@@ -522,7 +520,7 @@ def masks_as_products(model: onnx.ModelProto, loss: str) -> int:
     names = Names(model)
     replaced, dead, before = 0, set(), {}
     for node in graph.node:
-        if node.op_type != "Where" or node.domain not in ("", "ai.onnx") or len(node.input) != 3 \
+        if node.op_type != "Where" or node.domain not in STANDARD_DOMAINS or len(node.input) != 3 \
                 or node.output[0] in forward:
             continue
         zero_at = [k for k in (1, 2) if node.input[k] in constants and constants[node.input[k]].size == 1

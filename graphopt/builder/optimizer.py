@@ -33,7 +33,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from graphopt.analyze import UPDATED_SUFFIX
+from graphopt.runtime.step_state import UPDATED_SUFFIX
 from graphopt.errors import InvalidModelError, InvalidOptionError
 
 from .graph_util import Names

@@ -45,12 +45,10 @@ from .file_order import default_order, leanest_file_order
 from .optimizer import OptimizerSpec, fuse_optimizer
 from .losses import LOSS_NAME, attach_loss_parts, cross_entropy_seed, parse_loss
 from .training_mode import batchnorm_training, copy_statistics_inputs, dropout_training
+from graphopt.onnx_ops import FLOAT_TYPES, STANDARD_DOMAINS
 
 __all__ = ["build_training_graph", "cleanup_graph"]
 
-FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16,
-               TensorProto.BFLOAT16)
-_STANDARD_DOMAINS = ("", "ai.onnx")
 
 
 # --------------------------------------------------------------------------- helpers --
@@ -175,7 +173,7 @@ def _cleanup_round(model):
                 node.input[i] = name
                 changed = True
         op = node.op_type
-        if node.domain not in _STANDARD_DOMAINS:
+        if node.domain not in STANDARD_DOMAINS:
             new_nodes.append(node)
             continue
         src = node.input[0] if node.input else None
@@ -194,7 +192,7 @@ def _cleanup_round(model):
             changed = True
             continue
         inner = producers.get(src) if op == "Transpose" else None
-        if inner is not None and inner.op_type == "Transpose" and inner.domain in _STANDARD_DOMAINS \
+        if inner is not None and inner.op_type == "Transpose" and inner.domain in STANDARD_DOMAINS \
                 and shapes.get(inner.input[0]) is not None:
             # Transpose(Transpose(x, p), q) = Transpose(x, p[q]); the identity when that is sorted
             rank = len(shapes[inner.input[0]])
@@ -228,7 +226,7 @@ def _cleanup_round(model):
             while producer is not None and producer.op_type in ("Reshape", "Flatten",
                                                                 "Squeeze", "Unsqueeze",
                                                                 "Identity") \
-                    and producer.domain in _STANDARD_DOMAINS:
+                    and producer.domain in STANDARD_DOMAINS:
                 source = producer.input[0]
                 while source in alias:
                     source = alias[source]
@@ -311,7 +309,7 @@ def _float_ancestors(model, loss, types):
                    for o in node.output if o):
             continue
         skip = _NON_DIFFERENTIABLE_SLOTS.get(node.op_type, set()) \
-            if node.domain in _STANDARD_DOMAINS else set()
+            if node.domain in STANDARD_DOMAINS else set()
         explicit = {name for i, name in enumerate(node.input) if name and i not in skip}
         for name in explicit | (_node_reads(node) - set(node.input)):
             if types.get(name, TensorProto.FLOAT) in FLOAT_TYPES:
@@ -322,7 +320,7 @@ def _float_ancestors(model, loss, types):
 def _check_ops(model, reaching):
     """Custom-domain operators on the path from a parameter to the loss: not supported."""
     for node in model.graph.node:
-        if node.domain not in _STANDARD_DOMAINS and (_node_reads(node) & reaching):
+        if node.domain not in STANDARD_DOMAINS and (_node_reads(node) & reaching):
             raise UnsupportedOpError(
                 "operator %s:%s (node '%s') has no gradient rule"
                 % (node.domain, node.op_type, node.name or node.output[0]))

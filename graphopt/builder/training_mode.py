@@ -29,6 +29,7 @@ from onnx import TensorProto, helper, numpy_helper
 from graphopt.errors import InvalidModelError
 
 from .graph_util import Names, attribute, infer_shapes
+from graphopt.onnx_ops import STANDARD_DOMAINS
 
 MIN_OPSET = 14   # BatchNormalization's training_mode attribute
 
@@ -48,7 +49,7 @@ class Extras:
 
 
 def _opset(model: onnx.ModelProto) -> int:
-    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    return next((o.version for o in model.opset_import if o.domain in STANDARD_DOMAINS), 0)
 
 
 def _set_attribute(node: onnx.NodeProto, name: str, value) -> None:
@@ -100,7 +101,7 @@ def _own_buffer(model, graph, bn, slot, producers, readers, names, dropped) -> s
 
 def batchnorm_training(model: onnx.ModelProto) -> Extras:
     """In place: every BatchNormalization in training mode, updated running statistics as extras."""
-    batchnorms = [n for n in model.graph.node if n.op_type == "BatchNormalization" and n.domain in ("", "ai.onnx")]
+    batchnorms = [n for n in model.graph.node if n.op_type == "BatchNormalization" and n.domain in STANDARD_DOMAINS]
     extras = Extras()
     if not batchnorms:
         return extras
@@ -202,7 +203,7 @@ def dropout_training(model: onnx.ModelProto) -> Extras:
     so the backward reads the 1-byte mask, and a mask drawn once per step (random ops are
     never recomputed). The seed is fixed per node, so runs are reproducible."""
     graph = model.graph
-    if not any(n.op_type == "Dropout" and n.domain in ("", "ai.onnx") for n in graph.node):
+    if not any(n.op_type == "Dropout" and n.domain in STANDARD_DOMAINS for n in graph.node):
         return Extras()
     names = Names(model)
     types = {}
@@ -211,7 +212,7 @@ def dropout_training(model: onnx.ModelProto) -> Extras:
         types[value.name] = value.type.tensor_type.elem_type
     nodes, masks, constants = [], [], []
     for node in graph.node:
-        if node.op_type != "Dropout" or node.domain not in ("", "ai.onnx"):
+        if node.op_type != "Dropout" or node.domain not in STANDARD_DOMAINS:
             nodes.append(node)
             continue
         x, y = node.input[0], node.output[0]

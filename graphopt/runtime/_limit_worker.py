@@ -27,11 +27,11 @@ import time
 
 
 def _fed_back_bytes(model) -> int:
-    """The bytes of the state outputs a trainer binds to buffers of its own (analyze.fed_back_outputs)."""
+    """The bytes of the state outputs a trainer binds to buffers of its own (runtime.step_state.fed_back_outputs)."""
     import numpy as np
     import onnx
 
-    from graphopt.analyze import fed_back_outputs
+    from graphopt.runtime.step_state import fed_back_outputs
     declared = {o.name: o.type.tensor_type for o in model.graph.output}
     total = 0
     for name in fed_back_outputs(model):
@@ -58,8 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     import onnx
     import onnxruntime as ort
 
-    import graphopt.analyze  # noqa: F401  (what _step_runner imports, counted in the baseline, not the session)
-    from graphopt.inputs import load_inputs
+    import graphopt.runtime.step_state  # noqa: F401  (what _step_runner imports, counted in the baseline, not the session)
+    from graphopt.runtime.arrays import load_arrays
     from graphopt.runtime._measure_worker import _step_runner, io_only
     from graphopt.runtime.limit import initializer_bytes, out_of_memory, shortfall_bytes
     from graphopt.runtime.rss import (malloc_trim, mark_session_start, reset_peak_rss, rss_bytes, session_footprint,
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     cuda = provider == "CUDAExecutionProvider"
     device = "cuda" if cuda else "cpu"
     graph_inputs = {i.name for i in model.graph.input}
-    feeds_np = {k: v for k, v in load_inputs(args.inputs).items() if k in graph_inputs}
+    feeds_np = {k: v for k, v in load_arrays(args.inputs).items() if k in graph_inputs}
     outside = int(initializer_bytes(model) + sum(v.nbytes for v in feeds_np.values()) + _fed_back_bytes(model))
     cap = args.limit - outside
     result: dict = {"provider": provider, "limit_bytes": args.limit, "outside_bytes": outside, "cap_bytes": cap,

@@ -14,7 +14,7 @@ outputs stay ORT tensors, not copied into numpy), and peak = VmHWM − VmRSS_bef
 Without a writable clear_refs the fallback is ru_maxrss − RSS_before, which is only
 right when this run's peak is above every earlier one (method "ru_maxrss").
 
-A training step that returns its state (outputs ``<input>_updated``, analyze.fed_back_outputs)
+A training step that returns its state (outputs ``<input>_updated``, runtime.step_state.fed_back_outputs)
 runs as a trainer runs it (graphopt.train): those outputs are bound with IOBinding to buffers
 allocated before the baseline is read, so they are not part of the step's peak; the other
 outputs are allocated by ONNX Runtime as usual.
@@ -140,7 +140,7 @@ def _step_runner(sess, model, feeds: dict, out_names: list[str], device: str, de
     import onnxruntime as ort
     from onnx import helper
 
-    from graphopt.analyze import fed_back_outputs
+    from graphopt.runtime.step_state import fed_back_outputs
 
     declared = {o.name: o.type.tensor_type for o in model.graph.output}
     bound = {}
@@ -191,8 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     import onnx
     import onnxruntime as ort
 
-    import graphopt.analyze  # noqa: F401  (_step_runner's import, counted in the baseline, not the session)
-    from graphopt.inputs import load_inputs
+    import graphopt.runtime.step_state  # noqa: F401  (_step_runner's import, counted in the baseline, not the session)
+    from graphopt.runtime.arrays import load_arrays
     from graphopt.runtime.rss import mark_session_start, rss_bytes, session_footprint
     from graphopt.runtime.session import (
         DEFAULT_SETTINGS, SessionSettings, default_providers, read_settings, session_options,
@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     if sess.get_providers()[0] != provider:
         raise RuntimeError(f"provider {provider} not used; session has {sess.get_providers()}")
 
-    feeds_np = load_inputs(args.inputs)
+    feeds_np = load_arrays(args.inputs)
     known = {i.name for i in sess.get_inputs()}
     feeds_np = {k: v for k, v in feeds_np.items() if k in known}
     if cuda:

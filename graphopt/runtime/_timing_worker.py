@@ -15,7 +15,7 @@ prints ``profiled``; for each line ``run`` on stdin, it runs one step and prints
 on ``end`` it prints ``{"process_peak_bytes": ..., "session_bytes": ..., "start_bytes": ...,
 "node_seconds": {...}, "profiled_runs": N}`` (runtime/rss.py's `ChildPeaks` says what the
 memory fields are; node seconds for a profiled session: each node's median seconds over its
-profiled runs after the warm-up, `annotate.median_node_seconds`, and how many those were), and
+profiled runs after the warm-up, `runtime.profile.median_node_seconds`, and how many those were), and
 exits.
 
 One session per process, so that no process holds more than one session's memory (several in
@@ -43,8 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     import onnx
     import onnxruntime as ort
 
-    from graphopt.annotate import median_node_seconds
-    from graphopt.inputs import load_inputs
+    from graphopt.runtime.profile import median_node_seconds
+    from graphopt.runtime.arrays import load_arrays
     from graphopt.runtime.rss import mark_session_start, process_peak_bytes, rss_bytes, session_footprint
     from graphopt.runtime.session import DEFAULT_SETTINGS, SessionSettings, default_providers, read_settings, session_options
 
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     mark_session_start()
     sess = ort.InferenceSession(entry["model"], so, providers=providers, **kwargs)
     known = {i.name for i in sess.get_inputs()}
-    feeds = {k: ort.OrtValue.ortvalue_from_numpy(v, device, 0) for k, v in load_inputs(spec["inputs"]).items()
+    feeds = {k: ort.OrtValue.ortvalue_from_numpy(v, device, 0) for k, v in load_arrays(spec["inputs"]).items()
              if k in known}
     names = [o.name for o in sess.get_outputs()]
     sess.run_with_ort_values(names, feeds)  # warm-up

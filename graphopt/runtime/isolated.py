@@ -3,7 +3,7 @@ process never holds a training step. Each is forked from a warm parent that has 
 imported (:mod:`graphopt.runtime.warm`), or started as a fresh interpreter where there is none.
 
 Annotating, computing the original's outputs, and checking a rewritten model (its outputs
-against the original's, then ORT's order) each run in a child (``_task_worker``) that loads
+against the original's, then ORT's order) each run in a child (``graphopt.tasks``) that loads
 the model and inputs from files of a :class:`Workspace` and exits when done: its step and
 whatever its allocator kept go back to the OS with it. The caller holds its ModelProtos
 (weights once per copy) and, at any time, one child's step. The original's outputs are
@@ -13,19 +13,14 @@ with them one array at a time. Measured on BERT-base 8x256 (``benchmarks/annotat
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import subprocess
 import tempfile
 
 import onnx
 
-from graphopt import errors
 from graphopt.errors import GraphoptError
-from graphopt.runtime.rss import record_child
 from graphopt.runtime.session import PROTOBUF_LIMIT_BYTES
-from graphopt.runtime.warm import run_module
 
 
 class IsolatedTaskError(GraphoptError):
@@ -40,34 +35,10 @@ class IsolatedTaskError(GraphoptError):
 TASK_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "131072"}
 
 
-def _env() -> dict[str, str]:
+def child_env() -> dict[str, str]:
     env = dict(os.environ)
     env.update(TASK_MALLOC_ENV)
     return env
-
-
-def run_task(task: str, args: dict, timeout_seconds: float | None = None) -> dict:
-    """Run ``task`` of :mod:`graphopt.runtime._task_worker` with ``args`` (JSON) in a child;
-    its JSON result. A graphopt error in the child is raised here with its type and message."""
-    try:
-        proc = run_module("graphopt.runtime._task_worker", [task], input=json.dumps(args),
-                          timeout=timeout_seconds, env=_env())
-    except subprocess.TimeoutExpired:
-        raise IsolatedTaskError(f"{task} of {args.get('model')} timed out after {timeout_seconds} s") from None
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    result = json.loads(lines[-1]) if lines else None
-    record_child(task, result)
-    if result is not None and "error" in result:
-        err = result["error"]
-        cls = getattr(errors, err.get("type", ""), None)
-        if isinstance(cls, type) and issubclass(cls, GraphoptError) and cls is not errors.BudgetInfeasibleError:
-            raise cls(err["message"])
-        raise IsolatedTaskError(f"{task} of {args.get('model')} failed: {err.get('type')}: {err['message']}\n"
-                                f"{err.get('traceback', '')[-3000:]}")
-    if proc.returncode != 0 or result is None:
-        raise IsolatedTaskError(f"{task} of {args.get('model')} failed (exit {proc.returncode}); stderr tail:\n"
-                                f"{proc.stderr[-3000:]}")
-    return result
 
 
 def save_model(model: onnx.ModelProto, path) -> None:
@@ -175,8 +146,8 @@ class Workspace:
 
     def save_inputs(self, inputs: dict) -> None:
         """The inputs every run of this workspace feeds (`inputs_path`), written once."""
-        from graphopt.inputs import save_inputs
-        save_inputs(self.inputs_path, inputs)
+        from graphopt.runtime.arrays import save_arrays
+        save_arrays(self.inputs_path, inputs)
 
     def save(self, model: onnx.ModelProto, label: str) -> str:
         """Write ``model`` as ``label`` (replacing what was there); its path."""

@@ -103,7 +103,7 @@ def measure(
     timing: bool = True,
 ) -> Measurement:
     """Peak memory growth and median step time of ``session.run`` on the saved model and
-    inputs (:func:`graphopt.inputs.save_inputs`), in a fresh subprocess.
+    inputs (:func:`graphopt.runtime.arrays.save_arrays`), in a fresh subprocess.
 
     ``settings=None`` uses the model's metadata, else the defaults. ``provider=None``
     picks CUDA when available, else CPU. ``timing=False``: the peak only (step_seconds NaN;

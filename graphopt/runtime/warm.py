@@ -4,7 +4,7 @@ process is forked from a warm parent that has already imported Python, numpy, on
 onnxruntime and graphopt's workers, instead of starting a fresh interpreter each time (about
 0.45 s each on this project's 2-core machine; an ``optimize`` runs a dozen or more).
 
-    run_module("graphopt.runtime._task_worker", ["annotate"], input=..., env=...)
+    run_module("graphopt.tasks", ["annotate"], input=..., env=...)
     popen_module("graphopt.runtime._timing_worker", [spec, "0"], env=..., stderr=file)
 
 A worker module exposes ``main(argv) -> int``; the child runs it with the caller's
@@ -43,14 +43,13 @@ import threading
 import traceback
 
 SWITCH_ENV = "GRAPHOPT_WARM_PROCESSES"   # "0": a fresh interpreter per worker
-# what the warm parent imports before it forks anything
-PRELOADED_MODULES = (
-    "numpy", "onnx", "onnxruntime",
-    "graphopt.annotate", "graphopt.verify", "graphopt.inputs", "graphopt.runtime.session",
-    "graphopt.runtime.offline", "graphopt.runtime.limit",
-    "graphopt.runtime._task_worker", "graphopt.runtime._measure_worker",
+# what the warm parent imports before it forks anything: the libraries and this package's
+# workers, and the worker modules of the layers above that `preload` named before it started
+PRELOADED_MODULES = [
+    "numpy", "onnx", "onnxruntime", "graphopt.runtime.session",
+    "graphopt.runtime.offline", "graphopt.runtime.limit", "graphopt.runtime._measure_worker",
     "graphopt.runtime._timing_worker", "graphopt.runtime._limit_worker",
-)
+]
 # glibc's allocator settings read from the environment at start, and their mallopt parameters
 MALLOC_ENV_PARAMETERS = {"MALLOC_TRIM_THRESHOLD_": -1, "MALLOC_MMAP_THRESHOLD_": -3}
 START_TIMEOUT_SECONDS = 120.0
@@ -60,6 +59,15 @@ LOST_RETURNCODE = -int(signal.SIGKILL)
 
 def _package_root() -> str:
     return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def preload(*modules: str) -> None:
+    """Have the warm parent import `modules` (worker modules of the layers above this package)
+    before it forks anything. A parent already started keeps what it has: its children import
+    the rest themselves."""
+    for name in modules:
+        if name not in PRELOADED_MODULES:
+            PRELOADED_MODULES.append(name)
 
 
 def cold_env(env: dict[str, str]) -> dict[str, str]:
@@ -153,7 +161,8 @@ class WarmParent:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         env = cold_env({k: v for k, v in os.environ.items() if k not in MALLOC_ENV_PARAMETERS})
         try:
-            self.proc = subprocess.Popen([sys.executable, "-m", "graphopt.runtime.warm", str(theirs.fileno())],
+            self.proc = subprocess.Popen([sys.executable, "-m", "graphopt.runtime.warm", str(theirs.fileno()),
+                                          *PRELOADED_MODULES],
                                          pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
                                          stdout=subprocess.DEVNULL, env=env)
         finally:
@@ -400,10 +409,10 @@ def _child(request: dict, fds: list[int], inherited: list[int], file_pages: list
         os._exit(code)
 
 
-def serve(fd: int) -> int:
-    """The warm parent's loop on the connected socket `fd`."""
+def serve(fd: int, preloaded: list[str]) -> int:
+    """The warm parent's loop on the connected socket `fd`, once it has imported `preloaded`."""
     sock = socket.socket(fileno=fd)
-    for name in PRELOADED_MODULES:
+    for name in preloaded:
         importlib.import_module(name)
     file_pages = _file_pages_present()
     wake_read, wake_write = os.pipe()
@@ -471,4 +480,4 @@ def serve(fd: int) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(serve(int(sys.argv[1])))
+    sys.exit(serve(int(sys.argv[1]), sys.argv[2:]))

@@ -1,6 +1,7 @@
-"""Child process of :func:`graphopt.runtime.isolated.run_task`:
+"""The pipeline's ONNX Runtime tasks, each run in a child process of its own
+(:func:`run_task`, forked from the warm parent of `runtime.warm`):
 
-    python -m graphopt.runtime._task_worker TASK   (arguments as JSON on stdin)
+    python -m graphopt.tasks TASK   (arguments as JSON on stdin)
 
 Tasks (paths are files of a :class:`~graphopt.runtime.isolated.Workspace`):
 
@@ -21,8 +22,43 @@ from __future__ import annotations
 
 import gc
 import json
+import subprocess
 import sys
 import traceback
+
+from graphopt import errors
+from graphopt.errors import GraphoptError
+from graphopt.runtime import warm
+from graphopt.runtime.isolated import IsolatedTaskError, child_env
+from graphopt.runtime.rss import record_child
+from graphopt.runtime.warm import run_module
+
+# the warm parent imports these before it forks a task's child
+warm.preload("graphopt.annotate", "graphopt.verify", "graphopt.tasks")
+
+
+def run_task(task: str, args: dict, timeout_seconds: float | None = None) -> dict:
+    """Run ``task`` of this module with ``args`` (JSON) in a child;
+    its JSON result. A graphopt error in the child is raised here with its type and message."""
+    try:
+        proc = run_module("graphopt.tasks", [task], input=json.dumps(args),
+                          timeout=timeout_seconds, env=child_env())
+    except subprocess.TimeoutExpired:
+        raise IsolatedTaskError(f"{task} of {args.get('model')} timed out after {timeout_seconds} s") from None
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    result = json.loads(lines[-1]) if lines else None
+    record_child(task, result)
+    if result is not None and "error" in result:
+        err = result["error"]
+        cls = getattr(errors, err.get("type", ""), None)
+        if isinstance(cls, type) and issubclass(cls, GraphoptError) and cls is not errors.BudgetInfeasibleError:
+            raise cls(err["message"])
+        raise IsolatedTaskError(f"{task} of {args.get('model')} failed: {err.get('type')}: {err['message']}\n"
+                                f"{err.get('traceback', '')[-3000:]}")
+    if proc.returncode != 0 or result is None:
+        raise IsolatedTaskError(f"{task} of {args.get('model')} failed (exit {proc.returncode}); stderr tail:\n"
+                                f"{proc.stderr[-3000:]}")
+    return result
 
 
 def _settings(value):
@@ -38,9 +74,9 @@ def run(task: str, args: dict) -> dict:
         optimize_offline(args["model"], args["out"], args["level"], providers=args.get("providers"),
                          external_data=bool(args.get("external_data")))
         return {"out": args["out"]}
-    from graphopt.inputs import load_inputs
+    from graphopt.runtime.arrays import load_arrays
     from graphopt.runtime.rss import malloc_trim
-    inputs = load_inputs(args["inputs"])
+    inputs = load_arrays(args["inputs"])
     if task == "annotate":
         from graphopt.annotate import annotate
         # the graph without its weights; the sessions open the file (one copy of the weights, ONNX
