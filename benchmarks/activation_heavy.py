@@ -42,8 +42,7 @@ import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-TESTS = os.path.join(ROOT, "tests")
-for _path in (ROOT, HERE, TESTS):
+for _path in (ROOT, HERE):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
@@ -72,7 +71,7 @@ def measure_torch(name: str, size: str, inputs_path: str, config: str, timeout: 
 def build_row(name: str, size: str, exporter: str, folder: str) -> dict:
     """Export and build; the training graph and its inputs saved in `folder` (a worker
     process, so that torch's memory is gone before optimize runs)."""
-    import real_zoo
+    from graphopt_zoo import real_zoo
     from graphopt.builder.train_graph import build_training_graph
     from graphopt.inputs import save_inputs
     from graphopt.optimize import save_model

@@ -38,8 +38,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-TESTS = os.path.join(ROOT, "tests")
-for _path in (ROOT, TESTS):
+for _path in (ROOT,):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
@@ -125,7 +124,7 @@ def _paths(cache: str, spec: str) -> tuple[str, str]:
 def build(spec: str, cache: str) -> None:
     import numpy as np
     import onnx
-    import real_zoo
+    from graphopt_zoo import real_zoo
     from graphopt.builder.train_graph import build_training_graph
     from graphopt.ingest import name_nodes
     from graphopt.inputs import save_inputs

@@ -31,8 +31,7 @@ def _model(kind: str, name: str, size: str, exporter: str):
     if kind == "example":
         from graphopt.examples import training_example
         return training_example(name, **({"small": True} if size == "tiny" else {}))
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
-    import real_zoo
+    from graphopt_zoo import real_zoo
     from graphopt.builder.train_graph import build_training_graph
     model = real_zoo.CORPUS[name](size)
     train = build_training_graph(real_zoo.export(model, exporter), loss="cross_entropy", class_axis=model.class_axis)

@@ -5,7 +5,7 @@ inputs (issue 5: within 1.25x).
     python benchmarks/builder_vs_eager.py [--models mlp,gpt] [--scale auto|N|NAME=N,...]
         [--json out.json] [--explain K] [--keep DIR]
 
-For each architecture of the torch model zoo (tests/torch_zoo.py), with its batch multiplied
+For each architecture of the torch model zoo (zoo/torch_zoo.py), with its batch multiplied
 by --scale: N for every model, or by default ("auto") each model's entry of SCALES below,
 sized so that each torch step peaks at tens of MiB (the zoo's own test sizes are so small
 that a step's peak is mostly constant overhead); NAME=N,... overrides single models:
@@ -54,8 +54,7 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-TESTS = os.path.join(ROOT, "tests")
-for _path in (ROOT, HERE, TESTS):
+for _path in (ROOT, HERE):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
@@ -79,7 +78,7 @@ SEED = 2024
 # -------------------------------------------------------------------- scaled inputs --
 
 def _zoo():
-    from torch_zoo import ZOO
+    from graphopt_zoo.torch_zoo import ZOO
     return ZOO
 
 
@@ -126,7 +125,7 @@ def scaled_labels(entry, logits_shape, seed: int = SEED) -> np.ndarray:
 # ------------------------------------------------------------ torch (subprocess) --
 
 class _ZooStep:
-    """Stand-in for benchmarks/torch_twins.py inside the torch worker: pytorch_compare.worker
+    """Stand-in for zoo/torch_twins.py inside the torch worker: pytorch_compare.worker
     asks `twin_example(name)` for a module whose call returns the loss and `torch_inputs` for
     its arguments. Here: the zoo module + the builder's loss, on the saved scaled inputs."""
 
@@ -215,7 +214,7 @@ def prepare(name: str, scale: int, folder: str) -> dict:
     from graphopt.builder.train_graph import build_training_graph
     from graphopt.inputs import save_inputs
     from graphopt.optimize import save_model
-    from torch_zoo import export
+    from graphopt_zoo.torch_zoo import export
 
     entry = _zoo()[name]()
     inputs = scaled_inputs(entry, scale)

@@ -7,10 +7,10 @@ lower.
         [--overheads 0.05,0.1,0.25,0.5,1] [--json out.json]
 
 Same model, batch, inputs, threads (one) and measurement on both sides, per example of
-graphopt/examples.py (default: all six) and per corpus model (``--models``, tests/real_zoo.py
+graphopt/examples.py (default: all six) and per corpus model (``--models``, zoo/real_zoo.py
 at ``--size``; none by default):
 
-* **torch** (the twin module of benchmarks/torch_twins.py for an example; for a corpus model
+* **torch** (the twin module of zoo/torch_twins.py for an example; for a corpus model
   the torch module itself, in train mode with its stochastic layers off, with cross entropy
   over its class axis, as benchmarks/real_vs_eager.py): eager, and ``torch.compile`` with
   ``torch._functorch.config.activation_memory_budget`` = each of ``--budgets`` (set before
@@ -67,8 +67,7 @@ from dataclasses import fields
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-TESTS = os.path.join(ROOT, "tests")
-for _path in (ROOT, HERE, TESTS):
+for _path in (ROOT, HERE):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
@@ -477,7 +476,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--examples", default=",".join(EXAMPLES),
                         help="comma-separated examples (default: all six; '' for none)")
-    parser.add_argument("--models", default="", help="comma-separated corpus models (tests/real_zoo.py)")
+    parser.add_argument("--models", default="", help="comma-separated corpus models (zoo/real_zoo.py)")
     parser.add_argument("--size", default="full", help="corpus size: tiny | full | large")
     parser.add_argument("--exporter", default="legacy", help="corpus exporter: legacy | dynamo")
     parser.add_argument("--points", type=int, default=POINTS, help="sweep budgets (default %(default)s)")
@@ -501,7 +500,7 @@ def main(argv=None) -> int:
     if unknown:
         parser.error("unknown example(s) %s (known: %s)" % (unknown, ", ".join(EXAMPLES)))
     if models:
-        import real_zoo
+        from graphopt_zoo import real_zoo
         unknown = [n for n in models if n not in real_zoo.CORPUS]
         if unknown:
             parser.error("unknown model(s) %s (corpus: %s)" % (unknown, ", ".join(real_zoo.CORPUS)))

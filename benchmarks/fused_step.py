@@ -5,7 +5,7 @@ without it, and against PyTorch's full training step (forward, backward, optimiz
     python benchmarks/fused_step.py [--corpus gpt2,bert,t5] [--size full|tiny]
         [--optimize] [--torch eager,compile] [--json out.json]
 
-Per corpus model (tests/real_zoo.py, legacy exporter, cross entropy over the class axis):
+Per corpus model (zoo/real_zoo.py, legacy exporter, cross entropy over the class axis):
 
 * ``plain``: ``build_training_graph(forward)``: outputs the loss and every gradient, so all
   gradients are alive at the end of the step;
@@ -35,8 +35,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-TESTS = os.path.join(ROOT, "tests")
-for _path in (ROOT, HERE, TESTS):
+for _path in (ROOT, HERE):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
@@ -50,7 +49,7 @@ def run_one(name: str, size: str, folder: str, optimize_it: bool, torch_modes: l
     import numpy as np
     import onnx
 
-    import real_zoo
+    from graphopt_zoo import real_zoo
     from graphopt.builder.optimizer import OptimizerSpec
     from graphopt.builder.train_graph import build_training_graph
     from graphopt.inputs import save_inputs

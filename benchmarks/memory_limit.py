@@ -66,8 +66,7 @@ def _model(kind: str, name: str, size: str, exporter: str, optimizer: str | None
         from graphopt.examples import example_inputs, forward_example
         forward = forward_example(name, **_example_size(name, size))
         return build_training_graph(forward, optimizer=spec), example_inputs(forward)
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
-    import real_zoo
+    from graphopt_zoo import real_zoo
     model = real_zoo.CORPUS[name](size)
     train = build_training_graph(real_zoo.export(model, exporter), loss="cross_entropy", class_axis=model.class_axis,
                                  optimizer=spec)

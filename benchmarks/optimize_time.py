@@ -3,7 +3,7 @@
     python benchmarks/optimize_time.py [--examples mlp,resnet] [--corpus resnet50,gpt2]
         [--size full] [--exporter legacy] [--threads N]
 
-Each model's training graph (the bundled examples, tests/real_zoo.py's corpus) is written to
+Each model's training graph (the bundled examples, zoo/real_zoo.py's corpus) is written to
 a folder and optimized by the CLI as a user runs it (`graphopt optimize`, its defaults; a fresh
 process per model); its report's `stages` give each stage's wall seconds, and its `search_cpu_seconds`
 the search's CPU seconds (its own thread: peaks are measured in the background meanwhile). Printed side by side: the original's step under ONNX Runtime's

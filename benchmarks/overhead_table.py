@@ -42,10 +42,9 @@ def objective_options(objective: str) -> dict:
 
 
 def corpus_models(names: list[str], size: str):
-    """(name, training model, inputs) of the real-model corpus (tests/real_zoo.py): exported by
+    """(name, training model, inputs) of the real-model corpus (zoo/real_zoo.py): exported by
     the legacy exporter and built with a cross-entropy loss, as benchmarks/real_models.py does."""
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
-    import real_zoo
+    from graphopt_zoo import real_zoo
     from graphopt.builder.train_graph import build_training_graph
     for name in names:
         model = real_zoo.CORPUS[name](size)
@@ -76,8 +75,8 @@ def row(name: str, objective: str, report: dict) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--examples", default=",".join(EXAMPLES), help="comma-separated; empty: none")
-    parser.add_argument("--corpus", default="", help="comma-separated names of tests/real_zoo.py models")
-    parser.add_argument("--size", default="full", help="corpus size (tests/real_zoo.py)")
+    parser.add_argument("--corpus", default="", help="comma-separated names of zoo/real_zoo.py models")
+    parser.add_argument("--size", default="full", help="corpus size (zoo/real_zoo.py)")
     parser.add_argument("--objectives", default="default,0.1,least-peak")
     parser.add_argument("--json", help="also write the rows and reports here")
     args = parser.parse_args()

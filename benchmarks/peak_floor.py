@@ -7,7 +7,7 @@ ratio; the median of the floors bounds the median any plan can reach from below.
 
 `--json`: rows written by benchmarks/overhead_table.py (the default session's measured peak
 and graphopt's returned peak per corpus model); each model is exported and built the same
-way (tests/real_zoo.py, legacy exporter, cross entropy) to read its outputs' bytes.
+way (zoo/real_zoo.py, legacy exporter, cross entropy) to read its outputs' bytes.
 """
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ thread (torch.set_num_threads(1); ORT intra-op threads 1):
 * ONNX Runtime and graphopt: `graphopt.optimize.optimize(model, OptimizeOptions(inputs,
   strategy))`; its report's measured peaks of the original training graph under the default
   session, with graph optimizations off, and of the rewritten (checkpointed) model.
-* PyTorch, on the twin module of benchmarks/torch_twins.py (same parameters, same inputs,
+* PyTorch, on the twin module of zoo/torch_twins.py (same parameters, same inputs,
   same loss and gradients), one step = forward + loss + backward, gradients produced (each
   `.grad` is None before the step, as ORT allocates its gradient outputs), no optimizer
   step:
@@ -86,8 +86,7 @@ def worker(name: str, config: str, repeats: int) -> dict:
     import torch
 
     torch.set_num_threads(1)
-    sys.path.insert(0, HERE)
-    from torch_twins import torch_inputs, twin_example
+    from graphopt_zoo.torch_twins import torch_inputs, twin_example
 
     config_base, _, optimizer_kind = config.partition("+")
     if optimizer_kind and optimizer_kind not in OPTIMIZERS:

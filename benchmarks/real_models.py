@@ -1,5 +1,5 @@
 """Real architectures through the whole road (issue 11): every model of the corpus
-(tests/real_zoo.py: torchvision and transformers, random init from their own configs),
+(zoo/real_zoo.py: torchvision and transformers, random init from their own configs),
 exported by the legacy and the dynamo exporter, built into a training graph, checked against
 torch, optimized and measured, printed side by side in one table.
 
@@ -23,7 +23,7 @@ Per model and exporter, in a fresh subprocess (a model's memory does not stay fo
   session; outputs identical; ORT's profile in the planned order; the report's outcome.
 
 "built / eager" is the training graph before checkpointing, in the session graphopt runs
-originals in (optimizations off), against PyTorch eager. Sizes: see tests/real_zoo.py
+originals in (optimizations off), against PyTorch eager. Sizes: see zoo/real_zoo.py
 ("full" = the libraries' real configs at small inputs; "large" = activation-heavy).
 """
 from __future__ import annotations
@@ -40,8 +40,7 @@ import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-TESTS = os.path.join(ROOT, "tests")
-for _path in (ROOT, HERE, TESTS):
+for _path in (ROOT, HERE):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
@@ -52,7 +51,7 @@ def run_one(name: str, size: str, exporter: str, eager: bool, grad_check: bool) 
     """Everything measured for one model and exporter (runs in the worker process)."""
     import onnx
 
-    import real_zoo
+    from graphopt_zoo import real_zoo
     from graphopt.builder.train_graph import build_training_graph
     from graphopt.optimize import OptimizeOptions, optimize
 
@@ -196,7 +195,7 @@ def prediction_summary(rows: list[dict]) -> list[str]:
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         return _worker_main(sys.argv[2:])
-    import real_zoo
+    from graphopt_zoo import real_zoo
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=",".join(real_zoo.CORPUS))
     parser.add_argument("--size", default="full", choices=real_zoo.SIZES)

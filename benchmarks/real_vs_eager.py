@@ -1,5 +1,5 @@
 """Lean graphs on real architectures (issue 11, item 4): the one-step peak of graphopt's BUILT
-training graph of each corpus model (tests/real_zoo.py) in ONNX Runtime, before any
+training graph of each corpus model (zoo/real_zoo.py) in ONNX Runtime, before any
 checkpointing, next to PyTorch eager's for the same module, inputs and loss.
 
     python benchmarks/real_vs_eager.py [--models t5,llama] [--size full|tiny|large]
@@ -39,8 +39,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-TESTS = os.path.join(ROOT, "tests")
-for _path in (ROOT, HERE, TESTS):
+for _path in (ROOT, HERE):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
@@ -65,7 +64,7 @@ class _CorpusStep:
         import torch
         from torch.nn import functional as F
 
-        import real_zoo
+        from graphopt_zoo import real_zoo
         from graphopt.inputs import load_inputs
 
         model = real_zoo.CORPUS[name](self.size)
@@ -109,7 +108,7 @@ def eager_measurement(name: str, size: str, feeds: dict, folder: str, timeout: f
 def prepare(name: str, size: str, exporter: str, folder: str) -> dict:
     """Export, save the inputs (folder/NAME.npz), build and save the training graph
     (folder/NAME.onnx, the names builder_vs_eager.explain reads)."""
-    import real_zoo
+    from graphopt_zoo import real_zoo
     from graphopt.builder.train_graph import build_training_graph
     from graphopt.inputs import save_inputs
     from graphopt.optimize import save_model
@@ -223,7 +222,7 @@ def main(argv=None) -> int:
 
     import warnings
     warnings.filterwarnings("ignore")
-    import real_zoo
+    from graphopt_zoo import real_zoo
     names = [n for n in args.models.split(",") if n]
     unknown = [n for n in names if n not in real_zoo.CORPUS]
     if unknown:

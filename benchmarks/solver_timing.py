@@ -1,6 +1,6 @@
 """Solve time of every registered strategy on the graph families, side by side.
 
-For each family (benchmarks/graph_families.py) and size (total training-graph ops) it
+For each family (zoo/graph_families.py) and size (total training-graph ops) it
 prints, in one markdown table, each strategy's wall-clock solve time and the cost-model
 peak it reached relative to store-all's; then a second table with the time of one
 `make_plan` evaluation (schedule_for + priority_order + simulate) per graph. Each solve
@@ -21,7 +21,7 @@ missed (the peak is still shown).
         [--size full] [--exporter legacy] [--strategies auto,chen-sqrt] [--timeout 60]
 
 `--corpus` times the same strategies on the real training graphs of the corpus
-(tests/real_zoo.py; default all its models at size "full", legacy exporter) instead of the
+(zoo/real_zoo.py; default all its models at size "full", legacy exporter) instead of the
 families. Each model is exported, built into a training graph (`build_training_graph`, loss
 cross entropy) and annotated as `optimize` does (`graphopt.pipeline.prepare`: ONNX Runtime in
 a child process, function ops ORT inlines at load written out), all in a fresh subprocess per
@@ -46,12 +46,11 @@ import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-TESTS = os.path.join(ROOT, "tests")
 for _path in (ROOT, HERE):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
-from graph_families import FAMILIES, make_graph  # noqa: E402
+from graphopt_zoo.graph_families import FAMILIES, make_graph  # noqa: E402
 
 
 def _solve_child(conn, solve, graph, budget):
@@ -212,9 +211,7 @@ def build_corpus_graph(model: str, size: str, exporter: str, path: str) -> dict:
     """Export, build and annotate one corpus model; write its cost graph (`CostGraph.to_dict`)
     to `path` and the facts of its making to `<path minus .json>.meta.json`. Runs in its own
     process (see `corpus_graph`): a model's torch and ONNX memory does not stay."""
-    if TESTS not in sys.path:
-        sys.path.insert(0, TESTS)
-    import real_zoo
+    from graphopt_zoo import real_zoo
     from graphopt.builder.train_graph import build_training_graph
     from graphopt.optimize import OptimizeOptions
 
@@ -390,9 +387,7 @@ def _made(meta: dict) -> str:
 
 
 def corpus_main(args, strategies: dict) -> int:
-    if TESTS not in sys.path:
-        sys.path.insert(0, TESTS)
-    from real_zoo import CORPUS, EXPORTERS, SIZES
+    from graphopt_zoo.real_zoo import CORPUS, EXPORTERS, SIZES
     models = list(CORPUS) if args.corpus == "all" else args.corpus.split(",")
     unknown = [m for m in models if m not in CORPUS]
     if unknown:
@@ -440,7 +435,7 @@ def corpus_main(args, strategies: dict) -> int:
                          f"{timing['store-all'] * 1e3:.1f} | {timing['chen'] * 1e3:.1f} | "
                          f"{_made(meta)} |")
 
-    print(f"\nReal training graphs of the corpus (tests/real_zoo.py, size {args.size}, {args.exporter} exporter; "
+    print(f"\nReal training graphs of the corpus (zoo/real_zoo.py, size {args.size}, {args.exporter} exporter; "
           f"cost graphs in {args.cache}): solve time and cost-model peak / store-all peak ({_machine_note(args)}); "
           f"a solver's cell is wall-clock solve seconds · peak / store-all peak; \"ORT order\": the "
           f"cost model's peak on ONNX Runtime's own order of the unchanged graph, what optimize starts from\n")
@@ -480,7 +475,7 @@ def main(argv=None) -> int:
     parser.add_argument("--families", default=",".join(FAMILIES))
     parser.add_argument("--corpus", nargs="?", const="all", default=None, metavar="MODELS",
                         help="time the corpus's real training graphs instead of the families: "
-                             "comma-separated model names of tests/real_zoo.py (default all)")
+                             "comma-separated model names of zoo/real_zoo.py (default all)")
     parser.add_argument("--size", default="full", help="--corpus: the models' size (tiny, full, large)")
     parser.add_argument("--exporter", default="legacy", help="--corpus: legacy or dynamo")
     parser.add_argument("--cache", default=CORPUS_CACHE,

@@ -5,7 +5,7 @@ Runtime's step goes by operator type.
     python benchmarks/step_vs_eager.py [--examples mlp,resnet] [--corpus resnet50,mobilenet_v2]
         [--size full] [--exporter legacy|dynamo] [--threads 1|all|N] [--rounds 7]
 
-For each bundled example (graphopt/examples.py) and its torch twin (benchmarks/torch_twins.py,
+For each bundled example (graphopt/examples.py) and its torch twin (zoo/torch_twins.py,
 the same parameters and inputs, the same loss):
 
 * the training graph as graphopt builds it, and built again with every Conv gradient as it was
@@ -17,7 +17,7 @@ the same parameters and inputs, the same loss):
   medians and their ratios over eager;
 * (examples) the worst relative difference of each built graph's gradients from torch's (max |a - b| over
   max |b|, per parameter, floored at 1e-3 x the largest gradient), so that a faster formulation
-  that is wrong shows; (corpus, tests/real_zoo.py's architectures and their eager step) against
+  that is wrong shows; (corpus, zoo/real_zoo.py's architectures and their eager step) against
   torch float64, beside torch float32's own difference from it (real_zoo.gradient_check);
 * one profiled step of the built graph: the share of its kernel time per operator type (top 4).
 
@@ -194,7 +194,7 @@ def run_example(name: str, threads: int, rounds: int, batch_scale: int = 1) -> d
     import numpy as np
     import torch
     from memory_limit import scaled_batch
-    from torch_twins import torch_inputs, twin_example
+    from graphopt_zoo.torch_twins import torch_inputs, twin_example
     torch.set_num_threads(threads)
     module, forward, inputs = twin_example(name, **scaled_batch(name, batch_scale))
     models = {"per_tap": _built(forward, True), "whole_map": _built(forward, False)}
@@ -242,11 +242,10 @@ def run_example(name: str, threads: int, rounds: int, batch_scale: int = 1) -> d
 
 
 def run_corpus(name: str, size: str, exporter: str, threads: int, rounds: int) -> dict:
-    """A real architecture of tests/real_zoo.py: its gradients against torch float64
+    """A real architecture of zoo/real_zoo.py: its gradients against torch float64
     (real_zoo.gradient_check; `floor` is torch float32's own difference from float64)."""
     import torch
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
-    import real_zoo
+    from graphopt_zoo import real_zoo
     from graphopt.builder.train_graph import build_training_graph
     torch.set_num_threads(threads)
     model = real_zoo.CORPUS[name](size)
@@ -284,7 +283,7 @@ def run_corpus(name: str, size: str, exporter: str, threads: int, rounds: int) -
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--examples", default=",".join(EXAMPLES))
-    parser.add_argument("--corpus", default="", help="real architectures of tests/real_zoo.py, e.g. resnet50,mobilenet_v2")
+    parser.add_argument("--corpus", default="", help="real architectures of zoo/real_zoo.py, e.g. resnet50,mobilenet_v2")
     parser.add_argument("--size", default="full", choices=("tiny", "full", "large"))
     parser.add_argument("--exporter", default="legacy", choices=("legacy", "dynamo"))
     parser.add_argument("--threads", default="1", help="1, N, or all (every core)")

@@ -1,5 +1,5 @@
 """The README's operator-coverage table, generated from the architectures the tests check
-against torch autograd (tests/torch_zoo.py, tests/test_builder_vs_torch.py).
+against torch autograd (zoo/torch_zoo.py, tests/test_builder_vs_torch.py).
 
     python tests/op_coverage.py           # print the table
     python tests/op_coverage.py --write   # put it into README.md between the markers
@@ -30,7 +30,7 @@ GRAPHOPT_RULES = {
 
 
 def table() -> str:
-    from torch_zoo import op_coverage
+    from graphopt_zoo.torch_zoo import op_coverage
     coverage = op_coverage()
     by_op: dict[str, list[str]] = {}
     for arch, ops in coverage.items():

@@ -15,7 +15,7 @@ import pytest
 from onnx import TensorProto as T
 from onnx import helper as h
 
-import real_zoo
+from graphopt_zoo import real_zoo
 from graphopt.annotate import SOURCES, annotate, measure_exposed, measure_sizes
 from graphopt.runtime.profile import profile_events
 from graphopt.builder.train_graph import build_training_graph

@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 from graphopt.costmodel import check_schedule, priority_order
 from graphopt.search import STRATEGIES
 from graphopt.search.plan import make_plan, peak_floor_bytes, schedule_for, sunk_order
-from synthetic import branching_cost_graph, training_cost_graph
+from graphopt_zoo.synthetic import branching_cost_graph, training_cost_graph
 from test_search import _subset_plans, assert_no_read_after_free
 
 

@@ -1,5 +1,5 @@
 """graphopt's training-graph builder against torch autograd, on the torch model zoo
-(tests/torch_zoo.py: twelve architectures exported without their loss, in eval form).
+(zoo/torch_zoo.py: twelve architectures exported without their loss, in eval form).
 
 For every architecture: export -> build_training_graph(loss kind) -> onnx.checker ->
 ONNX Runtime on CPU with 1 and with 4 intra-op threads (4 catches ScatterND(add)'s race on
@@ -37,7 +37,7 @@ pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"),
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from torch_zoo import ZOO, ZooEntry, export, op_types  # noqa: E402
+from graphopt_zoo.torch_zoo import ZOO, ZooEntry, export, op_types  # noqa: E402
 
 from graphopt.builder.train_graph import build_training_graph  # noqa: E402
 from graphopt.errors import UnsupportedOpError  # noqa: E402
@@ -393,7 +393,7 @@ def test_custom_op_on_the_loss_path_is_unsupported():
 
 
 def test_op_coverage_helper():
-    from torch_zoo import op_coverage
+    from graphopt_zoo.torch_zoo import op_coverage
     coverage = op_coverage(["mlp", "unet"])
     assert coverage["mlp"] == ["Gemm", "Relu", "Tanh"]
     assert "ConvTranspose" in coverage["unet"]

@@ -10,7 +10,7 @@ from graphopt.search.chain import (ChainCosts, chain, chain_brute_force, chain_b
                                    chain_recompute_seconds, chain_segments, segment_cost)
 from graphopt.search.chen_greedy import chen_greedy, greedy_cuts
 
-from synthetic import branching_cost_graph, training_cost_graph
+from graphopt_zoo.synthetic import branching_cost_graph, training_cost_graph
 from test_search import assert_valid
 
 

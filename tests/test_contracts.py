@@ -33,7 +33,7 @@ from graphopt.search import chen_sqrt, store_all
 from graphopt.verify import executed_order
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import real_zoo  # noqa: E402
+from graphopt_zoo import real_zoo  # noqa: E402
 
 RUNS_WHEN_READY = {"Shape", "Size"}   # ORT's priority order runs these as soon as they can
 

@@ -20,7 +20,7 @@ from graphopt.costgraph import CostGraph, Op
 from graphopt.costmodel import priority_order, simulate
 from graphopt.search.plan import schedule_for
 
-from synthetic import branching_cost_graph, training_cost_graph
+from graphopt_zoo.synthetic import branching_cost_graph, training_cost_graph
 
 
 def reference_live_bytes(graph: CostGraph, schedule) -> list[int]:

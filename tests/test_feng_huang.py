@@ -14,7 +14,7 @@ import pytest
 from graphopt.costmodel import check_schedule
 from graphopt.search.feng_huang import brute_force, feng_huang, segment_cost, segment_model, solve
 
-from synthetic import branching_cost_graph, branching_stats, training_cost_graph
+from graphopt_zoo.synthetic import branching_cost_graph, branching_stats, training_cost_graph
 
 
 def fast_brute_force(model, chunk=1 << 16):

@@ -1,8 +1,5 @@
 """The benchmark graph families: exact size, deterministic, realistic features, and store-all
 and Chen's plans on them are valid."""
-import sys
-from pathlib import Path
-
 import pytest
 
 from graphopt.search import chen_sqrt, store_all
@@ -10,9 +7,7 @@ from graphopt.search.plan import peak_floor_bytes
 
 from test_costmodel import reference_live_bytes, reference_order
 from test_search import assert_valid
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from graph_families import FAMILIES, make_graph  # noqa: E402
+from graphopt_zoo.graph_families import FAMILIES, make_graph
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

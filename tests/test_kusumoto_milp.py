@@ -10,7 +10,7 @@ from graphopt.search.kusumoto import (build_model, closure_lower_sets, evaluate_
 from graphopt.search.milp import milp
 from graphopt.search.plan import make_plan
 
-from synthetic import branching_cost_graph, branching_stats, training_cost_graph
+from graphopt_zoo.synthetic import branching_cost_graph, branching_stats, training_cost_graph
 from test_search import assert_valid
 
 # (n_forward, seed, random_ops): branching DAGs of 3-7 forward ops (see test_cases_branch)

@@ -4,7 +4,7 @@ The oracle is `make_plan` (the one cost model on the runtime's order) applied to
 of a graph's candidate checkpoints, under every recomputation schedule `auto` searches
 (`REFRESH_GAPS`). It runs no solver, so it does not share their search, their seeds or their
 models: the least peak it finds is the least peak of the plan space the solvers return plans
-from. The graphs are small branching DAGs (tests/synthetic.py `branching_cost_graph`: fan-out,
+from. The graphs are small branching DAGs (zoo/synthetic.py `branching_cost_graph`: fan-out,
 joins, two-output ops, aliases, random ops, several losses, accumulated gradients).
 
 What the tests prove (on the graphs drawn here, all with at most MAX_CANDIDATES candidates):
@@ -30,7 +30,7 @@ from graphopt.search.chen_greedy import greedy_cuts
 from graphopt.search.greedy import objective
 from graphopt.search.plan import make_plan, peak_floor_bytes
 
-from synthetic import branching_cost_graph, branching_stats
+from graphopt_zoo.synthetic import branching_cost_graph, branching_stats
 from test_search import assert_valid
 
 MAX_CANDIDATES = 9
@@ -107,7 +107,7 @@ def test_generator_is_deterministic_and_seeded():
 
 
 def test_branching_stats_tells_a_chain_with_skips_from_a_dag():
-    from synthetic import training_cost_graph
+    from graphopt_zoo.synthetic import training_cost_graph
     chain = branching_stats(training_cost_graph(20, seed=1, max_fanin=3))
     assert not chain.parallel and not chain.branching
     assert branching_stats(branching_cost_graph(20, seed=1)).branching

@@ -1,4 +1,4 @@
-"""Real architectures through the builder (issue 11): the tiny forms of tests/real_zoo.py's
+"""Real architectures through the builder (issue 11): the tiny forms of zoo/real_zoo.py's
 TEST_SUBSET, exported by both torch exporters, built into training graphs whose loss and
 gradients are checked against torch (float32 and float64), plus the reverse rule for Slice
 with steps against torch on its own."""
@@ -12,7 +12,7 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-import real_zoo
+from graphopt_zoo import real_zoo
 from graphopt.builder.train_graph import build_training_graph
 
 LOSS_TOLERANCE = 1e-4

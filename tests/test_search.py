@@ -14,7 +14,7 @@ from graphopt.costmodel import check_schedule, priority_order, resolve_versions,
 from graphopt.search import STRATEGIES, auto, chen_sqrt, feng_huang, greedy, store_all
 from graphopt.search.plan import Plan, make_plan
 
-from synthetic import branching_cost_graph, branching_stats, training_cost_graph
+from graphopt_zoo.synthetic import branching_cost_graph, branching_stats, training_cost_graph
 
 # solvers whose time grows fast with the graph: the property tests give them a time limit
 TIME_LIMITED = {"auto": 2.0, "feng-huang": 2.0}
@@ -154,7 +154,7 @@ def test_chen_recomputes_and_saves_on_a_chain():
 
 
 def random_graph(n, seed, shape, random_ops):
-    """Mostly branching DAGs (tests/synthetic.py), sometimes a chain with skips of fan-in 1-3."""
+    """Mostly branching DAGs (zoo/synthetic.py), sometimes a chain with skips of fan-in 1-3."""
     if shape == "branching":
         return branching_cost_graph(n, seed=seed, random_ops=random_ops)
     return training_cost_graph(n, seed=seed, max_fanin=int(shape[-1]), random_ops=random_ops)
@@ -362,7 +362,7 @@ def test_auto_says_exact_only_at_the_peak_floor():
     """auto's plan is `exact` exactly when its peak reaches the peak floor (a lower bound on every
     plan), and otherwise not; a plan's `exact` is never claimed by a heuristic."""
     from graphopt.search.plan import peak_floor_bytes
-    from synthetic import branching_cost_graph
+    from graphopt_zoo.synthetic import branching_cost_graph
     claims = []
     for seed in range(20):
         graph = branching_cost_graph(6, seed=seed) if seed % 2 else training_cost_graph(10, seed=seed, max_fanin=3)

@@ -1,4 +1,4 @@
-"""The PyTorch twins of the example zoo (benchmarks/torch_twins.py) compute the ONNX forward
+"""The PyTorch twins of the example zoo (zoo/torch_twins.py) compute the ONNX forward
 model's loss and the graphopt training graph's gradients, from the same parameters."""
 import os
 import sys
@@ -11,7 +11,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
-from torch_twins import TWINS, twin_example, torch_inputs  # noqa: E402
+from graphopt_zoo.torch_twins import TWINS, twin_example, torch_inputs  # noqa: E402
 
 from graphopt.builder.train_graph import build_training_graph  # noqa: E402
 from graphopt.examples import EXAMPLES, training_example  # noqa: E402

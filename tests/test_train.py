@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"),
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from torch_zoo import ZOO, export  # noqa: E402
+from graphopt_zoo.torch_zoo import ZOO, export  # noqa: E402
 
 from graphopt.analyze import fed_back_outputs  # noqa: E402
 from graphopt.builder.optimizer import OptimizerSpec  # noqa: E402
@@ -124,9 +124,9 @@ def test_fused_step_trains_like_torch_optim(case):
 
 @pytest.mark.parametrize("name", ["gpt2", "bert"])
 def test_a_transformers_model_trains_like_torch_optim(name):
-    """A real transformers architecture (tests/real_zoo.py, tiny), exported as users export it:
+    """A real transformers architecture (zoo/real_zoo.py, tiny), exported as users export it:
     12 AdamW steps on its batch equal torch's on the same module."""
-    import real_zoo
+    from graphopt_zoo import real_zoo
     model = real_zoo.CORPUS[name]("tiny")
     forward = real_zoo.export(model, "legacy")
     graph = build_training_graph(forward, loss="cross_entropy", class_axis=model.class_axis,

@@ -597,6 +597,6 @@ def op_coverage(names=None) -> dict[str, list[str]]:
     return {name: sorted(op_types(name)) for name in (names or ZOO)}
 
 
-if __name__ == "__main__":  # python tests/torch_zoo.py: print the coverage
+if __name__ == "__main__":  # python zoo/torch_zoo.py: print the coverage
     for arch, ops in op_coverage().items():
         print(f"{arch:12s} {' '.join(ops)}")

@@ -19,12 +19,12 @@ without an op. The loss head is Gemm -> LogSoftmax -> NLL loss; its backward sta
 resident seed and a Size op (``runs_first``). Dropout is not recomputable (its mask is a
 second output that the backward reads).
 
-Attribute conventions are those of graphopt/costmodel.py and tests/synthetic.py. Activations
+Attribute conventions are those of graphopt/costmodel.py and zoo/synthetic.py. Activations
 are 1-16 MiB and seconds scale with bytes (Conv-like ops ~10x elementwise ones). Every
 generator is deterministic in (n_total, seed), and the returned graph has exactly
 ``n_total`` ops (filled up with Reshape pairs and, if the count is odd, one Shape op).
 
-    from graph_families import FAMILIES, make_graph
+    from graphopt_zoo.graph_families import FAMILIES, make_graph
     graph = make_graph("residual", 10_000, seed=0)
 """
 from __future__ import annotations
