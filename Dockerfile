@@ -36,6 +36,9 @@ COPY pyproject.toml README.md ./
 COPY graphopt ./graphopt
 COPY service ./service
 COPY proto ./proto
+# the tests' and benchmarks' shared models: a package of the project's wheel (never imported by the
+# service; its torch parts need the test extra, which the image does not have)
+COPY zoo ./zoo
 # graphopt's own requirement is onnxruntime, so its wheel is built in both variants (the runtime
 # stage swaps it out for the GPU package).
 RUN gpu=(); \
