@@ -3,7 +3,7 @@
 for several F, and the least peak whatever the time. No plan is rewritten or measured here (the
 peaks are predicted; the baseline's peak and step time, and the time model's seconds, are
 measured once per example by `prepare`): it is how the default overhead was chosen
-(README "Choices"); benchmarks/overhead_table.py measures the chosen points.
+(docs/design.md, "Choices, and why"); benchmarks/overhead_table.py measures the chosen points.
 
     python benchmarks/overhead_fronts.py [--examples mlp,resnet] [--overheads 0.05,0.1,0.25,0.5]
 

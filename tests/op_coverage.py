@@ -1,8 +1,8 @@
-"""The README's operator-coverage table, generated from the architectures the tests check
+"""The operator-coverage table of docs/reference/ops.md, generated from the architectures the tests check
 against torch autograd (zoo/torch_zoo.py, tests/test_builder_vs_torch.py).
 
     python tests/op_coverage.py           # print the table
-    python tests/op_coverage.py --write   # put it into README.md between the markers
+    python tests/op_coverage.py --write   # put it into docs/reference/ops.md between the markers
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+TABLE_FILE = Path(__file__).resolve().parent.parent / "docs" / "reference" / "ops.md"
 START, END = "<!-- op-coverage:start -->", "<!-- op-coverage:end -->"
 
 # where an operator's gradient comes from, when not from onnx-ad's rule as it is
@@ -43,19 +43,19 @@ def table() -> str:
     return "\n".join(lines)
 
 
-def readme_table() -> str | None:
-    match = re.search(re.escape(START) + r"\n(.*?)\n" + re.escape(END), README.read_text(), re.S)
+def committed_table() -> str | None:
+    match = re.search(re.escape(START) + r"\n(.*?)\n" + re.escape(END), TABLE_FILE.read_text(), re.S)
     return match.group(1) if match else None
 
 
 def write() -> None:
-    text = README.read_text()
+    text = TABLE_FILE.read_text()
     block = f"{START}\n{table()}\n{END}"
     if START in text:
         text = re.sub(re.escape(START) + r".*?" + re.escape(END), lambda m: block, text, flags=re.S)
     else:
         text += "\n" + block + "\n"
-    README.write_text(text)
+    TABLE_FILE.write_text(text)
 
 
 if __name__ == "__main__":
