@@ -134,7 +134,7 @@ def per_tap_weight_gradient(ctx, source, source_shape, adjoint, adjoint_shape, k
     (onnxruntime 1.32, CPU, one thread) a [16, K] @ [128, K]^T product took 1.77 ms against 0.88
     the other way round. In the file's order one tap's moved copy is alive at a time beside the
     two transposed copies the whole-map convolution holds too (under a plain session ONNX
-    Runtime's transpose optimizer makes it hold more: README, "What it costs in memory")."""
+    Runtime's transpose optimizer makes it hold more: docs/results.md, "What it costs in memory")."""
     op, ints = ctx.b.op, ctx.b.ints
     spatial = len(kernel)
     channels = source_shape[1]

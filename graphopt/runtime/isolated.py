@@ -9,7 +9,7 @@ whatever its allocator kept go back to the OS with it. The caller holds its Mode
 (weights once per copy) and, at any time, one child's step. The original's outputs are
 computed once per workspace and written to disk; each rewritten model's outputs are compared
 with them one array at a time. Measured on BERT-base 8x256 (``benchmarks/annotate_memory.py
---modes step,optimize``): see the README.
+--modes step,optimize``): see docs/results.md, "graphopt's own memory".
 """
 from __future__ import annotations
 
