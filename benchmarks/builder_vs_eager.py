@@ -48,7 +48,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import types
 
 import numpy as np
 
@@ -173,10 +172,7 @@ def step_worker(shim, name: str, config: str = "eager", repeats: int = 1) -> dic
     `repeats`) of the step `shim` builds (an object with
     pytorch_compare's twin_example(name) -> (module returning the loss, _, inputs) and
     torch_inputs(module, inputs)), in this process (run it in a fresh one: run_worker)."""
-    fake = types.ModuleType("torch_twins")
-    fake.twin_example, fake.torch_inputs = shim.twin_example, shim.torch_inputs
-    sys.modules["torch_twins"] = fake       # pytorch_compare.worker imports it by name
-    return pytorch_compare.worker(name, config, repeats)
+    return pytorch_compare.worker(name, config, repeats, twins=shim)
 
 
 def torch_worker(name: str, inputs_path: str, config: str) -> dict:

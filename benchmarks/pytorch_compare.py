@@ -79,14 +79,18 @@ OPTIMIZERS = {"sgd": lambda params, torch: torch.optim.SGD(params, lr=1e-3, mome
               "adamw": lambda params, torch: torch.optim.AdamW(params, lr=1e-4)}
 
 
-def worker(name: str, config: str, repeats: int) -> dict:
+def worker(name: str, config: str, repeats: int, twins=None) -> dict:
     """One configuration, in this (fresh) process: peak (repeats == 1) or step time. A
     configuration ending in +sgd or +adamw runs that optimizer's step after the backward (its
-    state exists before the measured step: the warm-up steps made it)."""
+    state exists before the measured step: the warm-up steps made it). `twins` gives the step:
+    `twin_example(name)` -> (module returning the loss, _, inputs) and `torch_inputs(module,
+    inputs)` (default: the bundled examples' twins, graphopt_zoo.torch_twins)."""
     import torch
 
     torch.set_num_threads(1)
-    from graphopt_zoo.torch_twins import torch_inputs, twin_example
+    if twins is None:
+        from graphopt_zoo import torch_twins as twins
+    torch_inputs, twin_example = twins.torch_inputs, twins.twin_example
 
     config_base, _, optimizer_kind = config.partition("+")
     if optimizer_kind and optimizer_kind not in OPTIMIZERS:
