@@ -38,13 +38,14 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from graphopt.options import OptimizeOptions
 from graphopt.report import Report, summary_text
 
 from ._proto import graphopt_pb2 as pb
 from ._proto import graphopt_pb2_grpc as pb_grpc
 from .auth import BearerTokenInterceptor
-from .options import from_message
 from .limits import DiskReservations, StreamLimitInterceptor, StreamWatchdog
+from .options import from_message
 from .status import (CallCancelledError, IdleTimeoutError, JobTimeoutError, ShuttingDownError, error_from_worker,
                      status_for, trailing_metadata_for)
 from .transfer import DEFAULT_CHUNK_BYTES, FileReceiver, ProtocolError, folder_messages
@@ -119,9 +120,9 @@ class ServerConfig:
 
 
 def job_options(options: pb.OptimizeOptions, max_threads: int) -> tuple[dict, dict]:
-    """The request's options: the library's `OptimizeOptions.to_dict()` form (options.py maps
-    the proto's fields, which carry its names; unset ones keep the library's defaults) and the
-    service's own (plan, response_chunk_bytes). Checked where a message cannot be; objective,
+    """The request's options: the server's `OptimizeOptions` in its `to_dict()` form (options.py
+    maps the proto's fields, which carry its names; unset ones take the library's defaults) and
+    the service's own (plan, response_chunk_bytes). Checked where a message cannot be; objective,
     max_overhead and the like go as sent: the library's check (in the worker, before any work)
     names a bad value, and that is INVALID_ARGUMENT."""
     if options.threads < 0 or options.threads > max_threads:
@@ -130,7 +131,7 @@ def job_options(options: pb.OptimizeOptions, max_threads: int) -> tuple[dict, di
             MIN_RESPONSE_CHUNK_BYTES <= options.response_chunk_bytes <= MAX_RESPONSE_CHUNK_BYTES):
         raise ProtocolError(f"response_chunk_bytes must be 0 (the server's default) or between "
                             f"{MIN_RESPONSE_CHUNK_BYTES} and {MAX_RESPONSE_CHUNK_BYTES}, got {options.response_chunk_bytes}")
-    library = from_message(options)
+    library = OptimizeOptions.from_dict(from_message(options)).to_dict()
     return library, {"plan": options.plan, "response_chunk_bytes": options.response_chunk_bytes}
 
 
@@ -274,6 +275,7 @@ class GraphoptServicer(pb_grpc.GraphoptServicer):
                         if item != "options":
                             raise ProtocolError(f"the first message must carry the options, not {item or 'nothing'}")
                         options, service = job_options(request.options, max_threads=os.cpu_count() or 1)
+                        call.fields["options"] = options   # logged with the call's end: what was asked
                     elif item == "options":
                         raise ProtocolError("the options were sent twice")
                     elif item == "file":
