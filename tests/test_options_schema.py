@@ -292,3 +292,23 @@ def test_a_new_field_reaches_the_server_from_the_cli_the_python_client_and_the_n
     plain = subprocess.run([sys.executable, "-m", "graphopt.cli", "analyze", "m.onnx", "--throwaway", "1"],
                            cwd=REPO, capture_output=True, text=True, timeout=120)
     assert plain.returncode == 2 and "--throwaway" in plain.stderr
+
+
+# --- the batch's options -----------------------------------------------------------------
+
+def test_batch_options_hold_optimize_options_and_keep_the_job_keys_of_earlier_batches():
+    """BatchOptions' fingerprint (part of each job's key) is what the batch wrote before it held an
+    OptimizeOptions (strings from that code, 3398cdd), so a rerun finds its jobs done; an option
+    beyond those changes the key only when set."""
+    from graphopt.batch import BatchOptions
+    assert BatchOptions().fingerprint() == (
+        '{"budget_fraction": null, "graph_optimizations": null, "loss": "cross_entropy", "max_overhead": null, '
+        '"measure": true, "memory_limit_bytes": null, "objective": null, "strategy": null, "sweep": null}')
+    assert BatchOptions(loss="mse", budget_fraction=0.5, sweep=3, optimize=OptimizeOptions(
+        strategy="chen-sqrt", memory_limit_bytes=5, graph_optimizations="none", objective="least-peak",
+        measure=False)).fingerprint() == (
+        '{"budget_fraction": 0.5, "graph_optimizations": "none", "loss": "mse", "max_overhead": null, '
+        '"measure": false, "memory_limit_bytes": 5, "objective": "least-peak", "strategy": "chen-sqrt", "sweep": 3}')
+    assert BatchOptions(optimize=OptimizeOptions(tolerance=1e-3)).fingerprint() != BatchOptions().fingerprint()
+    with pytest.raises(Exception, match="budget_fraction"):
+        BatchOptions(optimize=OptimizeOptions(budget_bytes=1 << 20)).check()
