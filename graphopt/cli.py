@@ -71,10 +71,7 @@ def option_flags(parser: argparse.ArgumentParser, command: str) -> None:
     """The flags of `OptimizeOptions`' fields (graphopt/options.py: each field's flag, help and
     type) on `command`'s parser: optimize, analyze or batch. Each flag stores under its field's
     name; an absent flag stores None (the field's default applies)."""
-    from .options import option_specs
-    for spec in option_specs():
-        if not spec.flag or (command == "analyze" and not spec.analyze) or (command == "batch" and not spec.batch):
-            continue
+    for spec in _flagged(command):
         kwargs = {"dest": spec.name, "default": None, "help": spec.help}
         if spec.kind == "bool":
             kwargs.update(action="store_const", const=not spec.default)
@@ -99,13 +96,20 @@ def option_flags(parser: argparse.ArgumentParser, command: str) -> None:
 _FLAG_TYPES = {"int": int, "float": float, "str": str}
 
 
-def option_values(args) -> dict:
-    """The `OptimizeOptions` fields the parsed flags set (see `option_flags`), in `to_dict`'s form."""
-    from .inputs import parse_input_dims
+def _flagged(command: str):
+    """The option specs with a flag on `command` (optimize, analyze or batch)."""
     from .options import option_specs
+    return [spec for spec in option_specs() if spec.flag and not (command == "analyze" and not spec.analyze)
+            and not (command == "batch" and not spec.batch)]
+
+
+def option_values(args, command: str = "optimize") -> dict:
+    """The `OptimizeOptions` fields the parsed flags of `command` set (see `option_flags`), in
+    `to_dict`'s form."""
+    from .inputs import parse_input_dims
     values = {}
-    for spec in option_specs():
-        value = getattr(args, spec.name, None) if spec.flag else None
+    for spec in _flagged(command):
+        value = getattr(args, spec.name, None)
         if value is None:
             continue
         values[spec.name] = parse_input_dims(value) if spec.kind == "dict[str, list[int]]" else value
@@ -315,9 +319,7 @@ def cmd_batch(args) -> int:
 
     from .batch import BatchOptions, LocalRunner, discover, run_batch
     from .batch_summary import write_summary
-    from .options import OptimizeOptions
-    options = BatchOptions(loss=args.loss, budget_fraction=args.budget_fraction, sweep=args.sweep,
-                           optimize=OptimizeOptions.from_dict(option_values(args)))
+    options = batch_options_from_args(args)
     options.check()
     if args.server:
         if args.sweep:
@@ -347,6 +349,15 @@ def cmd_batch(args) -> int:
         print(f"graphopt: error: {len(failed)} model(s) failed: {', '.join(failed)}", file=sys.stderr)
         return 1
     return 0
+
+
+def batch_options_from_args(args):
+    """`graphopt batch`'s BatchOptions: its own flags (--loss is the loss of forward models'
+    training graphs), and each model's OptimizeOptions from the option flags."""
+    from .batch import BatchOptions
+    from .options import OptimizeOptions
+    return BatchOptions(loss=args.loss, budget_fraction=args.budget_fraction, sweep=args.sweep,
+                        optimize=OptimizeOptions.from_dict(option_values(args, "batch")))
 
 
 def cmd_strategies(args) -> int:

@@ -13,7 +13,7 @@ A new option: one field below with its `option(help=..., proto=<the next free nu
 """
 from __future__ import annotations
 
-from dataclasses import MISSING, Field, dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Callable
 
 import numpy as np
@@ -56,7 +56,7 @@ class OptimizeOptions:
     its schema: the CLI's flags, the proto's field (proto/graphopt/v1/graphopt.proto, generated
     by `python -m graphopt_service.gen_proto`), the worker's JSON and both clients' mappings are
     derived from it. A new option is one field here."""
-    loss: str | None = option(None, proto=7, proto_presence=False, batch=False,
+    loss: str | None = option(None, proto=7, proto_presence=False, batch=False, metavar="NAME",
                               help="name of the loss output (default: the first output)")
     budget_bytes: int | None = option(None, proto=1, batch=False, metavar="BYTES",
                                       help="peak-memory budget (bytes, or e.g. 512MiB): the least step time "
@@ -82,14 +82,14 @@ class OptimizeOptions:
         help="values of symbolic input dimensions, e.g. x=4,3,224,224 (repeatable)")
     inputs: dict[str, np.ndarray] | None = option(
         None, flag="", help="the inputs' arrays (default: synthesized from the shapes); not sent to a server")
-    providers: list[str] | None = option(None, proto=11, flag="--provider", analyze=False,
+    providers: list[str] | None = option(None, proto=11, flag="--provider", analyze=False, metavar="NAME",
                                          help="ONNX Runtime execution provider (default: CPU)")
     verify: bool = option(True, proto=12, analyze=False,
                           help="compare the outputs with the original's and check the order (default on; "
                                "off is not recommended)")
     measure: bool = option(True, proto=13, analyze=False,
                            help="measure the peaks in fresh processes (default on)")
-    threads: int = option(1, proto=8, proto_type="int32", proto_presence=False, batch=False,
+    threads: int = option(1, proto=8, proto_type="int32", proto_presence=False, batch=False, metavar="N",
                           help="ONNX Runtime intra-op threads of the runs that time and measure (default: "
                                "the machine's cores in this process, 1 on a server; outputs are always "
                                "verified at one thread)")
@@ -98,7 +98,7 @@ class OptimizeOptions:
         help=f"ONNX Runtime's graph optimizations applied offline before planning, so the plan keeps "
              f"their fused kernels (default {DEFAULT_GRAPH_OPTIMIZATIONS}; extended only on the CPU "
              f"provider, basic elsewhere; none: plan the file as given)")
-    tolerance: float = option(1e-5, proto=14, analyze=False,
+    tolerance: float = option(1e-5, proto=14, analyze=False, metavar="REL",
                               help="relative output difference accepted (default 1e-5)")
     progress: Progress | None = option(None, flag="", help="called with each stage and the fraction done")
 

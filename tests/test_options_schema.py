@@ -94,7 +94,8 @@ def test_a_field_without_help_or_with_a_taken_number_is_refused(tmp_path):
     bare = make_dataclass("Bare", [("x", int, field(default=0))])
     with pytest.raises(TypeError, match="Bare.x has no help"):
         option_specs(bare)
-    taken = make_dataclass("Taken", [("a", int, option(0, proto=1, help="a")), ("b", int, option(0, proto=1, help="b"))])
+    taken = make_dataclass("Taken", [("a", int, option(0, proto=1, help="a")),
+                                     ("b", int, option(0, proto=1, help="b"))])
     with pytest.raises(ValueError, match="b and a both have proto number 1"):
         gen_proto.options_message(option_specs(taken))
     retired = make_dataclass("Retired", [("a", int, option(0, proto=5, help="a"))])
@@ -216,7 +217,8 @@ def test_random_options_round_trip_through_the_node_client(batch):
 def test_both_command_lines_name_each_option_alike():
     """graphopt's flag of every option that travels is one of graphopt-node's (same rule, from the
     proto's names), and the Node CLI has no option flag graphopt's lacks."""
-    script = ("const { optionFields } = require('./src/client'); const { optionFlags } = require('./bin/graphopt-node');"
+    script = ("const { optionFields } = require('./src/client');"
+              "const { optionFlags } = require('./bin/graphopt-node');"
               "process.stdout.write(JSON.stringify(optionFlags(optionFields()).map((f) => f.flag)));")
     done = subprocess.run([node_exe(), "-e", script], capture_output=True, text=True, cwd=NODE_DIR, timeout=60)
     assert done.returncode == 0, done.stderr
@@ -232,7 +234,7 @@ def test_both_command_lines_name_each_option_alike():
 
 # --- a throwaway field, end to end -------------------------------------------------------
 
-THROWAWAY = '''    throwaway_bytes: int | None = option(None, proto=19, help="a throwaway option of tests/test_options_schema.py")
+THROWAWAY = '''    throwaway_bytes: int | None = option(None, proto=19, help="a throwaway option of the tests")
     throwaway_note: str = option("", proto=20, help="another: a string")
 '''
 
@@ -312,3 +314,17 @@ def test_batch_options_hold_optimize_options_and_keep_the_job_keys_of_earlier_ba
     assert BatchOptions(optimize=OptimizeOptions(tolerance=1e-3)).fingerprint() != BatchOptions().fingerprint()
     with pytest.raises(Exception, match="budget_fraction"):
         BatchOptions(optimize=OptimizeOptions(budget_bytes=1 << 20)).check()
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.fixed_dictionaries({s.name: value_strategy(s) for s in option_specs() if s.proto is not None and s.batch}),
+       st.sampled_from(["mse", "cross_entropy", "output:loss"]))
+def test_batch_flags_give_each_models_options_and_the_batchs_own_loss(values, loss):
+    """`graphopt batch`'s --loss is the forward models' training loss, not OptimizeOptions.loss; the
+    option flags it shares with optimize give each model's options."""
+    from graphopt.cli import batch_options_from_args, build_parser, option_args
+    options = OptimizeOptions(**values)
+    args = build_parser().parse_args(["batch", "zoo", "-o", "out", "--loss", loss, *option_args(options)])
+    batch = batch_options_from_args(args)
+    assert batch.loss == loss and batch.optimize.loss is None
+    assert travelling(batch.optimize) == travelling(options)
