@@ -317,7 +317,7 @@ def cmd_health(args) -> int:
 def cmd_batch(args) -> int:
     from tqdm import tqdm
 
-    from .batch import BatchOptions, LocalRunner, discover, run_batch
+    from .batch import LocalRunner, discover, run_batch
     from .batch_summary import write_summary
     options = batch_options_from_args(args)
     options.check()
