@@ -23,43 +23,56 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Protocol
 
+from .cli import option_args
 from .errors import GraphoptError, InvalidModelError
+from .options import NOT_JSON, OptimizeOptions, option_specs
 
 REPORT_NAME = "report.json"
 OPTIMIZED_NAME = "optimized.onnx"
 TRAINING_NAME = "training.onnx"
 
 
+# the batch's options before it held an OptimizeOptions: their fingerprint keeps these names, so
+# that a rerun of an older batch finds its jobs done (None: the library's default)
+LEGACY_FINGERPRINT_FIELDS = ("memory_limit_bytes", "strategy", "measure", "objective", "max_overhead",
+                             "graph_optimizations")
+
+
 @dataclass
 class BatchOptions:
-    loss: str | None = "cross_entropy"    # for forward models
+    loss: str | None = "cross_entropy"    # for forward models (their training graph's loss)
     budget_fraction: float | None = None  # budget = fraction x predicted peak of the original
-    memory_limit_bytes: int | None = None  # OptimizeOptions.memory_limit_bytes, the same for every model
-    strategy: str | None = None
-    measure: bool = True
     sweep: int | None = None              # points of the memory-time front (in-process only)
-    objective: str | None = None          # OptimizeOptions.objective (None: the library's default)
-    max_overhead: float | None = None     # OptimizeOptions.max_overhead (None: the library's default)
-    graph_optimizations: str | None = None   # OptimizeOptions.graph_optimizations (None: the library's default)
+    # every model's options (its budget comes from budget_fraction; no inputs: each model's own)
+    optimize: OptimizeOptions = field(default_factory=OptimizeOptions)
 
     def fingerprint(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
+        """The options as part of each job's key: the legacy fields always (their default as
+        None), every other option only where it differs from its default."""
+        record = {"loss": self.loss, "budget_fraction": self.budget_fraction, "sweep": self.sweep}
+        for spec in option_specs():
+            if spec.name in NOT_JSON:
+                continue
+            value = getattr(self.optimize, spec.name)
+            if spec.name in LEGACY_FINGERPRINT_FIELDS:
+                record[spec.name] = None if value == spec.default and spec.name != "measure" else value
+            elif value != spec.default:
+                record[spec.name] = value
+        return json.dumps(record, sort_keys=True)
 
     def check(self) -> None:
-        """Refuse an unknown objective or a bad max overhead once, before any model (the
-        library's own check, without the budget: each model's budget is known only once its
-        peak is predicted)."""
-        from .options import OptimizeOptions
-        from .search import DEFAULT_STRATEGY
-        OptimizeOptions(strategy=self.strategy or DEFAULT_STRATEGY, max_overhead=self.max_overhead,
-                        memory_limit_bytes=self.memory_limit_bytes, measure=self.measure,
-                        **({} if self.objective is None else {"objective": self.objective}),
-                        **({} if self.graph_optimizations is None else
-                           {"graph_optimizations": self.graph_optimizations})).check()
+        """Refuse a bad option once, before any model (the library's own check, without the
+        budget: each model's budget is known only once its peak is predicted)."""
+        if self.optimize.budget_bytes is not None:
+            raise GraphoptError("a batch's budget is a fraction of each model's peak: give budget_fraction "
+                                "(--budget-fraction), not budget_bytes")
+        if self.optimize.inputs is not None:
+            raise GraphoptError("a batch synthesizes each model's inputs: its options take no inputs")
+        self.optimize.check()
 
 
 @dataclass
@@ -174,24 +187,12 @@ class LocalRunner:
         job.out_dir.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix=".graphopt-batch-", dir=job.out_dir) as tmp:
             report_path, output = Path(tmp) / "report.json", Path(tmp) / OPTIMIZED_NAME
+            budget = None if options.budget_fraction is None else self._budget(job, options)
             command = [sys.executable, "-m", "graphopt.cli", "optimize", str(job.training_path), "-o", str(output),
-                       "--report", str(report_path), "--threads", str(self.threads)]
-            if options.strategy:
-                command += ["--strategy", options.strategy]
-            if options.objective is not None:
-                command += ["--objective", options.objective]
-            if options.max_overhead is not None:
-                command += ["--max-overhead", repr(float(options.max_overhead))]
-            if options.graph_optimizations is not None:
-                command += ["--graph-optimizations", options.graph_optimizations]
-            if not options.measure:
-                command.append("--no-measure")
+                       "--report", str(report_path),
+                       *option_args(replace(options.optimize, threads=self.threads, budget_bytes=budget))]
             if options.sweep:
                 command += ["--sweep", str(options.sweep)]
-            if options.budget_fraction is not None:
-                command += ["--budget", str(self._budget(job, options))]
-            if options.memory_limit_bytes is not None:
-                command += ["--memory-limit", str(int(options.memory_limit_bytes))]
             proc = subprocess.run(command, capture_output=True, text=True, timeout=self.timeout_seconds)
             if proc.returncode != 0:
                 lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
@@ -205,7 +206,7 @@ class LocalRunner:
     @staticmethod
     def _budget(job: BatchJob, options: BatchOptions) -> int:
         from .ingest import load_model
-        from .optimize import OptimizeOptions, analyze_model
+        from .optimize import analyze_model
         analysis = analyze_model(load_model(job.training_path), OptimizeOptions())
         return int(options.budget_fraction * analysis["predicted_peak_bytes"]["original_optimizations_off"])
 

@@ -67,47 +67,88 @@ def _server_options(parser: argparse.ArgumentParser, required: bool = False) -> 
     parser.add_argument("--deadline-seconds", type=float, help="give up (and stop the server's work) after this")
 
 
-def _objective_options(parser: argparse.ArgumentParser) -> None:
-    from .options import DEFAULT_MAX_OVERHEAD, OBJECTIVES
-    parser.add_argument("--objective", choices=OBJECTIVES,
-                        help=f"without --budget: bounded-overhead (default: the least peak whose step time is at "
-                             f"most (1 + --max-overhead) x the original's under ONNX Runtime's default session) "
-                             f"or least-peak (whatever it costs in time)")
-    parser.add_argument("--max-overhead", type=float, metavar="F",
-                        help=f"step time at most (1 + F) x the original's, measured (default "
-                             f"{DEFAULT_MAX_OVERHEAD} without --budget; with --budget, no limit unless given)")
-    _graph_optimizations_option(parser)
+def option_flags(parser: argparse.ArgumentParser, command: str) -> None:
+    """The flags of `OptimizeOptions`' fields (graphopt/options.py: each field's flag, help and
+    type) on `command`'s parser: optimize, analyze or batch. Each flag stores under its field's
+    name; an absent flag stores None (the field's default applies)."""
+    for spec in _flagged(command):
+        kwargs = {"dest": spec.name, "default": None, "help": spec.help}
+        if spec.kind == "bool":
+            kwargs.update(action="store_const", const=not spec.default)
+            if spec.negated:
+                kwargs["help"] = f"do not {spec.help}"
+        elif spec.kind in ("list[str]", "dict[str, list[int]]"):
+            kwargs.update(action="append")
+        elif spec.is_bytes:
+            kwargs.update(type=parse_bytes, metavar=spec.metavar or "BYTES")
+        elif spec.kind in _FLAG_TYPES:
+            kwargs.update(type=_FLAG_TYPES[spec.kind])
+        else:
+            raise TypeError(f"option {spec.name}: type {spec.kind!r} has no flag form (known: bool, int, float, "
+                            f"str, list[str]); give it flag=\"\" or another type")
+        if spec.choices is not None:
+            kwargs["choices"] = list(spec.choices())
+        if spec.metavar and "metavar" not in kwargs and spec.kind != "bool":
+            kwargs["metavar"] = spec.metavar
+        parser.add_argument(spec.flag, **kwargs)
 
 
-def _graph_optimizations_option(parser: argparse.ArgumentParser) -> None:
-    from .runtime.offline import DEFAULT_GRAPH_OPTIMIZATIONS, GRAPH_OPTIMIZATION_LEVELS
-    parser.add_argument("--graph-optimizations", choices=list(GRAPH_OPTIMIZATION_LEVELS),
-                        help=f"ONNX Runtime's graph optimizations applied before planning, so the plan keeps "
-                             f"their fused kernels (default {DEFAULT_GRAPH_OPTIMIZATIONS}; extended only on the "
-                             f"CPU provider, basic elsewhere; none: plan the file as given)")
+_FLAG_TYPES = {"int": int, "float": float, "str": str}
+
+
+def _flagged(command: str):
+    """The option specs with a flag on `command` (optimize, analyze or batch)."""
+    from .options import option_specs
+    return [spec for spec in option_specs() if spec.flag and not (command == "analyze" and not spec.analyze)
+            and not (command == "batch" and not spec.batch)]
+
+
+def option_values(args, command: str = "optimize") -> dict:
+    """The `OptimizeOptions` fields the parsed flags of `command` set (see `option_flags`), in
+    `to_dict`'s form."""
+    from .inputs import parse_input_dims
+    values = {}
+    for spec in _flagged(command):
+        value = getattr(args, spec.name, None)
+        if value is None:
+            continue
+        values[spec.name] = parse_input_dims(value) if spec.kind == "dict[str, list[int]]" else value
+    return values
+
+
+def option_args(options) -> list[str]:
+    """The flags that give `options` (the inverse of `option_values`): each flagged field that
+    differs from its default, as --flag=VALUE (a value may start with '-')."""
+    from .options import option_specs
+    argv = []
+    for spec in option_specs(type(options)):
+        value = getattr(options, spec.name)
+        if not spec.flag or value is None or value == spec.default:
+            continue
+        if spec.kind == "bool":
+            if value != (not spec.default):
+                raise GraphoptError(f"option {spec.name}={value!r} has no flag ({spec.flag} sets {not spec.default})")
+            argv.append(spec.flag)
+        elif spec.kind == "dict[str, list[int]]":
+            argv += [f"{spec.flag}={name}={','.join(str(int(d)) for d in dims)}" for name, dims in value.items()]
+        elif spec.kind == "list[str]":
+            argv += [f"{spec.flag}={item}" for item in value]
+        elif spec.kind == "float":
+            argv.append(f"{spec.flag}={float(value)!r}")
+        else:
+            argv.append(f"{spec.flag}={value}")
+    return argv
 
 
 def options_from_args(args, **extra):
-    """The `OptimizeOptions` of parsed flags: each flag names its field (--budget: budget_bytes;
-    --no-verify, --no-measure: verify, measure); `extra` sets inputs and progress."""
-    from .inputs import parse_input_dims
+    """The `OptimizeOptions` of parsed flags (each flag stores under its field's name; see
+    `option_flags`); `extra` sets inputs and progress. Threads default to the machine's cores in
+    this process, to one on a server (whose jobs run side by side)."""
     from .optimize import OptimizeOptions
     from .runtime.session import machine_cores
-    # in this process: the machine's cores by default; on a server, whose jobs run side by side: one
-    threads = args.threads or (1 if getattr(args, "server", None) else machine_cores())
-    values = {"loss": args.loss, "strategy": args.strategy, "threads": threads,
-              "input_dims": parse_input_dims(args.input_dims)}
-    for flag, name in (("budget", "budget_bytes"), ("memory_limit", "memory_limit_bytes"),
-                       ("tolerance", "tolerance"), ("objective", "objective"),
-                       ("max_overhead", "max_overhead"), ("graph_optimizations", "graph_optimizations")):
-        if getattr(args, flag, None) is not None:
-            values[name] = getattr(args, flag)
-    if getattr(args, "provider", None):
-        values["providers"] = [args.provider]
-    if hasattr(args, "no_verify"):
-        values["verify"] = not args.no_verify
-    if hasattr(args, "no_measure"):
-        values["measure"] = not args.no_measure
+    values = option_values(args)
+    if not values.get("threads"):
+        values["threads"] = 1 if getattr(args, "server", None) else machine_cores()
     return OptimizeOptions.from_dict(values, **extra)
 
 
@@ -143,9 +184,9 @@ def cmd_sweep(args) -> int:
     from .sweep import markdown_table, sweep, write_outputs
     if args.sweep < 1:
         raise GraphoptError("--sweep needs at least 1 point")
-    if args.budget is not None:
+    if args.budget_bytes is not None:
         raise GraphoptError("--sweep chooses its own budgets; drop --budget")
-    if args.no_measure:
+    if args.measure is False:
         raise GraphoptError("--sweep measures every point; drop --no-measure")
     model = load_model(args.model)
     options = options_from_args(args, inputs=_load_inputs(args, model), progress=StageProgress())
@@ -276,12 +317,9 @@ def cmd_health(args) -> int:
 def cmd_batch(args) -> int:
     from tqdm import tqdm
 
-    from .batch import BatchOptions, LocalRunner, discover, run_batch
+    from .batch import LocalRunner, discover, run_batch
     from .batch_summary import write_summary
-    options = BatchOptions(loss=args.loss, budget_fraction=args.budget_fraction, strategy=args.strategy,
-                           memory_limit_bytes=args.memory_limit,
-                           measure=not args.no_measure, sweep=args.sweep, objective=args.objective,
-                           max_overhead=args.max_overhead, graph_optimizations=args.graph_optimizations)
+    options = batch_options_from_args(args)
     options.check()
     if args.server:
         if args.sweep:
@@ -311,6 +349,15 @@ def cmd_batch(args) -> int:
         print(f"graphopt: error: {len(failed)} model(s) failed: {', '.join(failed)}", file=sys.stderr)
         return 1
     return 0
+
+
+def batch_options_from_args(args):
+    """`graphopt batch`'s BatchOptions: its own flags (--loss is the loss of forward models'
+    training graphs), and each model's OptimizeOptions from the option flags."""
+    from .batch import BatchOptions
+    from .options import OptimizeOptions
+    return BatchOptions(loss=args.loss, budget_fraction=args.budget_fraction, sweep=args.sweep,
+                        optimize=OptimizeOptions.from_dict(option_values(args, "batch")))
 
 
 def cmd_strategies(args) -> int:
@@ -373,36 +420,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("optimize", help="plan checkpoints, rewrite with recomputation, verify, measure")
     p.add_argument("model", type=Path)
     p.add_argument("-o", "--output", type=Path, required=True)
-    p.add_argument("--budget", type=parse_bytes, help="peak-memory budget (bytes, or e.g. 512MiB): the least "
-                   "step time whose measured peak fits")
-    p.add_argument("--memory-limit", type=parse_bytes, metavar="BYTES",
-                   help="what the training session may hold at once on its device (weights, state, the step; "
-                        "e.g. 1GiB): the returned model is run under ONNX Runtime capped at it; without --budget, "
-                        "the least step time that runs within it")
-    _objective_options(p)
-    p.add_argument("--strategy", default=DEFAULT_STRATEGY, choices=sorted(STRATEGIES))
-    p.add_argument("--loss", help="name of the loss output (default: the first output)")
+    option_flags(p, "optimize")
     p.add_argument("--report", type=Path, help="write the JSON report here")
-    p.add_argument("--no-verify", action="store_true", help="skip the output comparison (not recommended)")
-    p.add_argument("--no-measure", action="store_true", help="skip the fresh-process peak measurements")
-    p.add_argument("--provider", help="ONNX Runtime execution provider (default: CPU)")
-    p.add_argument("--tolerance", type=float, help="relative output difference accepted (default 1e-5)")
     p.add_argument("--sweep", type=int, nargs="?", const=8, default=None, metavar="N",
                    help="measure the memory-time front: N budgets (default 8) from the least peak to "
                         "store-all's; writes OUT (least peak) and <OUT stem>.sweep.csv/.md/.png")
-    _input_options(p)
+    p.add_argument("--inputs", type=Path, help="inputs as .npz (default: synthesized from --input-dims)")
     _server_options(p)
     p.set_defaults(func=cmd_optimize)
 
     p = sub.add_parser("analyze", help="annotate in ONNX Runtime and predict peaks; no rewrite (JSON)")
     p.add_argument("model", type=Path)
     p.add_argument("--plan", action="store_true", help="also run the search and predict its peak")
-    p.add_argument("--budget", type=parse_bytes, help="peak-memory budget for --plan")
-    _objective_options(p)
-    p.add_argument("--strategy", default=DEFAULT_STRATEGY, choices=sorted(STRATEGIES))
-    p.add_argument("--loss", help="name of the loss output (default: the first output)")
-    p.add_argument("--input-dims", action="append", default=[], metavar="NAME=D1,D2,...")
-    p.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads (default: the machine's cores)")
+    option_flags(p, "analyze")
     _server_options(p)
     p.set_defaults(func=cmd_analyze)
 
@@ -461,20 +491,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="optimize on these servers (client-side round robin; one name may be a DNS name "
                         "resolving to many, e.g. a headless Service); default: worker processes here")
     p.add_argument("--budget-fraction", type=float, help="budget = this fraction of each model's predicted peak")
-    p.add_argument("--memory-limit", type=parse_bytes, metavar="BYTES",
-                   help="what each model's training session may hold at once on its device (e.g. 1GiB; "
-                        "see optimize --memory-limit)")
     p.add_argument("--loss", default="cross_entropy", metavar="KIND",
                    help="loss for forward models (cross_entropy, mse, output:NAME); training graphs go straight in")
-    p.add_argument("--strategy", choices=sorted(STRATEGIES))
-    from .options import OBJECTIVES
-    p.add_argument("--objective", choices=OBJECTIVES, help="each model's objective without --budget-fraction: "
-                   "bounded-overhead (default) or least-peak (see optimize --objective)")
-    p.add_argument("--max-overhead", type=float, metavar="F",
-                   help="each model's step time at most (1 + F) x its original's, measured (see optimize "
-                        "--max-overhead)")
-    _graph_optimizations_option(p)
-    p.add_argument("--no-measure", action="store_true")
+    option_flags(p, "batch")   # each model's options (see optimize)
     p.add_argument("--sweep", type=int, metavar="N", help="each model's memory-time front too (in-process)")
     p.add_argument("--token-file", type=Path)
     p.add_argument("--tls-ca")

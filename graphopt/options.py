@@ -1,11 +1,19 @@
-"""`OptimizeOptions`: the one options type of `optimize`, the sweep and analysis.
+"""`OptimizeOptions`: the one options type of `optimize`, the sweep and analysis, and the one
+schema of every form an option takes.
 
-The CLI's flags, the worker protocol's JSON (`to_dict`/`from_dict`) and the proto's
-`OptimizeOptions` message use these field names; `check` rejects bad values before any work.
+Each field carries its schema in its `option(...)` metadata (read through `option_specs`): its
+help, its CLI flag, its proto field number and type. From it come the CLI's flags
+(graphopt/cli.py), the worker protocol's JSON (`to_dict`/`from_dict`), the proto's
+`OptimizeOptions` message (generated: `python -m graphopt_service.gen_proto`), the server's and
+the Python client's mappings (service/options.py) and the Node client's (from the proto's
+descriptor). `check` rejects bad values before any work.
+
+A new option: one field below with its `option(help=..., proto=<the next free number>)`, then
+`python -m graphopt_service.gen_proto` (tests/test_options_schema.py fails until it is run).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Callable
 
 import numpy as np
@@ -28,30 +36,71 @@ DEFAULT_MAX_OVERHEAD = 0.25
 NOT_JSON = ("inputs", "progress")
 
 
+def option(default=MISSING, *, help: str, proto: int | None = None, flag: str | None = None,
+           default_factory=MISSING, **metadata):
+    """A field of `OptimizeOptions` with its schema: `help` (the CLI's help, the proto's comment:
+    the field's documentation), `proto` (its field number in graphopt.v1.OptimizeOptions; None:
+    it does not travel), `flag` (the CLI's flag; default: `flag_name`'s), and, optional:
+    `proto_type` (instead of the one of its Python type, e.g. "int32"), `proto_presence` (False:
+    a plain proto3 scalar whose zero value means the default, as the first fields were
+    declared), `choices` (a callable giving the accepted values), `metavar`, `analyze` (False:
+    no flag on `graphopt analyze`), `batch` (False: no flag on `graphopt batch`, where the
+    option is per model)."""
+    metadata = {"help": help, "proto": proto, "flag": flag, **metadata}
+    return field(default=default, default_factory=default_factory, metadata=metadata)
+
+
 @dataclass
 class OptimizeOptions:
-    loss: str | None = None                 # the loss output's name (None: the first output)
-    budget_bytes: int | None = None         # peak-memory budget (None: see `objective`)
-    # what the training session may hold at once on its device (weights, state, the step),
-    # enforced by ONNX Runtime in the runs that check the returned model (runtime/limit.py);
-    # without a budget the plan is the least step time that runs within it
-    memory_limit_bytes: int | None = None
-    objective: str = BOUNDED_OVERHEAD       # without a budget: see OBJECTIVES
-    # the step time allowed, as a fraction above the original's under ONNX Runtime's default
-    # session (None: DEFAULT_MAX_OVERHEAD for bounded-overhead; with a budget, no limit)
-    max_overhead: float | None = None
-    strategy: str = DEFAULT_STRATEGY
-    input_dims: dict[str, list[int]] = field(default_factory=dict)   # shapes of symbolic inputs
-    inputs: dict[str, np.ndarray] | None = None   # None: synthesized from the shapes
-    providers: list[str] | None = None      # ONNX Runtime execution providers (None: CPU)
-    verify: bool = True                     # compare outputs and check the order
-    measure: bool = True                    # measure peaks in fresh processes
-    threads: int = 1                        # ONNX Runtime intra-op threads
-    # ORT's graph optimizations applied offline before planning (runtime/offline.py): the plan
-    # keeps their fused kernels; "none" plans the file as given
-    graph_optimizations: str = DEFAULT_GRAPH_OPTIMIZATIONS
-    tolerance: float = 1e-5                 # relative output difference accepted
-    progress: Progress | None = None
+    """The options of `optimize`, the sweep and analysis. Each field's `option(...)` metadata is
+    its schema: the CLI's flags, the proto's field (proto/graphopt/v1/graphopt.proto, generated
+    by `python -m graphopt_service.gen_proto`), the worker's JSON and both clients' mappings are
+    derived from it. A new option is one field here."""
+    loss: str | None = option(None, proto=7, proto_presence=False, batch=False, metavar="NAME",
+                              help="name of the loss output (default: the first output)")
+    budget_bytes: int | None = option(None, proto=1, batch=False, metavar="BYTES",
+                                      help="peak-memory budget (bytes, or e.g. 512MiB): the least step time "
+                                           "whose measured peak fits (default: see the objective)")
+    memory_limit_bytes: int | None = option(
+        None, proto=18, analyze=False, metavar="BYTES",
+        help="what the training session may hold at once on its device (weights, state, the step; e.g. "
+             "1GiB), enforced by ONNX Runtime in the runs that check the returned model; without a "
+             "budget, the least step time that runs within it (default: no limit)")
+    objective: str = option(BOUNDED_OVERHEAD, proto=15, choices=lambda: OBJECTIVES,
+                            help="without a budget: bounded-overhead (default: the least peak whose step "
+                                 "time is at most (1 + max overhead) x the original's under ONNX Runtime's "
+                                 "default session) or least-peak (whatever it costs in time)")
+    max_overhead: float | None = option(
+        None, proto=16, metavar="F",
+        help=f"step time at most (1 + F) x the original's under ONNX Runtime's default session, "
+             f"measured (default {DEFAULT_MAX_OVERHEAD} for bounded-overhead without a budget; with a "
+             f"budget, no limit unless given)")
+    strategy: str = option(DEFAULT_STRATEGY, proto=2, proto_presence=False, choices=lambda: sorted(STRATEGIES),
+                           help=f"the checkpoint search strategy (default {DEFAULT_STRATEGY})")
+    input_dims: dict[str, list[int]] = option(
+        proto=3, default_factory=dict, batch=False, metavar="NAME=D1,D2,...",
+        help="values of symbolic input dimensions, e.g. x=4,3,224,224 (repeatable)")
+    inputs: dict[str, np.ndarray] | None = option(
+        None, flag="", help="the inputs' arrays (default: synthesized from the shapes); not sent to a server")
+    providers: list[str] | None = option(None, proto=11, flag="--provider", analyze=False, metavar="NAME",
+                                         help="ONNX Runtime execution provider (default: CPU)")
+    verify: bool = option(True, proto=12, analyze=False,
+                          help="compare the outputs with the original's and check the order (default on; "
+                               "off is not recommended)")
+    measure: bool = option(True, proto=13, analyze=False,
+                           help="measure the peaks in fresh processes (default on)")
+    threads: int = option(1, proto=8, proto_type="int32", proto_presence=False, batch=False, metavar="N",
+                          help="ONNX Runtime intra-op threads of the runs that time and measure (default: "
+                               "the machine's cores in this process, 1 on a server; outputs are always "
+                               "verified at one thread)")
+    graph_optimizations: str = option(
+        DEFAULT_GRAPH_OPTIMIZATIONS, proto=17, choices=lambda: list(GRAPH_OPTIMIZATION_LEVELS),
+        help=f"ONNX Runtime's graph optimizations applied offline before planning, so the plan keeps "
+             f"their fused kernels (default {DEFAULT_GRAPH_OPTIMIZATIONS}; extended only on the CPU "
+             f"provider, basic elsewhere; none: plan the file as given)")
+    tolerance: float = option(1e-5, proto=14, analyze=False, metavar="REL",
+                              help="relative output difference accepted (default 1e-5)")
+    progress: Progress | None = option(None, flag="", help="called with each stage and the fraction done")
 
     def check(self) -> None:
         """Reject unknown strategies, unavailable providers and bad numbers before any work."""
@@ -153,3 +202,82 @@ def _copy(value):
     if isinstance(value, list):
         return list(value)
     return value
+
+
+# The Python types an option may have (without "| None") and the proto type of each.
+PROTO_TYPES = {"int": "int64", "float": "double", "str": "string", "bool": "bool",
+               "list[str]": "repeated string", "dict[str, list[int]]": "repeated InputDims"}
+
+
+@dataclass(frozen=True)
+class OptionSpec:
+    """One option's schema, from its field's metadata (see `option`)."""
+    name: str
+    kind: str                   # the Python type without "| None": a key of PROTO_TYPES, or another
+    default: object             # the default value (a fresh one for default factories)
+    help: str
+    proto: int | None           # field number in graphopt.v1.OptimizeOptions; None: does not travel
+    proto_type: str | None      # e.g. "int64", "repeated string"
+    proto_presence: bool        # `optional` in the proto: set and unset differ
+    flag: str                   # the CLI's flag; "": none
+    choices: Callable[[], object] | None
+    metavar: str | None
+    analyze: bool               # a flag of `graphopt analyze` too
+    batch: bool                 # a flag of `graphopt batch` too
+
+    @property
+    def is_bytes(self) -> bool:
+        """An integer count of bytes: its flags read 512MiB, 2GB, ..."""
+        return self.kind == "int" and self.name.endswith("_bytes")
+
+    @property
+    def negated(self) -> bool:
+        """A flag that turns a default-on option off (--no-verify)."""
+        return self.kind == "bool" and self.default is True
+
+
+def _kind(annotation) -> str:
+    text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", None) or repr(annotation)
+    text = text.replace("typing.", "").replace(" ", "")
+    for none in ("|None", "None|"):
+        text = text.replace(none, "")
+    if text.startswith("Optional[") and text.endswith("]"):
+        text = text[len("Optional["):-1]
+    return text.replace(",", ", ")
+
+
+def flag_name(name: str, kind: str, default) -> str:
+    """The CLI flag of an option by convention (the Node CLI uses the same): --budget for
+    budget_bytes (a count of bytes: 512MiB), --no-verify for a bool that is on by default,
+    --input-dims for input_dims."""
+    stem = name[:-len("_bytes")] if kind == "int" and name.endswith("_bytes") else name
+    stem = stem.replace("_", "-")
+    return f"--no-{stem}" if kind == "bool" and default is True else f"--{stem}"
+
+
+def option_specs(cls=None) -> list[OptionSpec]:
+    """The schema of every field of `cls` (default OptimizeOptions), in field order. A field
+    without `option(...)` metadata, or whose type has no proto form, is an error naming it."""
+    cls = cls or OptimizeOptions
+    specs = []
+    for f in fields(cls):
+        meta = f.metadata
+        if "help" not in meta or not str(meta["help"]).strip():
+            raise TypeError(f"{cls.__name__}.{f.name} has no help: declare it with option(..., help=...)")
+        kind = _kind(f.type)
+        default = f.default_factory() if f.default_factory is not MISSING else f.default
+        proto_type = None
+        if meta.get("proto") is not None:
+            proto_type = meta.get("proto_type") or PROTO_TYPES.get(kind)
+            if proto_type is None:
+                raise TypeError(f"{cls.__name__}.{f.name}: type {kind!r} has no proto form (known: "
+                                f"{sorted(PROTO_TYPES)}); give proto=None or another type")
+        flag = meta.get("flag")
+        if flag is None:
+            flag = flag_name(f.name, kind, default)
+        specs.append(OptionSpec(name=f.name, kind=kind, default=default, help=" ".join(str(meta["help"]).split()),
+                                proto=meta.get("proto"), proto_type=proto_type,
+                                proto_presence=meta.get("proto_presence", True), flag=flag,
+                                choices=meta.get("choices"), metavar=meta.get("metavar"),
+                                analyze=meta.get("analyze", True), batch=meta.get("batch", True)))
+    return specs

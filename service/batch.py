@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import socket
 import time
+from dataclasses import replace
 
 import grpc
 
@@ -60,11 +61,9 @@ class RemoteRunner:
         if options.budget_fraction is not None:
             analysis = self._call(lambda: self.client.analyze(job.training_path, timeout_seconds=self.deadline_seconds))
             budget = int(options.budget_fraction * analysis["predicted_peak_bytes"]["original_optimizations_off"])
+        each = replace(options.optimize, budget_bytes=budget)
         report = self._call(lambda: self.client.optimize(
-            job.training_path, job.optimized_path, timeout_seconds=self.deadline_seconds, budget_bytes=budget,
-            memory_limit_bytes=options.memory_limit_bytes,
-            strategy=options.strategy, measure=options.measure, objective=options.objective,
-            max_overhead=options.max_overhead, graph_optimizations=options.graph_optimizations))
+            job.training_path, job.optimized_path, timeout_seconds=self.deadline_seconds, options=each))
         return report.to_dict()
 
     def _call(self, call):

@@ -24,6 +24,7 @@ from graphopt.report import Report
 
 from ._proto import graphopt_pb2 as pb
 from ._proto import graphopt_pb2_grpc as pb_grpc
+from .options import to_message
 from .transfer import DEFAULT_CHUNK_BYTES, FileReceiver, ProtocolError, folder_messages
 
 Progress = Callable[[str, float], None]
@@ -31,33 +32,17 @@ Progress = Callable[[str, float], None]
 
 def make_options(options: OptimizeOptions | None = None, *, plan: bool = False, response_chunk_bytes: int = 0,
                  **fields) -> pb.OptimizeOptions:
-    """The proto's options of the library's `OptimizeOptions` (or of its fields by name:
-    budget_bytes, memory_limit_bytes, objective, max_overhead, strategy, input_dims, providers, verify,
-    measure, loss, threads, tolerance, graph_optimizations),
-    with the service's own plan and response_chunk_bytes. The inputs' arrays and the progress
-    callback do not travel (the server synthesizes inputs from input_dims)."""
+    """The proto's options of the library's `OptimizeOptions` (or of its fields by name, see
+    graphopt/options.py), with the service's own plan and response_chunk_bytes. The inputs'
+    arrays and the progress callback do not travel (the server synthesizes inputs from
+    input_dims)."""
     if options is None:
         options = OptimizeOptions.from_dict({k: v for k, v in fields.items() if v is not None})
     elif fields:
         raise TypeError("give an OptimizeOptions or its fields, not both")
     if options.inputs is not None:
         raise ValueError("inputs are not sent to a server: give input_dims (the server synthesizes inputs)")
-    default = OptimizeOptions()
-    message = pb.OptimizeOptions(strategy=options.strategy, loss=options.loss or "", threads=options.threads,
-                                 providers=list(options.providers or []), plan=plan,
-                                 response_chunk_bytes=response_chunk_bytes)
-    if options.budget_bytes is not None:
-        message.budget_bytes = options.budget_bytes
-    if options.memory_limit_bytes is not None:
-        message.memory_limit_bytes = options.memory_limit_bytes
-    if options.max_overhead is not None:
-        message.max_overhead = options.max_overhead
-    for name in ("objective", "verify", "measure", "tolerance", "graph_optimizations"):   # sent when not the default
-        if getattr(options, name) != getattr(default, name):
-            setattr(message, name, getattr(options, name))
-    for name, dims in options.input_dims.items():
-        message.input_dims.add(name=name, dims=list(dims))
-    return message
+    return to_message(options, pb.OptimizeOptions(plan=plan, response_chunk_bytes=response_chunk_bytes))
 
 
 def upload_messages(model_path: str | os.PathLike, options: pb.OptimizeOptions,

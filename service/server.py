@@ -38,12 +38,14 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from graphopt.options import OptimizeOptions
 from graphopt.report import Report, summary_text
 
 from ._proto import graphopt_pb2 as pb
 from ._proto import graphopt_pb2_grpc as pb_grpc
 from .auth import BearerTokenInterceptor
 from .limits import DiskReservations, StreamLimitInterceptor, StreamWatchdog
+from .options import from_message
 from .status import (CallCancelledError, IdleTimeoutError, JobTimeoutError, ShuttingDownError, error_from_worker,
                      status_for, trailing_metadata_for)
 from .transfer import DEFAULT_CHUNK_BYTES, FileReceiver, ProtocolError, folder_messages
@@ -118,44 +120,18 @@ class ServerConfig:
 
 
 def job_options(options: pb.OptimizeOptions, max_threads: int) -> tuple[dict, dict]:
-    """The request's options: the library's `OptimizeOptions.to_dict()` form (the proto's fields
-    carry its names; unset optional fields keep the library's defaults) and the service's own
-    (plan, response_chunk_bytes). Checked where a message cannot be."""
-    input_dims = {}
-    for entry in options.input_dims:
-        if not entry.name:
-            raise ProtocolError("input_dims has an entry without a name")
-        if any(d < 0 for d in entry.dims):
-            raise ProtocolError(f"input_dims[{entry.name!r}] has a negative dimension: {list(entry.dims)}")
-        input_dims[entry.name] = list(entry.dims)
+    """The request's options: the server's `OptimizeOptions` in its `to_dict()` form (options.py
+    maps the proto's fields, which carry its names; unset ones take the library's defaults) and
+    the service's own (plan, response_chunk_bytes). Checked where a message cannot be; objective,
+    max_overhead and the like go as sent: the library's check (in the worker, before any work)
+    names a bad value, and that is INVALID_ARGUMENT."""
     if options.threads < 0 or options.threads > max_threads:
         raise ProtocolError(f"threads must be between 1 and {max_threads}, got {options.threads}")
     if options.response_chunk_bytes != 0 and not (
             MIN_RESPONSE_CHUNK_BYTES <= options.response_chunk_bytes <= MAX_RESPONSE_CHUNK_BYTES):
         raise ProtocolError(f"response_chunk_bytes must be 0 (the server's default) or between "
                             f"{MIN_RESPONSE_CHUNK_BYTES} and {MAX_RESPONSE_CHUNK_BYTES}, got {options.response_chunk_bytes}")
-    library = {"input_dims": input_dims, "threads": options.threads or 1}
-    if options.HasField("budget_bytes"):
-        library["budget_bytes"] = options.budget_bytes
-    if options.HasField("memory_limit_bytes"):
-        library["memory_limit_bytes"] = options.memory_limit_bytes
-    if options.strategy:
-        library["strategy"] = options.strategy
-    # objective and max_overhead as sent: the library's check (in the worker, before any work)
-    # names an unknown objective or a bad overhead, and that is INVALID_ARGUMENT
-    if options.HasField("objective"):
-        library["objective"] = options.objective
-    if options.HasField("max_overhead"):
-        library["max_overhead"] = options.max_overhead
-    if options.HasField("graph_optimizations"):
-        library["graph_optimizations"] = options.graph_optimizations
-    if options.loss:
-        library["loss"] = options.loss
-    if options.providers:
-        library["providers"] = list(options.providers)
-    for name in ("verify", "measure", "tolerance"):
-        if options.HasField(name):
-            library[name] = getattr(options, name)
+    library = OptimizeOptions.from_dict(from_message(options)).to_dict()
     return library, {"plan": options.plan, "response_chunk_bytes": options.response_chunk_bytes}
 
 
@@ -299,6 +275,7 @@ class GraphoptServicer(pb_grpc.GraphoptServicer):
                         if item != "options":
                             raise ProtocolError(f"the first message must carry the options, not {item or 'nothing'}")
                         options, service = job_options(request.options, max_threads=os.cpu_count() or 1)
+                        call.fields["options"] = options   # logged with the call's end: what was asked
                     elif item == "options":
                         raise ProtocolError("the options were sent twice")
                     elif item == "file":

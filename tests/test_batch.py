@@ -170,6 +170,7 @@ def test_batch_passes_objective_and_max_overhead_to_each_model(tmp_path):
     """In worker processes and on a server: each model's report has the objective asked for, the
     summary shows it beside the step time ratio; a bad combination stops the batch before any model."""
     from graphopt.batch import BatchOptions, content_key
+    from graphopt.options import OptimizeOptions
     zoo = tmp_path / "zoo"
     zoo.mkdir()
     model, _ = training_example("mlp", small=True)
@@ -201,6 +202,6 @@ def test_batch_passes_objective_and_max_overhead_to_each_model(tmp_path):
     assert refused.returncode == 2 and "least-peak takes no max overhead" in refused.stderr, refused.stderr
     assert not (tmp_path / "refused").exists()
     # the options are part of each job's key: another objective is another job, not "done before"
-    keys = {content_key(zoo / "mlp.onnx", BatchOptions(**options))
+    keys = {content_key(zoo / "mlp.onnx", BatchOptions(optimize=OptimizeOptions(**options)))
             for options in ({}, {"objective": "least-peak"}, {"max_overhead": 0.3}, {"max_overhead": 0.5})}
     assert len(keys) == 4

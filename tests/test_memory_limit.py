@@ -183,7 +183,7 @@ def test_the_cli_takes_a_limit_in_units_and_names_it_when_a_step_does_not_fit(tm
     assert proc.returncode == 2, proc.stderr   # a GraphoptError
     assert f"memory limit of {1 << 20} bytes" in proc.stderr
     args = build_parser().parse_args(["optimize", path, "-o", "x.onnx", "--memory-limit", "1.5GiB"])
-    assert args.memory_limit == 3 << 29
+    assert args.memory_limit_bytes == 3 << 29   # each option flag stores under its field's name
 
 
 # a bare process (onnxruntime, and graphopt's reader of the inputs file) that opens a session as a plain InferenceSession

@@ -16,8 +16,10 @@ class InputDims(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dims: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class OptimizeOptions(_message.Message):
-    __slots__ = ("budget_bytes", "objective", "max_overhead", "strategy", "input_dims", "providers", "verify", "measure", "loss", "threads", "tolerance", "graph_optimizations", "memory_limit_bytes", "response_chunk_bytes", "plan")
+    __slots__ = ("loss", "budget_bytes", "memory_limit_bytes", "objective", "max_overhead", "strategy", "input_dims", "providers", "verify", "measure", "threads", "graph_optimizations", "tolerance", "response_chunk_bytes", "plan")
+    LOSS_FIELD_NUMBER: _ClassVar[int]
     BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
     OBJECTIVE_FIELD_NUMBER: _ClassVar[int]
     MAX_OVERHEAD_FIELD_NUMBER: _ClassVar[int]
     STRATEGY_FIELD_NUMBER: _ClassVar[int]
@@ -25,14 +27,14 @@ class OptimizeOptions(_message.Message):
     PROVIDERS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_FIELD_NUMBER: _ClassVar[int]
     MEASURE_FIELD_NUMBER: _ClassVar[int]
-    LOSS_FIELD_NUMBER: _ClassVar[int]
     THREADS_FIELD_NUMBER: _ClassVar[int]
-    TOLERANCE_FIELD_NUMBER: _ClassVar[int]
     GRAPH_OPTIMIZATIONS_FIELD_NUMBER: _ClassVar[int]
-    MEMORY_LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TOLERANCE_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
+    loss: str
     budget_bytes: int
+    memory_limit_bytes: int
     objective: str
     max_overhead: float
     strategy: str
@@ -40,14 +42,12 @@ class OptimizeOptions(_message.Message):
     providers: _containers.RepeatedScalarFieldContainer[str]
     verify: bool
     measure: bool
-    loss: str
     threads: int
-    tolerance: float
     graph_optimizations: str
-    memory_limit_bytes: int
+    tolerance: float
     response_chunk_bytes: int
     plan: bool
-    def __init__(self, budget_bytes: _Optional[int] = ..., objective: _Optional[str] = ..., max_overhead: _Optional[float] = ..., strategy: _Optional[str] = ..., input_dims: _Optional[_Iterable[_Union[InputDims, _Mapping]]] = ..., providers: _Optional[_Iterable[str]] = ..., verify: _Optional[bool] = ..., measure: _Optional[bool] = ..., loss: _Optional[str] = ..., threads: _Optional[int] = ..., tolerance: _Optional[float] = ..., graph_optimizations: _Optional[str] = ..., memory_limit_bytes: _Optional[int] = ..., response_chunk_bytes: _Optional[int] = ..., plan: _Optional[bool] = ...) -> None: ...
+    def __init__(self, loss: _Optional[str] = ..., budget_bytes: _Optional[int] = ..., memory_limit_bytes: _Optional[int] = ..., objective: _Optional[str] = ..., max_overhead: _Optional[float] = ..., strategy: _Optional[str] = ..., input_dims: _Optional[_Iterable[_Union[InputDims, _Mapping]]] = ..., providers: _Optional[_Iterable[str]] = ..., verify: _Optional[bool] = ..., measure: _Optional[bool] = ..., threads: _Optional[int] = ..., graph_optimizations: _Optional[str] = ..., tolerance: _Optional[float] = ..., response_chunk_bytes: _Optional[int] = ..., plan: _Optional[bool] = ...) -> None: ...
 
 class FileHeader(_message.Message):
     __slots__ = ("path", "size_bytes", "sha256")

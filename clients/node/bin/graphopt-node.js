@@ -8,15 +8,11 @@
 const fs = require('fs');
 const path = require('path');
 const { parseArgs } = require('util');
-const { GraphoptClient, GraphoptError } = require('../src/client');
+const { GraphoptClient, GraphoptError, optionFields, DEFAULT_PROTO_PATH } = require('../src/client');
 
 const USAGE = `usage:
-  graphopt-node optimize MODEL -o OUT --server HOST:PORT [--budget BYTES] [--memory-limit BYTES] [--strategy S]
-                [--objective O] [--max-overhead F] [--graph-optimizations L]
-                [--input-dims NAME=D1,D2,...]... [--loss NAME] [--no-verify] [--no-measure]
-                [--report FILE] [--provider P] [--threads N]
-  graphopt-node analyze MODEL --server HOST:PORT [--plan] [--budget BYTES] [--strategy S]
-                [--objective O] [--max-overhead F] [--input-dims NAME=D1,D2,...]... [--loss NAME]
+  graphopt-node optimize MODEL -o OUT --server HOST:PORT [--report FILE] [OPTION]...
+  graphopt-node analyze MODEL --server HOST:PORT [--plan] [OPTION]...
   graphopt-node strategies --server HOST:PORT
   graphopt-node health --server HOST:PORT [--service NAME]
 
@@ -30,7 +26,12 @@ common options:
   --proto FILE               graphopt.proto (default: env GRAPHOPT_PROTO, else the repository's)
   -h, --help                 this help
 
-optimize and analyze:
+optimize and analyze, OPTION: each field of graphopt.v1.OptimizeOptions in the proto (graphopt's
+OptimizeOptions, graphopt/options.py: see graphopt optimize --help for what each means), as a flag
+named after the field: --budget BYTES (budget_bytes: a *_bytes field drops _bytes), --memory-limit
+BYTES, --objective O, --max-overhead F, --strategy S, --input-dims NAME=D1,D2,... (repeatable),
+--provider P (providers; repeatable), --verify/--no-verify, --measure/--no-measure, --loss NAME,
+--threads N, --graph-optimizations L, --tolerance F, ...; for example:
   --memory-limit BYTES       optimize: what the training session may hold at once on its device
                              (weights, state, the step); the returned model is run under it
   --objective O              without --budget: bounded-overhead (the server's default: the least
@@ -54,34 +55,22 @@ const COMMON = {
   help: { type: 'boolean', short: 'h' },
 };
 
-const MODEL_OPTIONS = {
-  budget: { type: 'string' },
-  'memory-limit': { type: 'string' },
-  objective: { type: 'string' },
-  'max-overhead': { type: 'string' },
-  'graph-optimizations': { type: 'string' },
-  strategy: { type: 'string' },
-  'input-dims': { type: 'string', multiple: true },
-  loss: { type: 'string' },
-  provider: { type: 'string' },
-  threads: { type: 'string' },
-};
+// The fields of OptimizeOptions that are the service's own, not graphopt's options (analyze's
+// --plan is its own flag).
+const SERVICE_FIELDS = new Set(['response_chunk_bytes', 'plan']);
+// Flags named otherwise than by the rule of optionFlags (as graphopt's CLI names them).
+const FLAG_STEMS = { providers: 'provider' };
 
 const COMMANDS = {
   optimize: {
     positionals: 1,
-    options: {
-      ...COMMON, ...MODEL_OPTIONS,
-      output: { type: 'string', short: 'o' },
-      'no-verify': { type: 'boolean' },
-      'no-measure': { type: 'boolean' },
-      report: { type: 'string' },
-    },
+    options: { ...COMMON, output: { type: 'string', short: 'o' }, report: { type: 'string' } },
   },
-  analyze: { positionals: 1, options: { ...COMMON, ...MODEL_OPTIONS, plan: { type: 'boolean' } } },
+  analyze: { positionals: 1, options: { ...COMMON, plan: { type: 'boolean' } } },
   strategies: { positionals: 0, options: { ...COMMON } },
   health: { positionals: 0, options: { ...COMMON, service: { type: 'string' } } },
 };
+const OPTION_COMMANDS = new Set(['optimize', 'analyze']);
 
 class UsageError extends Error {}
 
@@ -146,6 +135,53 @@ function parseInputDims(specs) {
   return out;
 }
 
+function parseCount(text, flag) {
+  if (!/^\s*[0-9]+\s*$/.test(text) || !Number.isSafeInteger(Number(text))) {
+    throw new UsageError(`${flag}: not a non-negative integer: ${JSON.stringify(text)}`);
+  }
+  return Number(text);
+}
+
+/**
+ * The option flags of graphopt.v1.OptimizeOptions' fields (`fields`: the client's optionFields),
+ * the same rule as graphopt's CLI (graphopt.options.flag_name): the field's name in kebab-case, a
+ * *_bytes int64 without "-bytes" and read as BYTES; a bool both as --NAME and --no-NAME; a
+ * repeated field repeatable. -> [{flag, key, spec (for util.parseArgs), parse(value, flag)}]
+ */
+function optionFlags(fields) {
+  const flags = [];
+  for (const field of fields) {
+    if (SERVICE_FIELDS.has(field.name)) continue;
+    const bytes = /INT64$/.test(field.type) && field.name.endsWith('_bytes');
+    const stem = FLAG_STEMS[field.name] || (bytes ? field.name.slice(0, -'_bytes'.length) : field.name).replace(/_/g, '-');
+    if (field.type === 'TYPE_BOOL' && !field.repeated) {
+      flags.push({ flag: stem, key: field.key, spec: { type: 'boolean' }, parse: () => true });
+      flags.push({ flag: `no-${stem}`, key: field.key, spec: { type: 'boolean' }, parse: () => false });
+      continue;
+    }
+    let one;
+    if (field.type === 'TYPE_MESSAGE' && field.typeName.endsWith('InputDims')) one = null;
+    else if (bytes) one = (text) => parseBytes(text);
+    else if (/INT64$|INT32$/.test(field.type)) one = field.name === 'threads' ? parsePositiveInt : parseCount;
+    else if (field.type === 'TYPE_DOUBLE' || field.type === 'TYPE_FLOAT') one = parseFraction;
+    else if (field.type === 'TYPE_STRING') one = (text) => text;
+    else continue;   // a type without a flag form: the library API still takes it
+    const parse = one === null ? (values) => parseInputDims(values)
+      : field.repeated ? (values, flag) => values.map((v) => one(v, flag)) : one;
+    flags.push({ flag: stem, key: field.key, spec: { type: 'string', multiple: field.repeated }, parse });
+  }
+  return flags;
+}
+
+/** The proto a command line names: --proto FILE, else $GRAPHOPT_PROTO, else the repository's. */
+function protoPathOf(argv) {
+  for (let i = 0; i < argv.length; i += 1) {
+    if (argv[i] === '--proto' && i + 1 < argv.length) return argv[i + 1];
+    if (argv[i].startsWith('--proto=')) return argv[i].slice('--proto='.length);
+  }
+  return process.env.GRAPHOPT_PROTO || DEFAULT_PROTO_PATH;
+}
+
 /** argv (without node and the script) -> {command, model, values}; throws UsageError. */
 function parseCommandLine(argv) {
   if (argv.length === 0) throw new UsageError('no command (optimize, analyze, strategies, health)');
@@ -153,9 +189,20 @@ function parseCommandLine(argv) {
   const command = argv[0];
   const spec = COMMANDS[command];
   if (!spec) throw new UsageError(`unknown command ${JSON.stringify(command)} (optimize, analyze, strategies, health)`);
+  let flags = [];
+  if (OPTION_COMMANDS.has(command)) {
+    const protoPath = protoPathOf(argv);
+    try {
+      flags = optionFlags(optionFields(protoPath));
+    } catch (err) {
+      throw new UsageError(`--proto: cannot read graphopt.v1.OptimizeOptions from ${protoPath}: ${err.message}`);
+    }
+  }
+  const flagSpecs = Object.fromEntries(flags.map((f) => [f.flag, f.spec]));
   let parsed;
   try {
-    parsed = parseArgs({ args: argv.slice(1), options: spec.options, allowPositionals: true, strict: true });
+    parsed = parseArgs({ args: argv.slice(1), options: { ...flagSpecs, ...spec.options }, allowPositionals: true,
+      strict: true });
   } catch (err) {
     throw new UsageError(err.message);
   }
@@ -190,23 +237,10 @@ function parseCommandLine(argv) {
   if (values['max-message-bytes'] !== undefined) clientOptions.maxMessageBytes = parseBytes(values['max-message-bytes']);
 
   const options = {};
-  if (command === 'optimize' || command === 'analyze') {
-    if (values.budget !== undefined) options.budgetBytes = parseBytes(values.budget);
-    if (values['memory-limit'] !== undefined) options.memoryLimitBytes = parseBytes(values['memory-limit']);
-    if (values.objective !== undefined) options.objective = values.objective;
-    if (values['max-overhead'] !== undefined) options.maxOverhead = parseFraction(values['max-overhead'], '--max-overhead');
-    if (values['graph-optimizations'] !== undefined) options.graphOptimizations = values['graph-optimizations'];
-    if (values.strategy) options.strategy = values.strategy;
-    if (values['input-dims']) options.inputDims = parseInputDims(values['input-dims']);
-    if (values.loss) options.loss = values.loss;
-    if (values.provider) options.providers = [values.provider];
-    if (values.threads !== undefined) options.threads = parsePositiveInt(values.threads, '--threads');
+  for (const f of flags) {
+    if (values[f.flag] !== undefined) options[f.key] = f.parse(values[f.flag], `--${f.flag}`);
   }
-  if (command === 'optimize') {
-    if (!values.output) throw new UsageError('optimize needs -o OUT');
-    if (values['no-verify']) options.verify = false;
-    if (values['no-measure']) options.measure = false;
-  }
+  if (command === 'optimize' && !values.output) throw new UsageError('optimize needs -o OUT');
   if (command === 'analyze' && values.plan) options.plan = true;
   return {
     command, server, clientOptions, options,
@@ -317,7 +351,7 @@ async function run(argv, io = { stdout: process.stdout, stderr: process.stderr }
   }
 }
 
-module.exports = { run, parseCommandLine, parseBytes, parseInputDims, progressLine, human, UsageError };
+module.exports = { run, parseCommandLine, parseBytes, parseInputDims, progressLine, human, UsageError, optionFlags };
 
 if (require.main === module) {
   // grpc-js sets the TLS server name to the target's host even when that is an IP address

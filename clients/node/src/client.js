@@ -72,81 +72,116 @@ async function sha256File(file) {
 
 // --- options -------------------------------------------------------------------------
 
-// graphopt's OptimizeOptions (graphopt/options.py), each field under its camelCase name, and the
-// service's own responseChunkBytes and plan.
-const OPTION_KEYS = new Set(['budgetBytes', 'memoryLimitBytes', 'objective', 'maxOverhead', 'strategy', 'inputDims', 'providers',
-  'verify', 'measure', 'loss', 'threads', 'tolerance', 'graphOptimizations', 'responseChunkBytes', 'plan']);
+// graphopt's OptimizeOptions (graphopt/options.py) and the service's own responseChunkBytes and
+// plan: every field of the proto's graphopt.v1.OptimizeOptions message, read from its descriptor,
+// under its camelCase name. No list of options here: a field added to the proto is an option.
+
+const INT64_TYPES = new Set(['TYPE_INT64', 'TYPE_UINT64', 'TYPE_SINT64', 'TYPE_FIXED64', 'TYPE_SFIXED64']);
+const INT32_TYPES = new Set(['TYPE_INT32', 'TYPE_UINT32', 'TYPE_SINT32', 'TYPE_FIXED32', 'TYPE_SFIXED32']);
+const NUMBER_TYPES = new Set(['TYPE_DOUBLE', 'TYPE_FLOAT']);
+
+/** snake_case (the proto's names) -> camelCase (this client's option keys). */
+function camelCase(name) {
+  return name.replace(/_([a-z0-9])/g, (_, c) => c.toUpperCase());
+}
+
+const fieldCache = new Map();
+
+/**
+ * The fields of graphopt.v1.OptimizeOptions in the proto at `protoPath`, from its descriptor:
+ * [{name (snake_case), key (camelCase), type ('TYPE_INT64', ...), repeated, typeName}].
+ */
+function optionFields(protoPath = DEFAULT_PROTO_PATH) {
+  if (!fieldCache.has(protoPath)) {
+    const definition = protoLoader.loadSync(protoPath, LOADER_OPTIONS);
+    const message = definition['graphopt.v1.OptimizeOptions'];
+    if (!message || !message.type || !Array.isArray(message.type.field)) {
+      throw new ClientError(`${protoPath} has no message graphopt.v1.OptimizeOptions`);
+    }
+    fieldCache.set(protoPath, message.type.field.map((f) => ({
+      name: f.name, key: camelCase(f.name), type: f.type, repeated: f.label === 'LABEL_REPEATED',
+      typeName: String(f.typeName || '').replace(/^\./, ''),
+    })));
+  }
+  return fieldCache.get(protoPath);
+}
 
 function integerString(value, what) {
-  if (typeof value === 'bigint') return value.toString();
+  if (typeof value === 'bigint' && value >= 0n) return value.toString();
   if (typeof value === 'string' && /^[0-9]+$/.test(value)) return value;
   if (typeof value === 'number' && Number.isSafeInteger(value) && value >= 0) return String(value);
   throw new ClientError(`${what} must be a non-negative integer, not ${JSON.stringify(String(value))}`);
 }
 
+/** One value of a scalar field, checked by its proto type (every number option is >= 0). */
+function scalarValue(field, value, what) {
+  if (INT64_TYPES.has(field.type)) return integerString(value, what);
+  if (INT32_TYPES.has(field.type)) {
+    const text = integerString(value, what);
+    if (Number(text) > 2 ** 31 - 1) throw new ClientError(`${what} must be at most ${2 ** 31 - 1}, not ${text}`);
+    return Number(text);
+  }
+  if (NUMBER_TYPES.has(field.type)) {
+    const number = typeof value === 'string' && value.trim() !== '' ? Number(value) : value;
+    if (typeof number !== 'number' || !Number.isFinite(number) || number < 0) {
+      throw new ClientError(`${what} must be a finite number >= 0, not ${JSON.stringify(String(value))}`);
+    }
+    return number;
+  }
+  if (field.type === 'TYPE_BOOL') {
+    if (typeof value !== 'boolean') throw new ClientError(`${what} must be true or false, not ${JSON.stringify(value)}`);
+    return value;
+  }
+  if (field.type === 'TYPE_STRING') {
+    if (typeof value === 'object') throw new ClientError(`${what} must be a string, not ${JSON.stringify(value)}`);
+    return String(value);
+  }
+  throw new ClientError(`option ${what}: this client cannot send a ${field.type} field`);
+}
+
+/** inputDims: {name: [d, ...]} or [{name, dims}] -> [InputDims]. */
+function inputDimsValue(value, what) {
+  if (!value || typeof value !== 'object') throw new ClientError(`${what} must be {name: [d, ...]} or [{name, dims}]`);
+  const entries = Array.isArray(value) ? value.map((e) => [e && e.name, e && e.dims]) : Object.entries(value);
+  return entries.map(([name, dims]) => {
+    if (dims !== undefined && dims !== null && !Array.isArray(dims)) {
+      throw new ClientError(`${what}: the dimensions of input ${name} must be a list`);
+    }
+    return { name: String(name), dims: (dims || []).map((d) => integerString(d, `dimension of input ${name}`)) };
+  });
+}
+
+function fieldValue(field, value) {
+  if (field.type === 'TYPE_MESSAGE') {
+    if (field.typeName.endsWith('InputDims') && field.repeated) return inputDimsValue(value, field.key);
+    throw new ClientError(`option ${field.key}: this client cannot send a ${field.typeName} message`);
+  }
+  if (field.repeated) {
+    if (!Array.isArray(value)) throw new ClientError(`${field.key} must be a list, not ${JSON.stringify(value)}`);
+    return value.map((v, i) => scalarValue(field, v, `${field.key}[${i}]`));
+  }
+  return scalarValue(field, value, field.key);
+}
+
 /**
- * JS options -> graphopt.v1.OptimizeOptions:
- *   {budgetBytes, memoryLimitBytes (what the training session may hold at once on its device: the
- *    returned model is run under ONNX Runtime capped at it), objective ('bounded-overhead' |
- *    'least-peak'; the server checks the name),
- *    maxOverhead (step time at most (1 + maxOverhead) x the original's), strategy,
- *    inputDims: {name: [d, ...]} | [{name, dims}], providers: [name, ...],
- *    verify (default true), measure (default true), loss, threads, tolerance,
- *    graphOptimizations ("none", "basic" or "extended": ONNX Runtime's graph optimizations applied
- *    before planning; unset: the server's default), responseChunkBytes, plan}
- * objective and maxOverhead are sent only when given (unset: the server's library defaults).
+ * JS options -> graphopt.v1.OptimizeOptions: each key the camelCase name of one of the message's
+ * fields (budgetBytes, maxOverhead, inputDims, ...; see graphopt/options.py or the proto for what
+ * each means), its value checked by the field's type: int64 as a non-negative integer (sent as a
+ * decimal string), numbers finite and >= 0, booleans, strings, lists for repeated fields, and
+ * inputDims as {name: [d, ...]} or [{name, dims}]. An option left out (or null) is not sent: the
+ * server's library defaults apply. `fields`: optionFields() of the proto in use.
  */
-function toProtoOptions(options = {}) {
-  for (const key of Object.keys(options)) {
-    if (!OPTION_KEYS.has(key)) {
-      throw new ClientError(`unknown option ${JSON.stringify(key)} (known: ${[...OPTION_KEYS].join(', ')})`);
-    }
-  }
+function toProtoOptions(options = {}, fields = optionFields()) {
+  const byKey = new Map(fields.map((f) => [f.key, f]));
   const out = {};
-  if (options.budgetBytes !== undefined && options.budgetBytes !== null) {
-    out.budget_bytes = integerString(options.budgetBytes, 'budgetBytes');
-  }
-  if (options.memoryLimitBytes !== undefined && options.memoryLimitBytes !== null) {
-    out.memory_limit_bytes = integerString(options.memoryLimitBytes, 'memoryLimitBytes');
-  }
-  if (options.objective !== undefined && options.objective !== null) out.objective = String(options.objective);
-  if (options.maxOverhead !== undefined && options.maxOverhead !== null) {
-    const maxOverhead = Number(options.maxOverhead);
-    if (typeof options.maxOverhead === 'boolean' || !Number.isFinite(maxOverhead) || maxOverhead < 0) {
-      throw new ClientError(`maxOverhead must be a finite number >= 0 (0.1: 10% slower at most), not ${JSON.stringify(options.maxOverhead)}`);
+  for (const [key, value] of Object.entries(options)) {
+    const field = byKey.get(key);
+    if (!field) {
+      throw new ClientError(`unknown option ${JSON.stringify(key)} (known: ${[...byKey.keys()].join(', ')})`);
     }
-    out.max_overhead = maxOverhead;
+    if (value === undefined || value === null) continue;
+    out[field.name] = fieldValue(field, value);
   }
-  if (options.graphOptimizations !== undefined && options.graphOptimizations !== null) {
-    out.graph_optimizations = String(options.graphOptimizations);
-  }
-  if (options.strategy) out.strategy = String(options.strategy);
-  if (options.inputDims) {
-    const entries = Array.isArray(options.inputDims)
-      ? options.inputDims.map((e) => [e.name, e.dims])
-      : Object.entries(options.inputDims);
-    out.input_dims = entries.map(([name, dims]) => ({
-      name: String(name),
-      dims: (dims || []).map((d) => integerString(d, `dimension of input ${name}`)),
-    }));
-  }
-  if (options.providers) {
-    if (!Array.isArray(options.providers)) throw new ClientError('providers must be a list of names');
-    out.providers = options.providers.map(String);
-  }
-  if (options.verify === false) out.verify = false;
-  if (options.measure === false) out.measure = false;
-  if (options.tolerance !== undefined && options.tolerance !== null) {
-    const tolerance = Number(options.tolerance);
-    if (!(tolerance >= 0)) throw new ClientError(`tolerance must be a number >= 0, not ${JSON.stringify(options.tolerance)}`);
-    out.tolerance = tolerance;
-  }
-  if (options.loss) out.loss = String(options.loss);
-  if (options.threads) out.threads = Number(options.threads);
-  if (options.responseChunkBytes) {
-    out.response_chunk_bytes = integerString(options.responseChunkBytes, 'responseChunkBytes');
-  }
-  if (options.plan) out.plan = true;
   return out;
 }
 
@@ -444,6 +479,7 @@ class GraphoptClient {
     let graphoptPkg;
     try {
       graphoptPkg = loadPackage(this.protoPath);
+      this.optionFields = optionFields(this.protoPath);
     } catch (err) {
       throw new ClientError(`cannot load the service definition ${this.protoPath}: ${err.message}`);
     }
@@ -510,7 +546,7 @@ class GraphoptClient {
    */
   async optimize(modelPath, outputPath, options = {}, onProgress = null) {
     if (!outputPath) throw new ClientError('no output path');
-    const protoOptions = toProtoOptions(options);
+    const protoOptions = toProtoOptions(options, this.optionFields);
     if (protoOptions.plan) throw new ClientError('option plan is for analyze only');
     if (!protoOptions.response_chunk_bytes && this.maxMessageBytes - CHUNK_OVERHEAD < DEFAULT_CHUNK_BYTES) {
       // the server's default chunks (1 MiB) would not fit this client's message limit
@@ -574,7 +610,7 @@ class GraphoptClient {
 
   /** Analyze the model at `modelPath` (same upload); the AnalyzeResponse with `full` parsed. */
   async analyze(modelPath, options = {}) {
-    const protoOptions = toProtoOptions(options);
+    const protoOptions = toProtoOptions(options, this.optionFields);
     const files = await this.uploadPlan(modelPath);
     let uploadError = null;
     let call;
@@ -635,6 +671,8 @@ module.exports = {
   GraphoptError,
   ClientError,
   toProtoOptions,
+  optionFields,
+  camelCase,
   loadPackage,
   DEFAULT_PROTO_PATH,
   HEALTH_PROTO_PATH,
