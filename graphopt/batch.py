@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Protocol
 
-from .cli import option_args
+from .options import option_args
 from .errors import GraphoptError, InvalidModelError
 from .options import NOT_JSON, OptimizeOptions, option_specs
 

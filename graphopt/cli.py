@@ -116,30 +116,6 @@ def option_values(args, command: str = "optimize") -> dict:
     return values
 
 
-def option_args(options) -> list[str]:
-    """The flags that give `options` (the inverse of `option_values`): each flagged field that
-    differs from its default, as --flag=VALUE (a value may start with '-')."""
-    from .options import option_specs
-    argv = []
-    for spec in option_specs(type(options)):
-        value = getattr(options, spec.name)
-        if not spec.flag or value is None or value == spec.default:
-            continue
-        if spec.kind == "bool":
-            if value != (not spec.default):
-                raise GraphoptError(f"option {spec.name}={value!r} has no flag ({spec.flag} sets {not spec.default})")
-            argv.append(spec.flag)
-        elif spec.kind == "dict[str, list[int]]":
-            argv += [f"{spec.flag}={name}={','.join(str(int(d)) for d in dims)}" for name, dims in value.items()]
-        elif spec.kind == "list[str]":
-            argv += [f"{spec.flag}={item}" for item in value]
-        elif spec.kind == "float":
-            argv.append(f"{spec.flag}={float(value)!r}")
-        else:
-            argv.append(f"{spec.flag}={value}")
-    return argv
-
-
 def options_from_args(args, **extra):
     """The `OptimizeOptions` of parsed flags (each flag stores under its field's name; see
     `option_flags`); `extra` sets inputs and progress. Threads default to the machine's cores in

@@ -18,7 +18,7 @@ from typing import Callable
 
 import numpy as np
 
-from .errors import InvalidOptionError
+from .errors import GraphoptError, InvalidOptionError
 from .runtime.offline import DEFAULT_GRAPH_OPTIMIZATIONS, GRAPH_OPTIMIZATION_LEVELS
 from .search import DEFAULT_STRATEGY, STRATEGIES
 
@@ -281,3 +281,26 @@ def option_specs(cls=None) -> list[OptionSpec]:
                                 choices=meta.get("choices"), metavar=meta.get("metavar"),
                                 analyze=meta.get("analyze", True), batch=meta.get("batch", True)))
     return specs
+
+
+def option_args(options) -> list[str]:
+    """The flags that give `options` (the inverse of `cli.option_values`): each flagged field that
+    differs from its default, as --flag=VALUE (a value may start with '-')."""
+    argv = []
+    for spec in option_specs(type(options)):
+        value = getattr(options, spec.name)
+        if not spec.flag or value is None or value == spec.default:
+            continue
+        if spec.kind == "bool":
+            if value != (not spec.default):
+                raise GraphoptError(f"option {spec.name}={value!r} has no flag ({spec.flag} sets {not spec.default})")
+            argv.append(spec.flag)
+        elif spec.kind == "dict[str, list[int]]":
+            argv += [f"{spec.flag}={name}={','.join(str(int(d)) for d in dims)}" for name, dims in value.items()]
+        elif spec.kind == "list[str]":
+            argv += [f"{spec.flag}={item}" for item in value]
+        elif spec.kind == "float":
+            argv.append(f"{spec.flag}={float(value)!r}")
+        else:
+            argv.append(f"{spec.flag}={value}")
+    return argv

@@ -157,7 +157,8 @@ def test_random_options_round_trip_through_the_proto(values):
 @settings(max_examples=40, deadline=None)
 @given(OPTIONS)
 def test_random_options_round_trip_through_the_cli_flags(values):
-    from graphopt.cli import build_parser, option_args, options_from_args
+    from graphopt.cli import build_parser, options_from_args
+    from graphopt.options import option_args
     options = OptimizeOptions(**values)
     argv = ["optimize", "m.onnx", "-o", "o.onnx", "--server", "127.0.0.1:1", *option_args(options)]
     back = options_from_args(build_parser().parse_args(argv))
@@ -200,7 +201,7 @@ def test_random_options_round_trip_through_the_node_client(batch):
     descriptor) and through its command line (graphopt-node's flags, given the flags graphopt's
     CLI writes), encoded by Node, decoded by the server's mapping: the values it started with.
     One node process per batch of examples."""
-    from graphopt.cli import option_args
+    from graphopt.options import option_args
     examples = [OptimizeOptions(**values) for values in batch]
     lines = "".join(json.dumps({"options": js_options(o), "argv": option_args(o)}) + "\n" for o in examples)
     done = subprocess.run([node_exe(), "-e", NODE_SCRIPT], input=lines, capture_output=True, text=True,
@@ -322,7 +323,8 @@ def test_batch_options_hold_optimize_options_and_keep_the_job_keys_of_earlier_ba
 def test_batch_flags_give_each_models_options_and_the_batchs_own_loss(values, loss):
     """`graphopt batch`'s --loss is the forward models' training loss, not OptimizeOptions.loss; the
     option flags it shares with optimize give each model's options."""
-    from graphopt.cli import batch_options_from_args, build_parser, option_args
+    from graphopt.cli import batch_options_from_args, build_parser
+    from graphopt.options import option_args
     options = OptimizeOptions(**values)
     args = build_parser().parse_args(["batch", "zoo", "-o", "out", "--loss", loss, *option_args(options)])
     batch = batch_options_from_args(args)

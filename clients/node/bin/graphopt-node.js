@@ -110,7 +110,7 @@ function parsePositiveNumber(text, flag) {
 
 /** ["x=8,3,32,32", "y="] -> {x: [8,3,32,32], y: []} (as graphopt.inputs.parse_input_dims). */
 function parseInputDims(specs) {
-  const out = {};
+  const out = Object.create(null);   // any input name is a key, "__proto__" included
   for (const spec of specs || []) {
     const at = spec.lastIndexOf('=');
     if (at < 0) throw new UsageError(`--input-dims ${JSON.stringify(spec)}: expected NAME=D0,D1,... (for example x=8,3,32,32)`);
