@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from graphopt.options import OptimizeOptions, flag_name, option_specs
@@ -146,7 +146,7 @@ def server_side(message_bytes: bytes) -> OptimizeOptions:
     return OptimizeOptions.from_dict(library)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60, deadline=None, derandomize=True)
 @given(OPTIONS)
 def test_random_options_round_trip_through_the_proto(values):
     options = OptimizeOptions(**values)
@@ -154,7 +154,7 @@ def test_random_options_round_trip_through_the_proto(values):
     assert travelling(back) == travelling(options)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40, deadline=None, derandomize=True)
 @given(OPTIONS)
 def test_random_options_round_trip_through_the_cli_flags(values):
     from graphopt.cli import build_parser, options_from_args
@@ -194,8 +194,12 @@ process.stdout.write(JSON.stringify(out));
 """
 
 
-@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=3, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(st.lists(OPTIONS, min_size=40, max_size=40))
+# found by a random run: graphopt-node kept --input-dims in a plain object, where "__proto__"
+# set the prototype instead of an input
+@example([{"input_dims": {"__proto__": [2, 3], "constructor": [], "toString": [1]}}])
 def test_random_options_round_trip_through_the_node_client(batch):
     """Each example through the Node client's mapping (toProtoOptions over the proto's
     descriptor) and through its command line (graphopt-node's flags, given the flags graphopt's
@@ -317,7 +321,7 @@ def test_batch_options_hold_optimize_options_and_keep_the_job_keys_of_earlier_ba
         BatchOptions(optimize=OptimizeOptions(budget_bytes=1 << 20)).check()
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=30, deadline=None, derandomize=True)
 @given(st.fixed_dictionaries({s.name: value_strategy(s) for s in option_specs() if s.proto is not None and s.batch}),
        st.sampled_from(["mse", "cross_entropy", "output:loss"]))
 def test_batch_flags_give_each_models_options_and_the_batchs_own_loss(values, loss):

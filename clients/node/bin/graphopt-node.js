@@ -110,7 +110,7 @@ function parsePositiveNumber(text, flag) {
 
 /** ["x=8,3,32,32", "y="] -> {x: [8,3,32,32], y: []} (as graphopt.inputs.parse_input_dims). */
 function parseInputDims(specs) {
-  const out = Object.create(null);   // any input name is a key, "__proto__" included
+  const out = {};
   for (const spec of specs || []) {
     const at = spec.lastIndexOf('=');
     if (at < 0) throw new UsageError(`--input-dims ${JSON.stringify(spec)}: expected NAME=D0,D1,... (for example x=8,3,32,32)`);
@@ -130,7 +130,8 @@ function parseInputDims(specs) {
         dims.push(Number(p));
       }
     }
-    out[name] = dims;
+    // an own property whatever the name: `out[name] =` would set the prototype for "__proto__"
+    Object.defineProperty(out, name, { value: dims, enumerable: true, writable: true, configurable: true });
   }
   return out;
 }
