@@ -1,5 +1,5 @@
 """The entry points for the CLI, the service and batch, composed of the pipeline's stages
-(graphopt/pipeline.py: prepare -> plan -> deliver; its docstring states the contracts at
+(graphopt/pipeline.py: prepare -> plan, graphopt/delivery.py: deliver; pipeline's docstring states the contracts at
 delivery: OUTPUTS, ORDER, NEVER WORSE, budgets met by measurement).
 
 `optimize(model, options)` returns the rewritten model, its plan and its typed report
@@ -15,8 +15,8 @@ import time
 import onnx
 
 from .options import OptimizeOptions, Progress
-from .pipeline import (BUDGET_RETRIES, ORIGINAL_UNOPTIMIZED, OptimizeResult, Prepared, deliver, plan, prepare,
-                       solver_exact)
+from .delivery import BUDGET_RETRIES, deliver
+from .pipeline import ORIGINAL_UNOPTIMIZED, OptimizeResult, Prepared, plan, prepare, solver_exact
 from .pipeline import plan as _plan   # analyze_model's argument `plan` is a flag
 from .report import (OUTCOME_OPTIMIZED, OUTCOME_ORIGINAL, OUTCOME_UNMEASURED, OWN_MEMORY_FACTOR, GraphoptMemory, Report,
                      StageSeconds, summary_text)

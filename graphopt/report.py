@@ -239,6 +239,9 @@ class PlanMeasured(_Json):
     why: str = ""       # the first plan, a retry for the budget or the time limit, store-all, a fallback
     predicted_step_seconds: float | None = None
     measured_step_seconds: float | None = None
+    # why it was not returned (graphopt/delivery.py: over the budget or the step-time limit, refused
+    # under the memory limit, not below the original's peak); None: it is the plan returned
+    rejected_because: str | None = None
 
     @property
     def step_time_error(self) -> float | None:
