@@ -259,7 +259,7 @@ def cmd_analyze(args) -> int:
     from .optimize import analyze_model
     model = load_model(args.model)
     options = options_from_args(args)
-    print(json.dumps(analyze_model(model, options, plan=args.plan), indent=2))
+    print(json.dumps(analyze_model(model, options, plan=args.plan).to_dict(), indent=2))
     return 0
 
 
