@@ -152,9 +152,7 @@ def cmd_sweep(args) -> int:
     result = sweep(model, options, args.sweep)
     paths = write_outputs(result, args.output, title=f"Memory-time front: {Path(args.model).name}")
     if args.report:
-        args.report.write_text(json.dumps({"budgets": result.budgets, "notes": result.notes,
-                                           "seconds": result.seconds,
-                                           "rows": [r.as_record() for r in result.rows]}, indent=2))
+        args.report.write_text(json.dumps(result.report_dict(), indent=2))
     print(markdown_table(result.rows))
     for note in result.notes:
         print(f"note: {note}")

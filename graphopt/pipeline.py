@@ -829,7 +829,7 @@ def options_budget_bytes(prepared: Prepared, options: OptimizeOptions) -> int | 
     """The predicted step peak a plan is searched for: the budget; or, planning for the memory
     limit (`OptimizeOptions.plans_for_limit`), the limit less what the predicted peak leaves out
     (`CostGraph.outside_peak_bytes`: weights, inputs, state), which runs under the cap then
-    correct (`_fit_memory_limit`); else None."""
+    correct (`delivery._fit_memory_limit`); else None."""
     if options.budget_bytes is not None or not options.plans_for_limit:
         return options.budget_bytes
     outside = prepared.graph.outside_peak_bytes
