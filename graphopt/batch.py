@@ -208,7 +208,7 @@ class LocalRunner:
         from .ingest import load_model
         from .optimize import analyze_model
         analysis = analyze_model(load_model(job.training_path), OptimizeOptions())
-        return int(options.budget_fraction * analysis["predicted_peak_bytes"]["original_optimizations_off"])
+        return int(options.budget_fraction * analysis.predicted_peak_bytes.original_optimizations_off)
 
 
 def run_batch(jobs: list[BatchJob], runner: Runner, options: BatchOptions, workers: int = 1,

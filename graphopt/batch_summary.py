@@ -13,6 +13,7 @@ matplotlib.use("Agg")  # no display; must precede pyplot
 import matplotlib.pyplot as plt  # noqa: E402
 
 from .report import Report  # noqa: E402
+from .sweep import FRONT, ORIGINAL_DEFAULT, ORIGINAL_OFF, SweepRow  # noqa: E402
 
 COLUMNS = ["model", "kind", "status", "nodes", "peak_before_bytes", "peak_before_optimizations_off_bytes",
            "peak_after_bytes", "peak_ratio", "step_time_ratio", "objective", "max_overhead", "objective_met",
@@ -25,15 +26,17 @@ def figures(report: dict) -> dict:
     row = {"model": batch.get("model", ""), "kind": batch.get("kind", ""), "status": batch.get("status", ""),
            "error": batch.get("error", ""), "seconds": round(batch.get("seconds", 0.0), 2)}
     if "rows" in report:   # optimize --sweep: the original rows and the least-peak plan
-        by_kind = {r["kind"]: r for r in report["rows"] if r["kind"] != "front"}
-        before, off = by_kind.get("original-default", {}), by_kind.get("original-off", {})
-        after = next((r for r in report["rows"] if r["label"] == "least-peak"), {})
-        row.update(nodes=batch.get("nodes"), strategy=after.get("strategy"), outputs_match=after.get("outputs_identical"),
-                   peak_before_bytes=before.get("measured_peak_bytes"),
-                   peak_before_optimizations_off_bytes=off.get("measured_peak_bytes"),
-                   peak_after_bytes=after.get("measured_peak_bytes"))
-        if before.get("step_seconds") and after.get("step_seconds"):
-            row["step_time_ratio"] = after["step_seconds"] / before["step_seconds"]
+        rows = [SweepRow.from_record(r) for r in report["rows"]]
+        missing = SweepRow(label="", kind="")   # (every figure None)
+        by_kind = {r.kind: r for r in rows if r.kind != FRONT}
+        before, off = by_kind.get(ORIGINAL_DEFAULT, missing), by_kind.get(ORIGINAL_OFF, missing)
+        after = next((r for r in rows if r.label == "least-peak"), missing)
+        row.update(nodes=batch.get("nodes"), strategy=after.strategy, outputs_match=after.outputs_identical,
+                   peak_before_bytes=before.measured_peak_bytes,
+                   peak_before_optimizations_off_bytes=off.measured_peak_bytes,
+                   peak_after_bytes=after.measured_peak_bytes)
+        if before.step_seconds and after.step_seconds:
+            row["step_time_ratio"] = after.step_seconds / before.step_seconds
     elif "strategy" in report:   # an optimize report (a failed model's has only graphopt_batch)
         typed = Report.from_dict({k: v for k, v in report.items() if k != "graphopt_batch"})
         row.update(nodes=typed.nodes.original, strategy=typed.strategy, outputs_match=typed.outputs_match,

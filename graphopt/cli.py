@@ -169,9 +169,7 @@ def cmd_sweep(args) -> int:
     result = sweep(model, options, args.sweep)
     paths = write_outputs(result, args.output, title=f"Memory-time front: {Path(args.model).name}")
     if args.report:
-        args.report.write_text(json.dumps({"budgets": result.budgets, "notes": result.notes,
-                                           "seconds": result.seconds,
-                                           "rows": [r.as_record() for r in result.rows]}, indent=2))
+        args.report.write_text(json.dumps(result.report_dict(), indent=2))
     print(markdown_table(result.rows))
     for note in result.notes:
         print(f"note: {note}")
@@ -276,7 +274,7 @@ def cmd_analyze(args) -> int:
     from .optimize import analyze_model
     model = load_model(args.model)
     options = options_from_args(args)
-    print(json.dumps(analyze_model(model, options, plan=args.plan), indent=2))
+    print(json.dumps(analyze_model(model, options, plan=args.plan).to_dict(), indent=2))
     return 0
 
 

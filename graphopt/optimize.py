@@ -1,5 +1,5 @@
 """The entry points for the CLI, the service and batch, composed of the pipeline's stages
-(graphopt/pipeline.py: prepare -> plan -> deliver; its docstring states the contracts at
+(graphopt/pipeline.py: prepare -> plan, graphopt/delivery.py: deliver; pipeline's docstring states the contracts at
 delivery: OUTPUTS, ORDER, NEVER WORSE, budgets met by measurement).
 
 `optimize(model, options)` returns the rewritten model, its plan and its typed report
@@ -15,10 +15,11 @@ import time
 import onnx
 
 from .options import OptimizeOptions, Progress
-from .pipeline import (BUDGET_RETRIES, ORIGINAL_UNOPTIMIZED, OptimizeResult, Prepared, deliver, plan, prepare,
-                       solver_exact)
+from .delivery import BUDGET_RETRIES, deliver
+from .pipeline import ORIGINAL_UNOPTIMIZED, OptimizeResult, Prepared, plan, prepare, solver_exact
 from .pipeline import plan as _plan   # analyze_model's argument `plan` is a flag
-from .report import (OUTCOME_OPTIMIZED, OUTCOME_ORIGINAL, OUTCOME_UNMEASURED, OWN_MEMORY_FACTOR, GraphoptMemory, Report,
+from .report import (OUTCOME_OPTIMIZED, OUTCOME_ORIGINAL, OUTCOME_UNMEASURED, OWN_MEMORY_FACTOR, Analysis,
+                     AnalysisBaseOrder, AnalysisNodes, AnalysisPeaks, AnalysisPlan, GraphoptMemory, Report,
                      StageSeconds, summary_text)
 from .runtime.rss import ChildPeaks, peak_rss_bytes, process_peak_bytes, reset_peak_rss, rss_bytes, tracking_children
 from .runtime.isolated import save_model as save_model
@@ -112,48 +113,52 @@ def restate_own_memory(report: Report) -> None:
         _judge_bound(own)
 
 
-def analyze_model(model: onnx.ModelProto, options: OptimizeOptions | None = None, plan: bool = False) -> dict:
+def analyze_model(model: onnx.ModelProto, options: OptimizeOptions | None = None, plan: bool = False) -> Analysis:
     """Annotate `model` in ONNX Runtime and predict its peak; with `plan`, also run the search
-    and predict the plan's peak. Rewrites nothing. Returns plain data (JSON-ready)."""
+    and predict the plan's peak. Rewrites nothing. Returns an `Analysis` (`to_dict()`: its JSON)."""
     options = options or OptimizeOptions()
     with_plan = plan
-    progress = options.progress or (lambda stage, fraction: None)
+    progress = options.progress or _no_progress
     # the step times (the time model's seconds, the baseline of max_overhead) only for a plan
     timed = dataclasses.replace(options, measure=options.measure and with_plan)
     with prepare(model, timed, reference=False) as prepared:
         training, annotations = prepared.training, prepared.annotations
-        result = {
-            "loss": training.loss,
-            "nodes": {"total": len(training.model.graph.node), "forward": len(training.forward),
-                      "backward": len(training.backward)},
-            "stashed_tensors": sorted(training.stashed),
-            "provider": annotations.provider,
-            "predicted_peak_bytes": {"original_optimizations_off": prepared.predicted_original.peak_bytes},
-            "tensor_bytes": annotations.tensor_bytes,
-            "node_seconds": annotations.node_seconds,
-            "execution_order": annotations.execution_order,
-            "functions_expanded": prepared.functions_expanded,
-            "graph_optimizations": prepared.graph_optimizations,
-            "base_order": {"chosen": prepared.base_order, "store_all_peak_bytes": dict(prepared.base_order_peaks)},
-        }
+        result = Analysis(
+            loss=training.loss,
+            nodes=AnalysisNodes(total=len(training.model.graph.node), forward=len(training.forward),
+                                backward=len(training.backward)),
+            stashed_tensors=sorted(training.stashed),
+            provider=annotations.provider,
+            predicted_peak_bytes=AnalysisPeaks(original_optimizations_off=prepared.predicted_original.peak_bytes),
+            tensor_bytes=annotations.tensor_bytes,
+            node_seconds=annotations.node_seconds,
+            execution_order=annotations.execution_order,
+            functions_expanded=prepared.functions_expanded,
+            graph_optimizations=prepared.graph_optimizations,
+            base_order=AnalysisBaseOrder(chosen=prepared.base_order,
+                                         store_all_peak_bytes=dict(prepared.base_order_peaks)))
         if with_plan:
             progress("plan", 0.6)
             chosen = _plan(prepared, options)
-            result["predicted_peak_bytes"]["planned"] = chosen.peak_bytes
-            result["plan"] = {"strategy": chosen.strategy, "checkpoints": sorted(chosen.checkpoints),
-                              "recompute_nodes": chosen.recompute_ops,
-                              "recompute_seconds": chosen.recompute_seconds,
-                              "predicted_step_seconds": chosen.simulation.compute_seconds,
-                              "objective": options.effective_objective,
-                              "max_overhead": options.overhead_limit,
-                              "baseline_step_seconds": prepared.baseline_step_seconds,
-                              "solver_exact": solver_exact(chosen)}
-            result["base_order"].update(chosen=chosen.notes.get("base_order", prepared.base_order),
-                                        plan_peak_bytes=dict(chosen.notes.get("base_order_peak_bytes", {})))
+            result.predicted_peak_bytes.planned = chosen.peak_bytes
+            result.plan = AnalysisPlan(strategy=chosen.strategy, checkpoints=sorted(chosen.checkpoints),
+                                       recompute_nodes=chosen.recompute_ops,
+                                       recompute_seconds=chosen.recompute_seconds,
+                                       predicted_step_seconds=chosen.simulation.compute_seconds,
+                                       objective=options.effective_objective,
+                                       max_overhead=options.overhead_limit,
+                                       baseline_step_seconds=prepared.baseline_step_seconds,
+                                       solver_exact=solver_exact(chosen))
+            result.base_order.chosen = chosen.notes.get("base_order", prepared.base_order)
+            result.base_order.plan_peak_bytes = dict(chosen.notes.get("base_order_peak_bytes", {}))
     progress("done", 1.0)
     return result
 
 
-__all__ = ["optimize", "analyze_model", "OptimizeOptions", "OptimizeResult", "Progress", "Prepared", "prepare",
+def _no_progress(stage: str, fraction: float) -> None:
+    pass
+
+
+__all__ = ["optimize", "analyze_model", "Analysis", "OptimizeOptions", "OptimizeResult", "Progress", "Prepared", "prepare",
            "plan", "deliver", "save_model", "summary_text", "Report", "ORIGINAL_UNOPTIMIZED", "BUDGET_RETRIES",
            "OUTCOME_OPTIMIZED", "OUTCOME_ORIGINAL", "OUTCOME_UNMEASURED"]

@@ -3,12 +3,15 @@
     prepare(model, options) -> Prepared      ingest, analyze, annotate (in a child), the cost
                                              graph, the original's predicted peak and its
                                              reference outputs (once, on disk)
-    plan(prepared, options) -> Plan          the search (no ONNX Runtime run)
-    deliver(prepared, plan, options)         rewrite, verify (outputs and order, one child per
-        -> OptimizeResult                    plan), measure, budget retries, never worse
+    plan(prepared, options) -> Plan          the search (no ONNX Runtime run; `search_plan` for a
+                                             target of the caller's)
+    deliver(prepared, plan, options)         in graphopt/delivery.py: rewrite, verify (outputs and
+        -> OptimizeResult                    order, one child per plan), measure, a loop of plans
+                                             retried for the contracts below, never worse
 
-`optimize`, `analyze_model` (graphopt/optimize.py), the sweep, the batch and the service
-compose them. Every ONNX Runtime run happens in a fresh child process that holds one session
+This module holds the first two and the pieces delivery is made of (rewrite, check, measure,
+run under a memory limit). `optimize`, `analyze_model` (graphopt/optimize.py), the sweep, the
+batch and the service compose them. Every ONNX Runtime run happens in a fresh child process that holds one session
 (step timing keeps a process per session alive and runs them in turn), on files of the
 `Prepared`'s workspace (close it, or use it as a context manager); the weights stay in the
 workspace's file, not in this process (`Workspace.copy_keeping_weights_on_disk`). Runs that
@@ -28,14 +31,14 @@ Contracts at delivery (checked, never assumed):
   the original graph is returned with the session settings that measured lowest (in its
   metadata, so `open_session` applies them). `report.outcome` says which, and why.
 - BUDGET: met by measurement; a plan over it by measurement is planned again for a budget
-  lowered by the overshoot (BUDGET_RETRIES times), else BudgetInfeasibleError.
+  lowered by the overshoot (`delivery.BUDGET_RETRIES` times), else BudgetInfeasibleError.
 - MEMORY LIMIT: what is returned ran under ONNX Runtime capped at the limit
-  (`_fit_memory_limit`), else MemoryLimitError; a rewritten model that runs under it is
+  (`delivery._fit_memory_limit`), else MemoryLimitError; a rewritten model that runs under it is
   returned when the original does not, even if its measured peak is not below the original's.
   When the original runs under it in neither session, nothing runs it at full size: it is
   annotated at reduced batches of its twin (each run capped at the limit), plans are verified
   at the larger one against the original's twin, and the returned model is measured under the
-  limit alone (`ReducedStep`, `_reduced_delivery`).
+  limit alone (`ReducedStep`, `delivery._reduced_delivery`).
 """
 from __future__ import annotations
 
@@ -44,6 +47,7 @@ import os
 import re
 import time
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 
 # analyze's graph library, imported with the planner (the measuring children never import it)
@@ -54,16 +58,12 @@ import onnx
 from .analyze import TrainingGraph, analyze, fed_back_outputs
 from .annotate import Annotations, write_annotations
 from .costmodel import Simulation, priority_order, simulate
-from .errors import BudgetInfeasibleError, GraphoptError, MemoryLimitError, VerificationError
+from .errors import BudgetInfeasibleError, GraphoptError, MemoryLimitError
 from .ingest import follow_order, name_nodes
 from .inputs import save_inputs, synthesize_inputs
 from .op_rules import FOLDED_AT_LOAD_OPS, at_threads, build_cost_graph, opset_of, recompute_factor
-from .options import LEAST_PEAK, OptimizeOptions
-from .report import (OUTCOME_OPTIMIZED, OUTCOME_ORIGINAL, OUTCOME_UNMEASURED, AnnotationSummary, BaseOrder,
-                     BudgetAttempt, LimitAttempt, LimitRun, MemoryLimit, ReducedSize,
-                     Deviation, Measured, MeasuredRun, NodeCounts, OrderReport, OrderResult, OutputsDiffer,
-                     PlanMeasured, PlanTried, Predicted, PredictedRun, PredictionError, Ratios, RejectedForOutputs,
-                     RejectedPlan, Report, Objective, OverheadAttempt)
+from .options import OptimizeOptions
+from .report import Deviation, LimitRun, OrderResult, OutputsDiffer, PlanTried, Report
 from .rewrite import PLANNED_SETTINGS, expand_functions, has_function, rewrite
 from .runtime.isolated import Workspace
 from .tasks import run_task
@@ -72,7 +72,7 @@ from .runtime.limit import initializer_bytes, out_of_memory
 from .runtime.measure import Measurement, measure, run_within_limit, time_steps
 from .runtime.overlap import Overlap
 from .runtime.session import (DEFAULT_SETTINGS, UNOPTIMIZED_SETTINGS, SessionSettings, default_providers,
-                              read_settings, write_settings)
+                              read_settings)
 from .search import DEFAULT_STRATEGY, STRATEGIES, Plan, least_peak_within, store_all
 from .search.auto import least_peak_local
 from .search.plan import peak_floor_bytes
@@ -86,16 +86,6 @@ ORIGINAL_UNOPTIMIZED = UNOPTIMIZED_SETTINGS
 ORIGINAL_SESSIONS = {"original_default_session": DEFAULT_SETTINGS,
                      "original_optimizations_off": ORIGINAL_UNOPTIMIZED}
 
-# With a budget, how many times a plan whose MEASURED peak is over the budget is planned
-# again for a budget lowered by the overshoot (the runtime holds a little more than the
-# cost model predicts: allocator rounding, small buffers).
-BUDGET_RETRIES = 3
-# With a step-time limit, how many times a plan whose MEASURED step time is over it is planned
-# again for a predicted limit lowered by the excess, and by TIME_RETRY_MARGIN more: aimed at the
-# limit itself, a retry lands on either side of it by the measurement's noise (the densenet
-# example, limit 1.25x: measured 1.27x, then 1.25x over by a hair, then 1.20x; three timings)
-TIME_RETRIES = 2
-TIME_RETRY_MARGIN = 0.03
 # The first plan is searched for this share of the step-time overhead allowed, by ONNX Runtime's
 # threads (more than two: two's): the time model is fitted (op_rules.RECOMPUTE_FACTORS), so a plan
 # predicted at the limit measures over it about half the time; the error grows with what is
@@ -105,11 +95,6 @@ TIME_RETRY_MARGIN = 0.03
 # higher peaks than the factor 1.2 did before (the examples' median 0.37x against 0.31x, by
 # `benchmarks/optimize_time.py --threads 1`), whose plans were within the limit on 5 of 6 first.
 PLANNED_OVERHEAD_SHARES = {1: 0.85, 2: 0.6}
-# With a memory limit, how many plans between the leanest (which runs under it) and one ONNX
-# Runtime refused are tried, bisecting the predicted step peak they are planned for: each
-# halves the range (a few MiB less can cost much more time: the fused-AdamW transformer
-# example's plan for 79 MiB recomputes 1,746 nodes, its plan for 72 MiB 14,397).
-LIMIT_BISECTIONS = 4
 
 
 @dataclass
@@ -752,7 +737,10 @@ def plan(prepared: Prepared, options: OptimizeOptions, budget_bytes=_OPTIONS_BUD
     - else a step-time limit (`seconds_limit`, default `prepared.planned_seconds_limit(options)`, a
       share of the overhead allowed: PLANNED_OVERHEAD_SHARES):
       the least peak whose predicted step time fits (`search.least_peak_within`).
-    - else the least peak."""
+    - else the least peak.
+
+    What is searched for is read from `options` here; `search_plan` searches (delivery's retries
+    call it with targets of their own)."""
     budget = options_budget_bytes(prepared, options) if budget_bytes is _OPTIONS_BUDGET else budget_bytes
     # with a budget too, the limit is a check on the plan (the user's); alone, what is searched for
     if seconds_limit is not _OPTIONS_LIMIT:
@@ -761,37 +749,24 @@ def plan(prepared: Prepared, options: OptimizeOptions, budget_bytes=_OPTIONS_BUD
         limit = prepared.step_seconds_limit(options)
     else:
         limit = prepared.planned_seconds_limit(options)
-    strategy = strategy or options.strategy
+    return search_plan(prepared, options, strategy or options.strategy, budget, limit)
+
+
+def search_plan(prepared: Prepared, options: OptimizeOptions, strategy: str, budget_bytes: int | None,
+                seconds_limit: float | None) -> Plan:
+    """The plan of `strategy` for a predicted peak of at most `budget_bytes` and a predicted step
+    of at most `seconds_limit` seconds (None: none), as `plan` describes: with a budget, the
+    least step time under it (the limit a check: BudgetInfeasibleError where both cannot hold);
+    with a limit alone, the least peak within it; else the least peak. `options` names the
+    budget in errors (a memory limit's, `OptimizeOptions.plans_for_limit`)."""
+    budget, limit = budget_bytes, seconds_limit
     started, started_cpu = time.perf_counter(), time.thread_time()
-
-    def within_limit(graph, solve):
-        low = solve(graph)
-        # the leanest base order's least peak (each order's least-peak plan is remembered: `_remembered`)
-        least_bytes = min(_remembered(prepared, strategy, g)(g).peak_bytes for g in prepared.base_graphs.values())
-        if low.simulation.compute_seconds > limit and low.peak_bytes > (1 + BISECTED_ORDERS_MARGIN) * least_bytes:
-            # an order far leaner than this one: its least peak within the limit is searched only there
-            return low
-        refine = least_peak_local if strategy == DEFAULT_STRATEGY and LIMIT_SEARCH_REFINE else None
-        return least_peak_within(graph, solve, limit, least_peak=low, refine=refine)
-
-    def within_budget(graph, solve):
-        found = solve(graph, budget_bytes=budget)
-        if budget is None or not STRATEGIES[strategy].takes_budget:
-            return found
-        # the least-peak plan is a plan under the budget too when it fits it: a search for the
-        # least time under a budget can end on a plan that recomputes more (the resnet example
-        # built with per-tap weight gradients: 3.39 s of recomputation under a budget its
-        # least-peak plan met with 0.79 s)
-        least = solve(graph)
-        if least.peak_bytes > budget or (found.peak_bytes <= budget
-                                         and least.recompute_seconds >= found.recompute_seconds):
-            return found
-        least.notes["exact"] = False   # least peak was its objective, not least time under the budget
-        return least
     if budget is None and limit is not None and STRATEGIES[strategy].takes_budget:
-        chosen = _best_over_orders(prepared, strategy, within_limit, None, limit)
+        chosen = _best_over_orders(prepared, strategy, functools.partial(_within_limit, prepared, strategy, limit),
+                                   None, limit)
     else:
-        chosen = _best_over_orders(prepared, strategy, within_budget, budget, None)
+        chosen = _best_over_orders(prepared, strategy, functools.partial(_within_budget, strategy, budget),
+                                   budget, None)
     chosen.notes["search_seconds"] = time.perf_counter() - started
     chosen.notes["search_cpu_seconds"] = time.thread_time() - started_cpu
     if budget is not None and chosen.peak_bytes > budget:
@@ -807,7 +782,8 @@ def plan(prepared: Prepared, options: OptimizeOptions, budget_bytes=_OPTIONS_BUD
             f"budget of {budget} bytes cannot be met: the least peak found{hint} is {chosen.peak_bytes} bytes",
             least_feasible_peak_bytes=chosen.peak_bytes)
     if budget is not None and limit is not None and chosen.simulation.compute_seconds > limit:
-        within = _best_over_orders(prepared, strategy, within_limit, None, limit)
+        within = _best_over_orders(prepared, strategy, functools.partial(_within_limit, prepared, strategy, limit),
+                                   None, limit)
         baseline = prepared.baseline_step_seconds
         raise BudgetInfeasibleError(
             f"budget of {budget} bytes and step time at most {limit:.4g} s ({limit / baseline:.2f}x the "
@@ -820,11 +796,41 @@ def plan(prepared: Prepared, options: OptimizeOptions, budget_bytes=_OPTIONS_BUD
     return chosen
 
 
+def _within_limit(prepared: Prepared, strategy: str, limit: float, graph, solve) -> Plan:
+    """The least peak from `graph` whose predicted step is within `limit` (`search.least_peak_within`),
+    or its least-peak plan where another base order is far leaner (BISECTED_ORDERS_MARGIN)."""
+    low = solve(graph)
+    # the leanest base order's least peak (each order's least-peak plan is remembered: `_remembered`)
+    least_bytes = min(_remembered(prepared, strategy, g)(g).peak_bytes for g in prepared.base_graphs.values())
+    if low.simulation.compute_seconds > limit and low.peak_bytes > (1 + BISECTED_ORDERS_MARGIN) * least_bytes:
+        # an order far leaner than this one: its least peak within the limit is searched only there
+        return low
+    refine = least_peak_local if strategy == DEFAULT_STRATEGY and LIMIT_SEARCH_REFINE else None
+    return least_peak_within(graph, solve, limit, least_peak=low, refine=refine)
+
+
+def _within_budget(strategy: str, budget: int | None, graph, solve) -> Plan:
+    """The least step time from `graph` under `budget` (None: the least peak)."""
+    found = solve(graph, budget_bytes=budget)
+    if budget is None or not STRATEGIES[strategy].takes_budget:
+        return found
+    # the least-peak plan is a plan under the budget too when it fits it: a search for the
+    # least time under a budget can end on a plan that recomputes more (the resnet example
+    # built with per-tap weight gradients: 3.39 s of recomputation under a budget its
+    # least-peak plan met with 0.79 s)
+    least = solve(graph)
+    if least.peak_bytes > budget or (found.peak_bytes <= budget
+                                     and least.recompute_seconds >= found.recompute_seconds):
+        return found
+    least.notes["exact"] = False   # least peak was its objective, not least time under the budget
+    return least
+
+
 def options_budget_bytes(prepared: Prepared, options: OptimizeOptions) -> int | None:
     """The predicted step peak a plan is searched for: the budget; or, planning for the memory
     limit (`OptimizeOptions.plans_for_limit`), the limit less what the predicted peak leaves out
     (`CostGraph.outside_peak_bytes`: weights, inputs, state), which runs under the cap then
-    correct (`_fit_memory_limit`); else None."""
+    correct (`delivery._fit_memory_limit`); else None."""
     if options.budget_bytes is not None or not options.plans_for_limit:
         return options.budget_bytes
     outside = prepared.graph.outside_peak_bytes
@@ -1070,449 +1076,9 @@ def measure_plan(prepared: Prepared, model: onnx.ModelProto, options: OptimizeOp
     return m, ratio
 
 
-def _run(m: Measurement) -> MeasuredRun:
-    return MeasuredRun(peak_bytes=m.peak_bytes, step_seconds=m.step_seconds, provider=m.provider, method=m.method)
-
-
-def _mib(nbytes: int) -> str:
-    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.0f} KiB"
-
-
-def _returned_original(prepared: Prepared, settings: SessionSettings | None, options: OptimizeOptions
-                       ) -> onnx.ModelProto:
-    model = onnx.ModelProto()
-    model.CopyFrom(prepared.original)
-    if settings is not None:
-        write_settings(model, settings)
-        write_annotations(model, prepared.original_annotations_for(options))
-    return model
-
-
-# -- deliver ---------------------------------------------------------------------------------------
-def deliver(prepared: Prepared, chosen: Plan, options: OptimizeOptions) -> OptimizeResult:
-    """Rewrite `chosen`, verify and measure it; deliver under the contracts of the module
-    docstring (what is returned may be another plan, or the original)."""
-    progress = options.progress or (lambda stage, fraction: None)
-    started = time.perf_counter()
-    progress("rewrite", 0.5)
-    rewritten = rewrite_plan(prepared, chosen)
-    report = _new_report(prepared, chosen, rewritten, options)
-
-    # OUTPUTS and ORDER: the first plan whose outputs match and whose order ORT follows
-    tried: list[Checked] = []
-    deliverable = True
-    if options.verify:
-        progress("verify", 0.6)
-        if options.measure and prepared.reduced is None and prepared.overlap.enabled:
-            start_peak(prepared, rewritten, options)   # (measured while it is verified)
-        first = check_plan(prepared, chosen, options, rewritten)
-        tried.append(first)
-        if not first.accepted:
-            why = ("its outputs differ from the original's" if not first.entry.outputs_match else
-                   f"ONNX Runtime left the planned order at step {first.entry.order.first_deviation.position}")
-            progress(f"{why}: trying the next plan", 0.62)
-            found = first_in_order(prepared, fallback_plans(prepared, chosen), options, tried)
-            if found is not None:
-                chosen, rewritten = found.plan, found.model
-        if not any(t.entry.outputs_match for t in tried):
-            # even the plan without recomputation computes something else: the rewrite is broken
-            raise VerificationError(
-                f"the rewritten model's {tried[-1].entry.outputs_differ.reason} (plans tried: "
-                f"{[t.plan.strategy for t in tried]}); nothing was returned")
-        deliverable = tried[-1].accepted
-        _record_checks(report, tried)
-
-    if options.measure:
-        delivery = _reduced_delivery if prepared.reduced is not None else _measured_delivery
-        chosen, rewritten = delivery(prepared, chosen, rewritten, options, report, tried, deliverable, progress)
-    elif not deliverable:
-        # no measurement to choose a session by: the original, as it came (its own settings)
-        report.rejected = RejectedPlan(**_summary(chosen), order_followed=False)
-        report.outcome = OUTCOME_ORIGINAL
-        report.outcome_reason = (f"{_not_delivered(report)}; the original model is returned "
-                                 f"unchanged{_rejections(report)}")
-        rewritten = _returned_original(prepared, None, options)
-        _describe(report, None, rewritten)
-        report.session = None
-    else:
-        _describe(report, chosen, rewritten)
-        report.outcome = OUTCOME_UNMEASURED
-        report.outcome_reason = ("measurement was off: the optimized model is returned without checking "
-                                 "that it needs less memory than the original" + _rejections(report))
-    report.total_seconds += time.perf_counter() - started
-    progress("done", 1.0)
-    return OptimizeResult(prepared.workspace.with_weights(rewritten), chosen, report)
-
-
-def _new_report(prepared: Prepared, chosen: Plan, rewritten: onnx.ModelProto, options: OptimizeOptions) -> Report:
-    training, annotations, predicted = prepared.training, prepared.annotations, prepared.predicted_original
-    report = Report(
-        loss=training.loss, strategy=chosen.strategy, budget_bytes=options.budget_bytes,
-        nodes=NodeCounts(original=len(prepared.original.graph.node), optimized=len(rewritten.graph.node),
-                         forward=len(training.forward), backward=len(training.backward)),
-        stashed_tensors=len(training.stashed), checkpoints=[], recompute_nodes=0,
-        search_seconds=float(chosen.notes.get("search_seconds", 0.0)),
-        search_cpu_seconds=chosen.notes.get("search_cpu_seconds"),
-        functions_expanded=dict(prepared.functions_expanded),
-        graph_optimizations=dict(prepared.graph_optimizations),
-        predicted=Predicted(PredictedRun(predicted.peak_bytes, prepared.timing.predicted_original_seconds
-                                         if prepared.timing is not None else predicted.compute_seconds),
-                            PredictedRun(0, 0.0)),
-        objective=_objective(prepared, chosen, options),
-        annotations=AnnotationSummary(annotations.provider, len(annotations.tensor_bytes),
-                                      len(annotations.node_seconds)),
-        provider=annotations.provider, threads=options.threads, session=PLANNED_SETTINGS.to_dict(),
-        base_order=BaseOrder(chosen.notes.get("base_order", prepared.base_order), dict(prepared.base_order_peaks),
-                             dict(chosen.notes.get("base_order_peak_bytes", {}))))
-    _describe(report, chosen, rewritten)
-    return report
-
-
-def _objective(prepared: Prepared, chosen: Plan, options: OptimizeOptions) -> Objective:
-    limit = prepared.step_seconds_limit(options)
-    return Objective(
-        name=options.effective_objective, max_overhead=options.overhead_limit,
-        baseline_step_seconds=prepared.baseline_step_seconds,
-        baseline=("the original, ONNX Runtime's default session, measured" if prepared.timing is not None else
-                  "the original, optimizations off, predicted (measurement off)"),
-        step_seconds_limit=limit, predicted_step_seconds=chosen.simulation.compute_seconds,
-        store_all_vs_faster_original=(None if prepared.timing is None else prepared.timing.store_all_seconds / min(
-            prepared.timing.default_session_seconds,
-            prepared.timing.optimizations_off_seconds or prepared.timing.default_session_seconds)))
-
-
-def _describe(report: Report, chosen: Plan | None, model: onnx.ModelProto) -> None:
-    """The returned plan in `report` (None: the original is returned)."""
-    report.nodes.optimized = len(model.graph.node)
-    if chosen is None:   # nothing of a plan measured and rejected stays: the original has no solver
-        report.checkpoints, report.recompute_nodes, report.solver_exact = [], 0, None
-        return
-    report.strategy = chosen.strategy
-    report.checkpoints = sorted(chosen.checkpoints)
-    report.recompute_nodes = chosen.recompute_ops
-    report.solver_exact = solver_exact(chosen)
-    report.predicted.optimized = PredictedRun(chosen.peak_bytes, chosen.simulation.compute_seconds,
-                                              chosen.recompute_seconds)
-    if report.objective is not None:
-        report.objective.predicted_step_seconds = chosen.simulation.compute_seconds
-
-
-def _record_checks(report: Report, tried: list[Checked]) -> None:
-    last = tried[-1]
-    matched = [t for t in tried if t.entry.outputs_match]
-    report.outputs_match = last.entry.outputs_match
-    report.max_relative_difference = (matched[-1] if matched else last).comparison.max_relative_difference
-    report.rejected_for_outputs = [
-        RejectedForOutputs(**_summary(t.plan), output=t.entry.outputs_differ.output,
-                           relative_difference=t.entry.outputs_differ.relative_difference,
-                           reason=t.entry.outputs_differ.reason)
-        for t in tried if not t.entry.outputs_match]
-    report.order_followed = last.entry.order.followed
-    report.order = OrderReport(followed=report.order_followed, plans_tried=[t.entry for t in tried])
-
-
-def _checker(prepared: Prepared, options: OptimizeOptions, report: Report, tried: list[Checked]):
-    """checked_ok(plan): the plan rewritten and, when verifying, checked (None when it is not
-    accepted); each check recorded in `tried` and the report."""
-    def checked_ok(candidate: Plan) -> Checked | None:
-        if not options.verify:
-            return Checked(candidate, rewrite_plan(prepared, candidate), OutputComparison(True, 0.0), None)
-        checked = check_plan(prepared, candidate, options)
-        tried.append(checked)
-        if report.order is not None:
-            report.order.plans_tried.append(checked.entry)
-        if not checked.entry.outputs_match:
-            _record_checks_rejection(report, checked)
-        return checked if checked.accepted else None
-    return checked_ok
-
-
-# The steps of the returned model timed under the limit when the original does not run there (the
-# first is not: ONNX Runtime plans its memory pattern on it).
-REDUCED_TIMED_STEPS = 5
-
-
 def _refusal(error: str | None) -> str:
     """ONNX Runtime's refusal without its source location."""
     return (error or "").split("Status Message: ")[-1].split("bfc_arena.cc")[-1].split(") ")[-1].strip()
-
-
-def _reduced_delivery(prepared: Prepared, chosen: Plan, rewritten: onnx.ModelProto, options: OptimizeOptions,
-                      report: Report, tried: list[Checked], deliverable: bool, progress):
-    """The original runs under the memory limit in no session (`ReducedStep`): the rewrite is
-    what runs under it (`_fit_memory_limit`), or nothing does (MemoryLimitError). What is measured
-    is the returned model's run under the limit, at full size: ONNX Runtime's cap holds, the
-    process's resident growth, the step time; nothing runs the original at full size."""
-    reduced = prepared.reduced
-    limit_report = report.memory_limit = MemoryLimit(options.memory_limit_bytes)
-    limit_report.original = dict(prepared.original_limit_runs)
-    batches = [b for b in reduced.batches if b]
-    report.reduced = ReducedSize(full_batch=reduced.full_batch, annotated_batches=batches,
-                                 verified_batch=reduced.batches[1] if options.verify else None,
-                                 rewritten_constants=reduced.rewritten_constants)
-    errors = "; ".join(f"{label.replace('original_', '').replace('_', ' ')}: {_refusal(run.error)}"
-                       for label, run in limit_report.original.items())
-    if not deliverable:
-        limit_report.met = False
-        raise MemoryLimitError(
-            f"memory limit of {limit_report.limit_bytes} bytes is not met: {_not_delivered(report)}, and the original "
-            f"does not run under it ({errors})")
-    progress("memory limit", 0.72)
-    chosen, rewritten = _fit_memory_limit(prepared, chosen, rewritten, options, limit_report,
-                                          _checker(prepared, options, report, tried), progress)
-    run = limit_run(prepared, _as_returned(prepared.workspace, rewritten, "limited"), options,
-                    steps=REDUCED_TIMED_STEPS)
-    if not run.fits:   # it ran under the cap a moment ago: say so rather than return it
-        limit_report.met = False
-        raise MemoryLimitError(f"memory limit of {limit_report.limit_bytes} bytes: the plan that ran under it "
-                               f"did not in a second run ({run.error})")
-    limit_report.returned = run
-    _describe(report, chosen, rewritten)
-    report.outcome = OUTCOME_OPTIMIZED
-    report.outcome_reason = (
-        f"the original does not run under the memory limit of {_mib(limit_report.limit_bytes)} in any session "
-        f"({errors}); the optimized model runs under it ({REDUCED_TIMED_STEPS} steps at full size, the step "
-        f"{run.step_seconds:.3f} s), annotated at batches "
-        f"{' and '.join(map(str, batches))} of {reduced.full_batch}"
-        + (f", its outputs identical to the original's at batch {reduced.batches[1]}" if options.verify else "")
-        # a budget is met by the step's peak measured in a fresh process without a cap, which is not run here
-        + ("" if options.budget_bytes is None else
-           f"; it was planned for the budget of {options.budget_bytes} bytes, which was not checked by measurement "
-           "(only runs under the limit are made)")
-        + _rejections(report))
-    return chosen, rewritten
-
-
-def _measured_delivery(prepared: Prepared, chosen: Plan, rewritten: onnx.ModelProto, options: OptimizeOptions,
-                       report: Report, tried: list[Checked], deliverable: bool, progress):
-    """Measure, meet the budget and the step-time limit by measurement, keep NEVER WORSE; the
-    (plan, model) returned."""
-    progress("measure", 0.7)
-    timing = prepared.timing
-    start_original_peaks(prepared, options)
-    originals = {label: future.result() for label, future in prepared.original_peaks.items()}
-    originals["original_default_session"].step_seconds = timing.default_session_seconds
-    originals["original_optimizations_off"].step_seconds = timing.optimizations_off_seconds   # (None: not timed)
-
-    def original_overhead(label: str) -> float:
-        """Each original session's step over the baseline (the one with optimizations off timed
-        when first asked for: where the original may be returned)."""
-        if label == "original_default_session":
-            return 1.0
-        overhead = optimizations_off_overhead(prepared, options)
-        originals[label].step_seconds = timing.optimizations_off_seconds
-        return overhead
-    report.plans_measured = []
-
-    def timed(candidate: Plan, model: onnx.ModelProto, why: str) -> tuple[Measurement, float]:
-        """`measure_plan`, the prediction and the measurement recorded in the report."""
-        m, ratio = measure_plan(prepared, model, options)
-        report.plans_measured.append(PlanMeasured(
-            **_summary(candidate), measured_peak_bytes=m.peak_bytes, why=why,
-            predicted_step_seconds=candidate.simulation.compute_seconds, measured_step_seconds=m.step_seconds))
-        return m, ratio
-
-    optimized, overhead = timed(chosen, rewritten, "planned")
-    checked_ok = _checker(prepared, options, report, tried)
-
-    limit_report = None
-    if options.memory_limit_bytes is not None:
-        progress("memory limit", 0.72)
-        limit_report = report.memory_limit = MemoryLimit(options.memory_limit_bytes)
-        limit_report.original = dict(prepared.original_limit_runs)
-        limit_report.full_size_because = prepared.full_size_because
-        if deliverable:
-            fitted, rewritten = _fit_memory_limit(prepared, chosen, rewritten, options, limit_report, checked_ok,
-                                                  progress)
-            if fitted is not chosen:
-                chosen = fitted
-                optimized, overhead = timed(chosen, rewritten, "memory limit")
-
-    budget = options.budget_bytes
-    if budget is not None:
-        attempts = [BudgetAttempt(budget, chosen.peak_bytes, optimized.peak_bytes)]
-        while deliverable and optimized.peak_bytes > budget and len(attempts) <= BUDGET_RETRIES:
-            # the runtime held more than predicted: plan again for a budget lower by the overshoot
-            overshoot = optimized.peak_bytes - chosen.peak_bytes
-            target = budget - max(overshoot, 0) - (len(attempts) - 1) * max(overshoot, 1 << 16)
-            progress(f"budget missed by measurement ({optimized.peak_bytes} > {budget} bytes): "
-                     f"planning for {target}", 0.75)
-            try:
-                retry = plan(prepared, options, target)
-            except BudgetInfeasibleError:
-                break
-            if retry.checkpoints == chosen.checkpoints:
-                break
-            found = checked_ok(retry)
-            if found is None:
-                break
-            chosen, rewritten = retry, found.model
-            optimized, overhead = timed(chosen, rewritten, "budget retry")
-            attempts.append(BudgetAttempt(target, chosen.peak_bytes, optimized.peak_bytes))
-        report.budget_attempts = attempts
-        _describe(report, chosen, rewritten)
-        if deliverable and optimized.peak_bytes > budget:
-            least = min(a.measured_peak_bytes for a in attempts)
-            raise BudgetInfeasibleError(
-                f"budget of {budget} bytes is not met by measurement: the plans for it measured "
-                f"{[a.measured_peak_bytes for a in attempts]} bytes (predicted "
-                f"{[a.predicted_peak_bytes for a in attempts]}); the least measured was {least} bytes",
-                least_feasible_peak_bytes=least)
-
-    # TIME LIMIT: the least measured peak among the plans measured within it
-    allowed = options.overhead_limit
-    within_limit = True
-    if allowed is not None and deliverable:
-        seconds_limit = prepared.step_seconds_limit(options)
-        planned_for = float(chosen.notes.get("seconds_limit", seconds_limit))
-        attempts_t = [OverheadAttempt(planned_for, chosen.simulation.compute_seconds, overhead - 1,
-                                      chosen.peak_bytes, optimized.peak_bytes)]
-        measured = [(chosen, rewritten, optimized, overhead)]
-
-        def measure_candidate(candidate: Plan, planned_for_seconds: float | None, why: str) -> bool:
-            """Check and measure `candidate`; recorded in attempts_t and measured (False: not accepted)."""
-            found = checked_ok(candidate)
-            if found is None:
-                return False
-            m, m_overhead = timed(candidate, found.model, why)
-            attempts_t.append(OverheadAttempt(planned_for_seconds, candidate.simulation.compute_seconds,
-                                              m_overhead - 1, candidate.peak_bytes, m.peak_bytes))
-            measured.append((candidate, found.model, m, m_overhead))
-            return True
-
-        # (under a memory limit the plan that ran under the cap stays: another is not known to)
-        while (overhead > 1 + allowed and budget is None and limit_report is None
-               and len(attempts_t) <= TIME_RETRIES):
-            # the runtime took longer than predicted: plan again for a limit lower by the excess
-            planned_for = attempts_t[-1].predicted_step_seconds * (1 + allowed) / overhead * (1 - TIME_RETRY_MARGIN)
-            progress(f"step time {overhead:.2f}x the original's by measurement, over {1 + allowed:.2f}x: "
-                     f"planning for {planned_for:.4g} s", 0.78)
-            retry = plan(prepared, options, seconds_limit=planned_for)
-            if (retry.checkpoints == chosen.checkpoints and retry.refresh_gap == chosen.refresh_gap
-                    or not measure_candidate(retry, planned_for, "time retry")):
-                break
-            chosen, rewritten, optimized, overhead = measured[-1]
-        if (all(m[3] > 1 + allowed for m in measured) and budget is None and limit_report is None
-                and chosen.recompute_ops):
-            # nothing recomputed costs least time, and often still less memory than the original
-            progress(f"no plan measured within {1 + allowed:.2f}x: trying store-all", 0.8)
-            if measure_candidate(store_all(prepared.graph), None, "store-all"):
-                chosen, rewritten, optimized, overhead = measured[-1]
-        report.overhead_attempts = attempts_t
-        fits = [m for m in measured if m[3] <= 1 + allowed]
-        if fits:
-            chosen, rewritten, optimized, overhead = min(fits, key=lambda m: m[2].peak_bytes)
-        else:
-            within_limit = False
-            if budget is not None:
-                raise BudgetInfeasibleError(
-                    f"budget of {budget} bytes is met, but the step time measured {overhead:.2f}x the "
-                    f"original's (default session), over the {1 + allowed:.2f}x allowed",
-                    least_feasible_peak_bytes=optimized.peak_bytes)
-        _describe(report, chosen, rewritten)
-
-    # NEVER WORSE: the rewritten model only if it measured below the original in both sessions
-    # (and within the step-time limit); else the original, under its session that measured the
-    # lower peak among those within the limit
-    def best_original_label() -> str:
-        """The original's session with the lowest measured peak among those within the limit (the
-        default session, the baseline, is always within it: where its peak is the lowest, no other
-        session is timed)."""
-        least = min(originals, key=lambda k: originals[k].peak_bytes)
-        if originals[least].peak_bytes >= originals["original_default_session"].peak_bytes:
-            return "original_default_session"
-        eligible = {k: v for k, v in originals.items() if allowed is None or original_overhead(k) <= 1 + allowed}
-        return min(eligible, key=lambda k: eligible[k].peak_bytes)
-    bar = min(m.peak_bytes for m in originals.values())
-    # under a memory limit: an original that does not run under it is no alternative
-    original_fits = limit_report is None or limit_report.original[best_original_label()].fits
-    if deliverable and within_limit and optimized.peak_bytes >= bar and budget is None and limit_report is None:
-        # the next plan (less recomputation) may still beat the original
-        for fallback in fallback_plans(prepared, chosen):
-            progress(f"the plan measured {optimized.peak_bytes} bytes, not below the original's {bar}: "
-                     f"trying {fallback.strategy}", 0.85)
-            found = checked_ok(fallback)
-            if found is None:
-                continue
-            m, m_overhead = timed(fallback, found.model, f"fallback {fallback.strategy}")
-            if m.peak_bytes < optimized.peak_bytes:
-                chosen, rewritten, optimized, overhead = fallback, found.model, m, m_overhead
-                _describe(report, chosen, rewritten)
-            if m.peak_bytes < bar:
-                break
-    _describe(report, chosen, rewritten)
-    report.prediction_error = PredictionError(
-        optimized=chosen.peak_bytes / max(1, optimized.peak_bytes) - 1,
-        original_optimizations_off=prepared.predicted_original.peak_bytes
-        / max(1, originals["original_optimizations_off"].peak_bytes) - 1,
-        # step times as overheads over the default session timed in the same process (the
-        # machine's speed moves between processes; the ratio does not)
-        optimized_step_time=(chosen.simulation.compute_seconds / timing.default_session_seconds) / overhead - 1,
-        original_optimizations_off_step_time=None)
-    returned, returned_overhead = optimized, overhead
-    if deliverable and within_limit and (optimized.peak_bytes < bar or not original_fits):
-        report.outcome = OUTCOME_OPTIMIZED
-        if optimized.peak_bytes < bar:
-            reason = (f"the optimized model measured {_mib(optimized.peak_bytes)}, below the original's "
-                      f"{_mib(originals['original_default_session'].peak_bytes)} (default session) and "
-                      f"{_mib(originals['original_optimizations_off'].peak_bytes)} (optimizations off)")
-        else:
-            reason = (f"the optimized model runs within the memory limit of {_mib(limit_report.limit_bytes)} and the "
-                      f"original does not (it measured {_mib(optimized.peak_bytes)}, the original "
-                      f"{_mib(bar)} at least)")
-        if limit_report is not None:
-            reason += f", and runs within the memory limit of {_mib(limit_report.limit_bytes)}"
-        if allowed is not None:
-            reason += f", at {overhead:.2f}x the original's step time (at most {1 + allowed:.2f}x allowed)"
-    else:
-        report.outcome = OUTCOME_ORIGINAL
-        best_original = best_original_label()
-        session = best_original.replace("original_", "").replace("_", " ")
-        why = (_not_delivered(report) if not deliverable else
-               f"no plan measured within {1 + allowed:.2f}x the original's step time (the last: "
-               f"{overhead:.2f}x)" if not within_limit else
-               f"the optimized model measured {_mib(optimized.peak_bytes)}, not below the original's "
-               f"{_mib(bar)}")
-        reason = (f"{why}; the original model is returned with the session that measured lowest"
-                  + ("" if allowed is None else " within the step-time limit")
-                  + f" ({session}: {_mib(originals[best_original].peak_bytes)}), written in its metadata")
-        report.rejected = RejectedPlan(**_summary(chosen), order_followed=deliverable, measured=_run(optimized))
-        returned, returned_overhead = originals[best_original], original_overhead(best_original)
-        rewritten = _returned_original(prepared, ORIGINAL_SESSIONS[best_original], options)
-        _describe(report, None, rewritten)
-        report.session = ORIGINAL_SESSIONS[best_original].to_dict()
-        if limit_report is not None:
-            limit_report.met = original_fits
-            limit_report.returned = limit_report.original[best_original]
-            if not original_fits:
-                raise MemoryLimitError(
-                    f"memory limit of {limit_report.limit_bytes} bytes is not met: {why}, and the original does "
-                    f"not run under it ({limit_report.original[best_original].error})")
-        if budget is not None and originals[best_original].peak_bytes > budget:
-            raise BudgetInfeasibleError(
-                f"budget of {budget} bytes is not met: {why}, and the original measured "
-                f"{originals[best_original].peak_bytes} bytes", least_feasible_peak_bytes=bar)
-    report.outcome_reason = reason + _rejections(report)
-    report.measured = Measured(_run(originals["original_default_session"]),
-                               _run(originals["original_optimizations_off"]), _run(returned))
-    report.measurement_method = returned.method
-    report.provider = returned.provider or report.provider
-    default, off = originals["original_default_session"], originals["original_optimizations_off"]
-    report.ratios = Ratios(
-        peak_vs_default_session=returned.peak_bytes / max(1, default.peak_bytes),
-        peak_vs_optimizations_off=returned.peak_bytes / max(1, off.peak_bytes),
-        step_time_vs_default_session=returned_overhead,
-        step_time_vs_optimizations_off=(None if timing.optimizations_off_seconds is None else
-                                        returned_overhead / original_overhead("original_optimizations_off")))
-    if timing.planned_graph_off_seconds is not None:
-        report.prediction_error.original_optimizations_off_step_time = (
-            timing.predicted_original_seconds / timing.planned_graph_off_seconds - 1)
-    report.objective.measured_overhead = returned_overhead - 1
-    if allowed is not None:
-        report.objective.met = returned_overhead <= 1 + allowed
-    if budget is not None:
-        report.budget_met = returned.peak_bytes <= budget
-    return chosen, rewritten
 
 
 def _as_returned(workspace: Workspace, model: onnx.ModelProto, label: str) -> str:
@@ -1539,100 +1105,7 @@ def _limit_run(workspace: Workspace, model_path: str, options: OptimizeOptions,
                     session_rss_bytes=run.session_rss_bytes, steps_rss_bytes=run.steps_rss_bytes)
 
 
-def _fit_memory_limit(prepared: Prepared, chosen: Plan, rewritten: onnx.ModelProto, options: OptimizeOptions,
-                      limit_report: MemoryLimit, checked_ok, progress):
-    """The plan run under the memory limit, ONNX Runtime the judge. When it refuses the plan,
-    the leanest plan there is (the least predicted peak) is run under it: refused too, nothing
-    fits (MemoryLimitError); else the least step time that runs is searched between the two by
-    bisection on the predicted step peak planned for (LIMIT_BISECTIONS runs at most). ONNX
-    Runtime's arena holds more than the step's pages the cost model predicts (the resnet
-    example's leanest plan: 16.2 MiB measured, 15.7 predicted, refused under a 20 MiB cap, ran
-    under 24), so a step lower by the shortfall it names was not enough there.
-    Returns the (plan, model) that runs, or raises MemoryLimitError."""
-    limit = options.memory_limit_bytes
-
-    def attempt(candidate: Plan, planned_for: int, model: onnx.ModelProto | None = None):
-        """(plan, model, run) of `candidate` under the limit; None when it is not accepted."""
-        if model is None:
-            found = checked_ok(candidate)
-            if found is None:
-                return None
-            model = found.model
-        run = limit_run(prepared, _as_returned(prepared.workspace, model, "limited"), options)
-        limit_report.attempts.append(LimitAttempt(planned_for, candidate.peak_bytes, run))
-        return candidate, model, run
-
-    planned_for = options_budget_bytes(prepared, options) if options.plans_for_limit else chosen.peak_bytes
-    _, _, run = attempt(chosen, planned_for, rewritten)
-    limit_report.returned = run
-    if not run.fits:
-        progress("ONNX Runtime refused the plan under the memory limit: trying the leanest plan", 0.73)
-        leanest_options = dataclasses.replace(options, objective=LEAST_PEAK, max_overhead=None, budget_bytes=None,
-                                              memory_limit_bytes=None)
-        leanest = plan(prepared, leanest_options, None)
-        tried = None
-        if leanest.checkpoints != chosen.checkpoints or leanest.recompute_ops != chosen.recompute_ops:
-            tried = attempt(leanest, leanest.peak_bytes)
-        if tried is None or not tried[2].fits:
-            limit_report.met = False
-            original = ", ".join(f"{label}: {'runs' if r.fits else 'does not run'}"
-                                 for label, r in limit_report.original.items())
-            last = limit_report.attempts[-1]
-            raise MemoryLimitError(
-                f"memory limit of {limit} bytes is not met: ONNX Runtime refused the plan for it and the leanest "
-                f"plan there is (predicted step peak {leanest.peak_bytes} bytes, the weights, inputs and state "
-                f"{prepared.graph.outside_peak_bytes} bytes; ONNX Runtime: {last.run.error}); the original under "
-                f"it: {original}")
-        chosen, rewritten, run = tried
-        limit_report.returned = run
-        # the least step time that runs: bisection between the leanest (runs) and the refused
-        low, high = leanest.peak_bytes, min(planned_for, limit_report.attempts[0].predicted_peak_bytes)
-        for _ in range(LIMIT_BISECTIONS):
-            if high - low < max(limit // 100, 1):
-                break
-            middle = (low + high) // 2
-            progress(f"the leanest plan runs under the memory limit: trying a step peak of {middle} bytes", 0.74)
-            try:
-                candidate = plan(prepared, options, middle)
-            except BudgetInfeasibleError:
-                low = middle
-                continue
-            if candidate.checkpoints == chosen.checkpoints and candidate.recompute_ops == chosen.recompute_ops:
-                low = middle
-                continue
-            tried = attempt(candidate, middle)
-            if tried is None or not tried[2].fits:
-                high = middle
-                continue
-            low = middle
-            if candidate.simulation.compute_seconds < chosen.simulation.compute_seconds:
-                chosen, rewritten, run = tried
-                limit_report.returned = run
-    limit_report.met = True
-    return chosen, rewritten
-
-
-def _record_checks_rejection(report: Report, checked: Checked) -> None:
-    differ = checked.entry.outputs_differ
-    report.rejected_for_outputs.append(RejectedForOutputs(
-        **_summary(checked.plan), output=differ.output, relative_difference=differ.relative_difference,
-        reason=differ.reason))
-
-
-def _not_delivered(report: Report) -> str:
-    if report.rejected_for_outputs:
-        return ("no plan tried both computed the original's outputs and ran in the planned order in "
-                "ONNX Runtime")
-    return "ONNX Runtime did not run the planned order of any plan tried"
-
-
-def _rejections(report: Report) -> str:
-    """The plans rejected because their outputs differed, for `outcome_reason`."""
-    return "".join(f"; the {r.strategy} plan ({r.recompute_nodes} recomputed nodes) was rejected: its "
-                   f"{r.reason}" for r in report.rejected_for_outputs)
-
-
-__all__ = ["Prepared", "prepare", "plan", "deliver", "OptimizeResult", "Checked", "check_plan",
+__all__ = ["Prepared", "prepare", "plan", "search_plan", "OptimizeResult", "Checked", "check_plan",
            "first_in_order", "fallback_plans", "rewrite_plan", "planned_order", "measure_model",
-           "measure_original", "start_original_peaks", "start_peak", "solver_exact", "inlined_at_load", "ORIGINAL_UNOPTIMIZED", "BUDGET_RETRIES",
-           "LIMIT_BISECTIONS", "limit_run", "options_budget_bytes"]
+           "measure_original", "start_original_peaks", "start_peak", "solver_exact", "inlined_at_load",
+           "ORIGINAL_UNOPTIMIZED", "limit_run", "options_budget_bytes"]

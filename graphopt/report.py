@@ -239,6 +239,9 @@ class PlanMeasured(_Json):
     why: str = ""       # the first plan, a retry for the budget or the time limit, store-all, a fallback
     predicted_step_seconds: float | None = None
     measured_step_seconds: float | None = None
+    # why it was not returned (graphopt/delivery.py: over the budget or the step-time limit, refused
+    # under the memory limit, not below the original's peak); None: it is the plan returned
+    rejected_because: str | None = None
 
     @property
     def step_time_error(self) -> float | None:
@@ -408,6 +411,71 @@ class Report(_Json):
 
     def to_dict(self) -> dict:
         return {f.name: _to_json(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+
+# -- what analyze_model returns ----------------------------------------------------------------
+@dataclass
+class AnalysisNodes(_Json):
+    total: int
+    forward: int
+    backward: int
+
+
+@dataclass
+class AnalysisPeaks(_Json):
+    """Predicted step peaks (the cost model), in bytes."""
+    original_optimizations_off: int     # the original in ONNX Runtime's order, optimizations off
+    planned: int | None = None          # the plan's (None: no plan was asked for)
+
+
+@dataclass
+class AnalysisBaseOrder(_Json):
+    """The orders plans start from (as `BaseOrder`); `plan_peak_bytes` only with a plan."""
+    chosen: str
+    store_all_peak_bytes: dict[str, int]
+    plan_peak_bytes: dict[str, int] | None = None
+
+
+@dataclass
+class AnalysisPlan(_Json):
+    """The plan `analyze_model(plan=True)` searched (nothing rewritten, nothing measured)."""
+    strategy: str
+    checkpoints: list[str]
+    recompute_nodes: int
+    recompute_seconds: float
+    predicted_step_seconds: float
+    objective: str
+    max_overhead: float | None          # None: no step-time limit (written as null)
+    baseline_step_seconds: float
+    solver_exact: bool | None           # (written as null when not known)
+
+    def to_dict(self) -> dict:   # every field, null ones too (the JSON analyze_model has always written)
+        return {f.name: _to_json(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+
+@dataclass
+class Analysis(_Json):
+    """What `analyze_model` returns: the training graph annotated in ONNX Runtime and its peak
+    predicted, with a plan when asked for. `to_dict()` is its JSON (the CLI's `analyze`, the
+    worker's answer, the service's `AnalyzeResponse.json`); `Analysis.from_dict` reads it back."""
+    loss: str
+    nodes: AnalysisNodes
+    stashed_tensors: list[str]
+    provider: str
+    predicted_peak_bytes: AnalysisPeaks
+    tensor_bytes: dict[str, int]
+    node_seconds: dict[str, float]
+    execution_order: list[str]
+    functions_expanded: dict[str, int]
+    graph_optimizations: dict           # as `Report.graph_optimizations`
+    base_order: AnalysisBaseOrder
+    plan: AnalysisPlan | None = None    # None: no plan was asked for (the key is left out)
+
+    def to_dict(self) -> dict:
+        data = _to_json(self)
+        if self.plan is not None:
+            data["plan"] = self.plan.to_dict()
+        return data
 
 
 # -- the human summary ---------------------------------------------------------------------------

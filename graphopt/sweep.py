@@ -71,6 +71,17 @@ class SweepRow:
         d["also"] = ";".join(self.also)
         return d
 
+    @classmethod
+    def from_record(cls, record: dict) -> "SweepRow":
+        """A row back from `as_record` (the rows of the sweep's JSON report, `SweepResult.report_dict`)."""
+        unknown = set(record) - set(CSV_FIELDS)
+        if unknown:
+            raise ValueError(f"a sweep row has no field(s) {sorted(unknown)}")
+        data = dict(record)
+        data["budgets"] = [int(b) for b in str(data.get("budgets") or "").split()]
+        data["also"] = data["also"].split(";") if data.get("also") else []
+        return cls(**data)
+
 
 CSV_FIELDS = [f.name for f in fields(SweepRow)]
 
@@ -86,6 +97,12 @@ class SweepResult:
 
     def row(self, label: str) -> SweepRow:
         return next(r for r in self.rows if r.label == label)
+
+    def report_dict(self) -> dict:
+        """The sweep's JSON report (`optimize --sweep --report`; the batch's report.json):
+        the budgets, the notes, the seconds and the rows (`SweepRow.as_record`)."""
+        return {"budgets": self.budgets, "notes": self.notes, "seconds": self.seconds,
+                "rows": [r.as_record() for r in self.rows]}
 
 
 def budget_series(low: int, high: int, points: int) -> list[int]:

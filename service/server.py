@@ -39,7 +39,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from graphopt.options import OptimizeOptions
-from graphopt.report import Report, summary_text
+from graphopt.report import Analysis, Report, summary_text
 
 from ._proto import graphopt_pb2 as pb
 from ._proto import graphopt_pb2_grpc as pb_grpc
@@ -168,14 +168,15 @@ def report_message(report: Report) -> pb.Report:
 
 
 def _analyze_message(analysis: dict) -> pb.AnalyzeResponse:
+    """The worker's `Analysis.to_dict()` as the response (its JSON passed on as it came)."""
+    typed = Analysis.from_dict(analysis)
     response = pb.AnalyzeResponse(
-        loss=analysis["loss"], nodes=analysis["nodes"]["total"], forward_nodes=analysis["nodes"]["forward"],
-        backward_nodes=analysis["nodes"]["backward"], stashed_tensors=len(analysis["stashed_tensors"]),
-        provider=analysis["provider"],
-        predicted_peak_bytes_original=analysis["predicted_peak_bytes"]["original_optimizations_off"],
+        loss=typed.loss, nodes=typed.nodes.total, forward_nodes=typed.nodes.forward,
+        backward_nodes=typed.nodes.backward, stashed_tensors=len(typed.stashed_tensors), provider=typed.provider,
+        predicted_peak_bytes_original=typed.predicted_peak_bytes.original_optimizations_off,
         json=json.dumps(analysis))
-    if "planned" in analysis["predicted_peak_bytes"]:
-        response.predicted_peak_bytes_planned = analysis["predicted_peak_bytes"]["planned"]
+    if typed.predicted_peak_bytes.planned is not None:
+        response.predicted_peak_bytes_planned = typed.predicted_peak_bytes.planned
     return response
 
 

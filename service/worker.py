@@ -36,7 +36,7 @@ def run_job(job: dict, progress) -> dict:
         options = OptimizeOptions.from_dict(job["options"], progress=progress)
         model = load_model(job["model_path"])
         if job["kind"] == "analyze":
-            return {"analysis": analyze_model(model, options, plan=job["service"].get("plan", False))}
+            return {"analysis": analyze_model(model, options, plan=job["service"].get("plan", False)).to_dict()}
         result = optimize(model, options)
         output = Path(job["output_dir"]) / OPTIMIZED_MODEL_NAME
         save_model(result.model, output)

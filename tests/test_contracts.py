@@ -155,6 +155,13 @@ def test_never_worse_returns_the_best_measured_original(monkeypatch):
     assert report.graph_optimizations, "ORT's graph optimizations were expected to apply here"
     assert set(annotations.execution_order) == {n.name for n in result.model.graph.node if n.op_type != "Constant"}
     assert report.rejected.measured.peak_bytes > report.measured.optimized.peak_bytes
+    # every plan measured says why it was not returned (graphopt/delivery.py); the rejected plan, by
+    # its measured figures, that it measured not below the original
+    measured = report.plans_measured
+    assert measured and all(p.rejected_because for p in measured), measured
+    (rejected,) = [p for p in measured if (p.measured_peak_bytes, p.measured_step_seconds)
+                   == (report.rejected.measured.peak_bytes, report.rejected.measured.step_seconds)]
+    assert "not below the original" in rejected.rejected_because, rejected
     assert report.measured.optimized.peak_bytes == min(report.measured.original_default_session.peak_bytes,
                                                        report.measured.original_optimizations_off.peak_bytes)
     # the returned session's step is timed, the one with optimizations off where it is returned

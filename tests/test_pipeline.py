@@ -169,6 +169,25 @@ def test_default_objective_states_its_point_and_never_returns_over_the_limit():
         assert (returned.peak_bytes, returned.step_seconds) in [(p.measured_peak_bytes, p.measured_step_seconds)
                                                                 for p in measured]
     assert "predicted against measured" in summary_text(report)
+    assert_each_plan_not_returned_says_why(report)
+
+
+def assert_each_plan_not_returned_says_why(report):
+    """Every plan measured but the returned one names why it was not returned (`rejected_because`,
+    graphopt/delivery.py), and a plan followed by a retry for the step-time limit measured over the
+    limit (the measurement is the oracle, not the reason's text)."""
+    measured = report.plans_measured
+    kept = [p for p in measured if p.rejected_because is None]
+    if report.outcome == "optimized":
+        returned = report.measured.optimized
+        assert [(p.measured_peak_bytes, p.measured_step_seconds) for p in kept] == \
+            [(returned.peak_bytes, returned.step_seconds)], measured
+    else:
+        assert not kept, measured
+    limit = report.objective.step_seconds_limit
+    for p, after in zip(measured, measured[1:]):
+        if after.why in ("time retry", "store-all"):
+            assert "over the" in p.rejected_because and p.measured_step_seconds > limit, (p, limit)
 
 
 def test_a_limit_that_binds_is_honoured_by_measurement():
@@ -181,6 +200,7 @@ def test_a_limit_that_binds_is_honoured_by_measurement():
     report = optimize(model, OptimizeOptions(inputs=inputs, max_overhead=0.0)).report
     attempts = report.overhead_attempts
     assert attempts and all(a.measured_overhead > 0.0 for a in attempts[:-1]), attempts
+    assert_each_plan_not_returned_says_why(report)
     if report.outcome == "optimized":
         assert report.ratios.step_time_vs_default_session <= 1.0, (report.ratios, attempts)
         assert attempts[-1].measured_overhead <= 0.0, attempts
