@@ -83,7 +83,7 @@ def test_the_batch_is_the_leading_dimension_the_data_inputs_share():
 def test_real_architectures_have_a_twin_whose_shapes_scale(name, exporter):
     """Real exports at their tiny size (batch 2): the twin at batch 1 runs, and every value's
     measured shape (ORT, all exposed) is the full size's with the batch axis scaled."""
-    real_zoo = pytest.importorskip("real_zoo")
+    from graphopt_zoo import real_zoo
     model_def = real_zoo.CORPUS[name]("tiny")
     model = build_training_graph(real_zoo.export(model_def, exporter), loss="cross_entropy",
                                  class_axis=model_def.class_axis)
