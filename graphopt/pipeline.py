@@ -274,7 +274,7 @@ def prepare(model: onnx.ModelProto, options: OptimizeOptions, *, reference: bool
             # what delivery compares any plan against, measured while graphopt goes on (nothing is
             # timed before the time stage, which waits for them: `Overlap.quiet`)
             original_peaks = _start_original_peaks(workspace, options, overlap)
-        graph_optimized: dict = {}
+        graph_optimized = GraphOptimizations()
         if options.graph_optimizations != "none":
             progress("graph optimizations", 0.12)
             training, annotations, graph_optimized = _apply_graph_optimizations(training, annotations, options,
