@@ -541,7 +541,7 @@ def _conclude(state: Delivery, within_limit: bool) -> tuple[Plan, onnx.ModelProt
         returned, returned_overhead = originals[best_original], state.original_overhead(best_original)
         rewritten = _returned_original(prepared, ORIGINAL_SESSIONS[best_original], options)
         _describe(report, None, rewritten)
-        report.session = ORIGINAL_SESSIONS[best_original].to_dict()
+        report.session = ORIGINAL_SESSIONS[best_original]
         if limit_report is not None:
             limit_report.met = original_fits
             limit_report.returned = limit_report.original[best_original]
@@ -652,14 +652,14 @@ def _new_report(prepared: Prepared, chosen: Plan, rewritten: onnx.ModelProto, op
         search_seconds=float(chosen.notes.get("search_seconds", 0.0)),
         search_cpu_seconds=chosen.notes.get("search_cpu_seconds"),
         functions_expanded=dict(prepared.functions_expanded),
-        graph_optimizations=dict(prepared.graph_optimizations),
+        graph_optimizations=prepared.graph_optimizations,
         predicted=Predicted(PredictedRun(predicted.peak_bytes, prepared.timing.predicted_original_seconds
                                          if prepared.timing is not None else predicted.compute_seconds),
                             PredictedRun(0, 0.0)),
         objective=_objective(prepared, chosen, options),
         annotations=AnnotationSummary(annotations.provider, len(annotations.tensor_bytes),
                                       len(annotations.node_seconds)),
-        provider=annotations.provider, threads=options.threads, session=PLANNED_SETTINGS.to_dict(),
+        provider=annotations.provider, threads=options.threads, session=PLANNED_SETTINGS,
         base_order=BaseOrder(chosen.notes.get("base_order", prepared.base_order), dict(prepared.base_order_peaks),
                              dict(chosen.notes.get("base_order_peak_bytes", {}))))
     _describe(report, chosen, rewritten)

@@ -63,7 +63,7 @@ from .ingest import follow_order, name_nodes
 from .inputs import save_inputs, synthesize_inputs
 from .op_rules import FOLDED_AT_LOAD_OPS, at_threads, build_cost_graph, opset_of, recompute_factor
 from .options import OptimizeOptions
-from .report import Deviation, LimitRun, OrderResult, OutputsDiffer, PlanTried, Report
+from .report import Deviation, GraphOptimizations, LimitRun, OrderResult, OutputsDiffer, PlanTried, Report
 from .rewrite import PLANNED_SETTINGS, expand_functions, has_function, rewrite
 from .runtime.isolated import Workspace
 from .tasks import run_task
@@ -141,7 +141,7 @@ class Prepared:
     # ORT's graph optimizations applied offline before planning (`_apply_graph_optimizations`):
     # {"level", "nodes_before", "nodes_after", "op_types": {op type: count added (+) or removed (-)}},
     # or {} when none were applied (option "none", nothing changed, or outputs differed)
-    graph_optimizations: dict = field(default_factory=dict)
+    graph_optimizations: GraphOptimizations = field(default_factory=GraphOptimizations)
     plans: dict = field(default_factory=dict)   # (graph id, strategy) -> {budget: plan} (`plan`)
     # the cost graph in each order a plan can start from (BASE_ORDERS' labels: `base_graphs`),
     # the label of `graph` among them (the leanest with nothing recomputed) and each one's
@@ -274,7 +274,7 @@ def prepare(model: onnx.ModelProto, options: OptimizeOptions, *, reference: bool
             # what delivery compares any plan against, measured while graphopt goes on (nothing is
             # timed before the time stage, which waits for them: `Overlap.quiet`)
             original_peaks = _start_original_peaks(workspace, options, overlap)
-        graph_optimized: dict = {}
+        graph_optimized = GraphOptimizations()
         if options.graph_optimizations != "none":
             progress("graph optimizations", 0.12)
             training, annotations, graph_optimized = _apply_graph_optimizations(training, annotations, options,
@@ -591,7 +591,7 @@ def _op_type_changes(before: onnx.ModelProto, after: onnx.ModelProto) -> dict[st
 
 def _apply_graph_optimizations(training: TrainingGraph, annotations: Annotations | None, options: OptimizeOptions,
                                workspace: Workspace, reduced: "ReducedStep | None" = None
-                               ) -> tuple[TrainingGraph, Annotations | None, dict]:
+                               ) -> tuple[TrainingGraph, Annotations | None, GraphOptimizations]:
     """Plan the graph ONNX Runtime would run: its graph optimizations at
     `options.graph_optimizations` applied offline (`runtime.offline`), in a child, to the original
     saved in `workspace`. The result replaces `training` only if it is still the same training
@@ -614,10 +614,10 @@ def _apply_graph_optimizations(training: TrainingGraph, annotations: Annotations
     except Exception as exc:  # noqa: BLE001 - the plan can go on without ORT's fusions
         log.warning("ONNX Runtime's %s graph optimizations could not be applied offline (%s): the graph is "
                     "planned as given", level, exc)
-        return training, annotations, {}
+        return training, annotations, GraphOptimizations()
     changes = _op_type_changes(training.model, model)
     if not changes:
-        return training, annotations, {}
+        return training, annotations, GraphOptimizations()
     follow_order(model, training.model)   # ORT saves its own topological order; keep the file's
     name_nodes(model)
     outputs = [o.name for o in training.model.graph.output]
@@ -649,12 +649,12 @@ def _apply_graph_optimizations(training: TrainingGraph, annotations: Annotations
     def not_used(why: str):
         log.warning("ONNX Runtime's %s graph optimizations are not used: %s; the graph is planned as given",
                     level, why)
-        return training, annotations, {}
+        return training, annotations, GraphOptimizations()
     if why is not None:
         return not_used(why)
     del model
-    summary = {"level": level, "nodes_before": len(training.model.graph.node),
-               "nodes_after": len(optimized.model.graph.node), "op_types": changes}
+    summary = GraphOptimizations(level=level, nodes_before=len(training.model.graph.node),
+                                 nodes_after=len(optimized.model.graph.node), op_types=changes)
     if options.progress is not None:
         options.progress("annotate", 0.14)
     try:
@@ -672,7 +672,7 @@ def _apply_graph_optimizations(training: TrainingGraph, annotations: Annotations
             raise
         log.warning("ONNX Runtime's %s graph optimizations are not used: graphopt cannot annotate the optimized "
                     "graph at a reduced batch (%s); the graph is planned as given", level, exc)
-        return training, annotations, {}
+        return training, annotations, GraphOptimizations()
     return optimized, optimized_annotations, summary
 
 
@@ -1050,7 +1050,7 @@ def optimizations_off_overhead(prepared: Prepared, options: OptimizeOptions) -> 
                            prepared.workspace.inputs_path, provider=options.provider, threads=options.threads,
                            rounds=TIMING_ROUNDS, max_seconds=TIMING_MAX_SECONDS, settle=TIMING_SETTLE)
         timing.optimizations_off_seconds = timing.default_session_seconds * times.ratio(1, 0)
-        if not prepared.graph_optimizations:   # the graph planned is that original
+        if not prepared.graph_optimizations.applied:   # the graph planned is that original
             timing.planned_graph_off_seconds = timing.optimizations_off_seconds
     return timing.optimizations_off_seconds / timing.default_session_seconds
 

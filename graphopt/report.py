@@ -16,6 +16,8 @@ import types
 import typing
 from dataclasses import dataclass, field
 
+from .runtime.session import SessionSettings
+
 # report.outcome
 OUTCOME_OPTIMIZED = "optimized"     # the rewritten model: order followed, measured below the original
 OUTCOME_ORIGINAL = "original"       # the original graph, with the session that measured lowest
@@ -24,6 +26,8 @@ OUTCOME_UNMEASURED = "unmeasured"   # the rewritten model, measurement off: not 
 
 # -- JSON form of a dataclass tree -------------------------------------------------------------
 def _to_json(value):
+    if dataclasses.is_dataclass(value) and not isinstance(value, _Json) and hasattr(value, "to_dict"):
+        return value.to_dict()          # a type with a JSON form of its own (SessionSettings)
     if dataclasses.is_dataclass(value):
         return {f.name: _to_json(getattr(value, f.name)) for f in dataclasses.fields(value)
                 if getattr(value, f.name) is not None}
@@ -362,6 +366,20 @@ class StageSeconds(_Json):
 
 
 @dataclass
+class GraphOptimizations(_Json):
+    """ONNX Runtime's graph optimizations applied offline before planning (see
+    graphopt/runtime/offline.py); every field None (JSON {}) when none were."""
+    level: str | None = None
+    nodes_before: int | None = None
+    nodes_after: int | None = None
+    op_types: dict[str, int] | None = None   # op type -> how many were added (+) or removed (-)
+
+    @property
+    def applied(self) -> bool:
+        return self.level is not None
+
+
+@dataclass
 class Report(_Json):
     """Everything `optimize` says about its work (see the module docstring)."""
     loss: str
@@ -383,10 +401,8 @@ class Report(_Json):
     solver_exact: bool | None = None    # the plan is optimal under its solver's model (None: not known)
     base_order: BaseOrder | None = None  # the order the plan started from
     functions_expanded: dict[str, int] = field(default_factory=dict)
-    # ORT's graph optimizations applied offline before planning: level, node counts, op types
-    # added (+) or removed (-); {} when none were (see graphopt/runtime/offline.py)
-    graph_optimizations: dict = field(default_factory=dict)
-    session: dict | None = None         # the session settings written in the returned model
+    graph_optimizations: GraphOptimizations = field(default_factory=GraphOptimizations)
+    session: SessionSettings | None = None   # the session settings written in the returned model
     outputs_match: bool | None = None   # None: not verified
     max_relative_difference: float | None = None
     outputs_differ: OutputsDiffer | None = None
@@ -467,7 +483,7 @@ class Analysis(_Json):
     node_seconds: dict[str, float]
     execution_order: list[str]
     functions_expanded: dict[str, int]
-    graph_optimizations: dict           # as `Report.graph_optimizations`
+    graph_optimizations: GraphOptimizations   # as `Report.graph_optimizations`
     base_order: AnalysisBaseOrder
     plan: AnalysisPlan | None = None    # None: no plan was asked for (the key is left out)
 
@@ -496,10 +512,10 @@ def summary_text(report: Report) -> str:
                      "planned: " + ", ".join(f"{label} {_mib(b)} / {_mib(base.plan_peak_bytes.get(label, 0))}"
                                            for label, b in base.store_all_peak_bytes.items()))
     applied = report.graph_optimizations
-    if applied:
-        ops = ", ".join(f"{op} {n:+d}" for op, n in applied.get("op_types", {}).items())
-        lines.append(f"planned on ONNX Runtime's {applied.get('level')} graph optimizations: "
-                     f"{applied.get('nodes_before')} -> {applied.get('nodes_after')} nodes ({ops})")
+    if applied.applied:
+        ops = ", ".join(f"{op} {n:+d}" for op, n in (applied.op_types or {}).items())
+        lines.append(f"planned on ONNX Runtime's {applied.level} graph optimizations: "
+                     f"{applied.nodes_before} -> {applied.nodes_after} nodes ({ops})")
     predicted = report.predicted
     lines.append(f"predicted peak: original (optimizations off) "
                  f"{_mib(predicted.original_optimizations_off.peak_bytes)}, "

@@ -8,7 +8,7 @@ import pytest
 
 from graphopt.examples import forward_example, training_example
 from graphopt.report import Report, summary_text
-from graphopt.runtime.session import machine_cores
+from graphopt.runtime.session import machine_cores, read_settings
 
 
 def graphopt(*args, check=True):
@@ -64,6 +64,9 @@ def test_optimize_writes_model_and_report(small_training, tmp_path):
     model = onnx.load(out)
     keys = {p.key for p in model.metadata_props}
     assert {"graphopt.session", "graphopt.annotations"} <= keys
+    # the report's session is the one the returned model carries (the original's lowest one when
+    # it is returned), read back typed
+    assert typed.session == read_settings(model) is not None
     # a rewritten model carries its plan; a model not improved comes back as the original, said plainly
     assert report["outcome"] in ("optimized", "original")
     if report["outcome"] == "optimized":

@@ -64,7 +64,7 @@ def test_plan_keeps_ort_fused_kernels_and_the_original_outputs():
     model, inputs = training_example("resnet", small=True)
     result = optimize(model, OptimizeOptions(inputs=inputs, objective="least-peak", measure=False))
     applied = result.report.graph_optimizations
-    assert applied["level"] == "extended" and applied["op_types"].get("FusedConv", 0) > 0, applied
+    assert applied.level == "extended" and applied.op_types.get("FusedConv", 0) > 0, applied
     fused = [n for n in result.model.graph.node if n.op_type == "FusedConv" and n.domain == "com.microsoft"]
     assert fused and result.report.recompute_nodes > 0
     assert any(any(a.name == "__recompute_id" for a in n.attribute) for n in fused), "no FusedConv recomputed"
@@ -80,7 +80,8 @@ def test_plan_keeps_ort_fused_kernels_and_the_original_outputs():
 def test_none_plans_the_file_as_given():
     model, inputs = training_example("resnet", small=True)
     result = optimize(model, OptimizeOptions(inputs=inputs, graph_optimizations="none", measure=False))
-    assert result.report.graph_optimizations == {}
+    assert not result.report.graph_optimizations.applied
+    assert result.report.to_dict()["graph_optimizations"] == {}
     assert not any(n.domain == "com.microsoft" for n in result.model.graph.node)
     assert result.report.outputs_match
 
@@ -142,8 +143,8 @@ def test_the_optimized_graph_is_checked_in_its_annotation_run(tmp_path, referenc
             pipeline.run_task = real_run_task
     assert tasks == ["graph-optimize", "annotate"], tasks
     if reference == "original":
-        assert summary["op_types"].get("FusedConv", 0) > 0 and annotations is not None
+        assert summary.op_types.get("FusedConv", 0) > 0 and annotations is not None
         assert any(n.op_type == "FusedConv" for n in planned.model.graph.node)
     else:
-        assert summary == {} and annotations is None and planned is training
+        assert not summary.applied and annotations is None and planned is training
         assert f"output {scaled!r} differs from the original's" in caplog.text, caplog.text
