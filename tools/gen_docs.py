@@ -287,14 +287,20 @@ def report_md() -> str:
         return re.sub(r"\b([A-Z][A-Za-z]+)\b",
                       lambda m: f"[{m.group(1)}](#{m.group(1).lower()})" if m.group(1) in names else m.group(1),
                       annotation)
+    sources = {report.__name__: notes}    # each class's notes from its own module's source
+
+    def notes_of(cls) -> SourceNotes:
+        if cls.__module__ not in sources:
+            sources[cls.__module__] = SourceNotes(sys.modules[cls.__module__])
+        return sources[cls.__module__]
     for cls in tree:
-        field_notes = notes.field_notes(cls.__name__)
+        field_notes = notes_of(cls).field_notes(cls.__name__)
         rows = []
         for f in dataclasses.fields(cls):
             annotation, comment = field_notes.get(f.name, (str(f.type), ""))
             rows.append([code(f.name), linked(annotation), default_of(f), comment])
         parts += [f"## {cls.__name__}", ""]
-        doc = notes.docstring(cls.__name__)
+        doc = notes_of(cls).docstring(cls.__name__)
         if doc:
             parts += [doc, ""]
         parts += [table(["field", "type", "default", "what it is"], rows), ""]
