@@ -91,7 +91,9 @@ def test_optimize_measures_peaks_in_the_background_and_never_beside_a_timing(mon
     background = [e for e in log if e[3].startswith("graphopt-overlap")]
     timings = [e for e in log if e[0] == "timing"]
     assert len(background) == 3 and all(e[0] == "peak" for e in background), log
-    assert len(timings) == 2, log
+    # the baseline and the returned plan at least (a loaded machine can time a retry, or the
+    # original with optimizations off, too): none of them beside a background peak
+    assert len(timings) >= 2, log
     for _, begin, end, _ in background:
         assert all(end <= t_begin or t_end <= begin for _, t_begin, t_end, _ in timings), log
     # the first original's peak and the plan's overlapped work of the caller's thread (a task:
