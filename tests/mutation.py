@@ -33,7 +33,7 @@ EQUIVALENT_FILE = os.path.join(ROOT, "tests", "mutation_equivalent.txt")
 MODULES = {
     "service.status": ("service/status.py", ["tests/test_status_mapping.py"]),
     "costmodel": ("graphopt/costmodel.py", ["tests/test_costmodel.py", "tests/test_search.py"]),
-    "costgraph": ("graphopt/costgraph.py", ["tests/test_costmodel.py", "tests/test_search.py"]),
+    "costgraph": ("graphopt/costgraph.py", ["tests/test_costgraph.py", "tests/test_costmodel.py"]),
     "search.registry": ("graphopt/search/registry.py", ["tests/test_strategy_registry.py"]),
     "search.auto": ("graphopt/search/auto.py", ["tests/test_search.py", "tests/test_oracles.py"]),
     "builder.file_order": ("graphopt/builder/file_order.py", ["tests/test_file_order.py"]),
