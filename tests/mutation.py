@@ -36,7 +36,8 @@ MODULES = {
     "costgraph": ("graphopt/costgraph.py", ["tests/test_costgraph.py", "tests/test_costmodel.py"]),
     "search.registry": ("graphopt/search/registry.py", ["tests/test_strategy_registry.py"]),
     "search.auto": ("graphopt/search/auto.py", ["tests/test_search.py", "tests/test_oracles.py"]),
-    "builder.file_order": ("graphopt/builder/file_order.py", ["tests/test_file_order.py"]),
+    "builder.file_order": ("graphopt/builder/file_order.py",
+                           ["tests/test_file_order_rules.py", "tests/test_file_order.py"]),
 }
 # what CI runs (tests/test_mutation.py): the cost model against its own step-by-step references
 # alone, about a minute on two cores

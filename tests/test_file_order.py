@@ -61,7 +61,7 @@ def test_fused_step_runs_in_file_order_no_higher_than_orts_walk(tmp_path):
     """A GPT-2 whose tied embedding is most of its weights: its gradient is completed last, from
     the output projection and the token lookup; ORT's DEFAULT walk of the fused graph runs other
     updates around it in an order the builder beats."""
-    real_zoo = pytest.importorskip("real_zoo")
+    real_zoo = pytest.importorskip("graphopt_zoo.real_zoo")
     entry = real_zoo.CORPUS["gpt2"]("tiny")
     forward = real_zoo.export(entry, "legacy")
     model = build_training_graph(forward, loss="cross_entropy", class_axis=entry.class_axis,
