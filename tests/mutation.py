@@ -11,7 +11,8 @@ checkout clean and lets each module have its own settings): `mutmut run`, then `
 past mutmut's timeout), survived (the tests passed), not covered (no selected test runs the
 function), listed as equivalent (`EQUIVALENT_FILE`: a mutant that cannot change what the code
 does, one line each saying why) and the score, killed over all but the equivalent ones.
-`--survivors` prints each surviving or uncovered mutant's diff (`mutmut show`).
+`--survivors` prints each surviving or uncovered mutant's diff (`mutmut show`), and each one killed
+by mutmut's timeout alone (on a loaded machine a mutant may only have been slow: judge those).
 
 mutmut is in the test extra (`pip install -e '.[test]'`).
 """
@@ -23,6 +24,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import tomllib
 from collections import Counter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -30,11 +32,14 @@ EQUIVALENT_FILE = os.path.join(ROOT, "tests", "mutation_equivalent.txt")
 
 # module -> (its file, the tests mutmut runs against its mutants)
 MODULES = {
+    "service.status": ("service/status.py", ["tests/test_status_mapping.py"]),
     "costmodel": ("graphopt/costmodel.py", ["tests/test_costmodel.py", "tests/test_search.py"]),
-    "costgraph": ("graphopt/costgraph.py", ["tests/test_costmodel.py", "tests/test_search.py"]),
-    "search.registry": ("graphopt/search/registry.py", ["tests/test_search.py"]),
+    "costgraph": ("graphopt/costgraph.py", ["tests/test_costgraph.py", "tests/test_costmodel.py"]),
+    "search.registry": ("graphopt/search/registry.py", ["tests/test_strategy_registry.py"]),
     "search.auto": ("graphopt/search/auto.py", ["tests/test_search.py", "tests/test_oracles.py"]),
-    "builder.file_order": ("graphopt/builder/file_order.py", ["tests/test_file_order.py"]),
+    "rewrite": ("graphopt/rewrite.py", ["tests/test_rewrite_rules.py", "tests/test_rewrite.py"]),
+    "builder.file_order": ("graphopt/builder/file_order.py",
+                           ["tests/test_file_order_rules.py", "tests/test_file_order.py"]),
 }
 # what CI runs (tests/test_mutation.py): the cost model against its own step-by-step references
 # alone, about a minute on two cores
@@ -53,18 +58,43 @@ def _copy_tracked(destination: str) -> None:
         shutil.copy2(source, target)
 
 
+def _import_names() -> dict[str, str]:
+    """folder -> import name, for the packages installed under another name than their folder's
+    (pyproject's [tool.setuptools.package-dir]: service/ is `graphopt_service`)."""
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        package_dirs = tomllib.load(f).get("tool", {}).get("setuptools", {}).get("package-dir", {})
+    return {folder: name for name, folder in package_dirs.items() if name and folder != name}
+
+
+def _as_imported(folder: str, path: str) -> str:
+    """Lay the copy out as the tests import it: each renamed package also under its import name
+    (mutmut names a mutant after its file's path, and a mutant is only switched on in the module
+    of that name: service/status.py must be mutated as graphopt_service/status.py). Returns the
+    path to mutate in that layout."""
+    renamed = _import_names()
+    for source, name in renamed.items():
+        if os.path.isdir(os.path.join(folder, source)):
+            shutil.copytree(os.path.join(folder, source), os.path.join(folder, name))
+    top, _, rest = path.partition("/")
+    return f"{renamed[top]}/{rest}" if top in renamed else path
+
+
 def _configure(folder: str, path: str, tests: list[str]) -> None:
-    """The copy's pyproject with its [tool.mutmut] section for this module alone."""
+    """The copy's pyproject with its [tool.mutmut] section for this module alone: the package of
+    `path` is mutmut's source, every other package is copied beside it unchanged (so the tests
+    import this copy's code, not the installed checkout's)."""
     pyproject = os.path.join(folder, "pyproject.toml")
     with open(pyproject) as f:
         text = f.read()
     head, _, rest = text.partition("[tool.mutmut]")
     tail = rest[rest.find("\n["):] if "\n[" in rest else ""
+    source = path.split("/")[0]
+    others = ["graphopt", *_import_names().values(), "benchmarks", "service", "clients", "proto", "zoo"]
     section = ("[tool.mutmut]\n"
-               'source_paths = ["graphopt"]\n'
+               f"source_paths = {[source]!r}\n"
                f"only_mutate = {[path]!r}\n"
                f"pytest_add_cli_args_test_selection = {tests!r}\n"
-               'also_copy = ["benchmarks", "service", "clients", "proto"]\n'
+               f"also_copy = {[p for p in others if p != source]!r}\n"
                # a mutant that loops is stopped at 3x its tests' time (mutmut's default: 15x)
                "timeout_multiplier = 3.0\n").replace("'", '"')
     with open(pyproject, "w") as f:
@@ -87,7 +117,7 @@ def run_module(name: str, children: int, survivors: bool, modules: dict = MODULE
     path, tests = modules[name]
     with tempfile.TemporaryDirectory(prefix="graphopt-mutation-") as folder:
         _copy_tracked(folder)
-        _configure(folder, path, tests)
+        _configure(folder, _as_imported(folder, path), tests)
         env = dict(os.environ, PYTHONPATH=folder)
         done = subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children", str(children)],
                               cwd=folder, env=env, capture_output=True, text=True)
@@ -107,6 +137,9 @@ def run_module(name: str, children: int, survivors: bool, modules: dict = MODULE
                 counts["equivalent"] += 1
             elif status in KILLED:
                 counts["killed"] += 1
+                if status == "timeout":     # killed, but on a busy machine perhaps only slow: shown
+                    counts["timeout"] += 1
+                    left.append(mutant)
             elif status == "no tests":
                 counts["not covered"] += 1
                 left.append(mutant)
@@ -141,11 +174,11 @@ def main() -> None:
         counts = run_module(name, args.children, args.survivors)
         rows.append((name, counts))
         print(f"{name}: {dict(counts)} score {score(counts):.1%}", file=sys.stderr, flush=True)
-    print("| module | file | killed | survived | not covered | equivalent | score |")
+    print("| module | file | killed (timed out) | survived | not covered | equivalent | score |")
     print("|---|---|---|---|---|---|---|")
     for name, c in rows:
-        print(f"| {name} | {MODULES[name][0]} | {c['killed']} | {c['survived']} | {c['not covered']} | "
-              f"{c['equivalent']} | {score(c):.1%} |")
+        print(f"| {name} | {MODULES[name][0]} | {c['killed']} ({c['timeout']}) | {c['survived']} | "
+              f"{c['not covered']} | {c['equivalent']} | {score(c):.1%} |")
 
 
 if __name__ == "__main__":

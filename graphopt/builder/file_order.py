@@ -83,7 +83,7 @@ def sink_to_readers(nodes: list[onnx.NodeProto], sizes: dict[str, int], resident
 def leanest_file_order(model: onnx.ModelProto, candidates: list[list[str]]) -> float:
     """In place: write the model's nodes in the candidate order (node names, each a
     topological order of all of them) whose run in file order (PRIORITY_BASED) the cost model
-    gives the least peak, after `sink_to_readers`; sizes from ONNX shape inference (a tensor of
+    gives the least peak, after `sink_to_readers` (the first of equally lean ones); sizes from ONNX shape inference (a tensor of
     unknown size counts 0). Returns that peak in bytes."""
     from graphopt.analyze import analyze
     from graphopt.costmodel import priority_order, simulate
