@@ -35,6 +35,9 @@ MODULES = {
     "search.registry": ("graphopt/search/registry.py", ["tests/test_search.py"]),
     "search.auto": ("graphopt/search/auto.py", ["tests/test_search.py", "tests/test_oracles.py"]),
     "builder.file_order": ("graphopt/builder/file_order.py", ["tests/test_file_order.py"]),
+    "rewrite": ("graphopt/rewrite.py", ["tests/test_rewrite.py",
+                                        "tests/test_properties.py::test_the_rewrite_of_a_random_plan_gives_the_"
+                                        "original_outputs_in_onnx_runtime"]),
 }
 # what CI runs (tests/test_mutation.py): the cost model against its own step-by-step references
 # alone, about a minute on two cores
