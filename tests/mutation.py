@@ -38,6 +38,7 @@ MODULES = {
     "rewrite": ("graphopt/rewrite.py", ["tests/test_rewrite.py",
                                         "tests/test_properties.py::test_the_rewrite_of_a_random_plan_gives_the_"
                                         "original_outputs_in_onnx_runtime"]),
+    "builder.optimizer": ("graphopt/builder/optimizer.py", ["tests/test_optimizer_step.py"]),
 }
 # what CI runs (tests/test_mutation.py): the cost model against its own step-by-step references
 # alone, about a minute on two cores

@@ -207,9 +207,11 @@ def test_each_update_follows_the_node_that_completes_its_gradient():
 def test_the_hyper_parameters_are_written_into_the_model():
     def written(spec):
         model = _training_graph()
+        model.metadata_props.add(key="given", value="kept")
         fuse_optimizer(model, list(SHAPES), spec)
-        return dict(part.split("=") for part in
-                    {p.key: p.value for p in model.metadata_props}[METADATA_KEY].split(";"))
+        props = {p.key: p.value for p in model.metadata_props}
+        assert props["given"] == "kept" and len(props) == len(model.metadata_props) == 2
+        return dict(part.split("=") for part in props[METADATA_KEY].split(";"))
 
     assert written(OptimizerSpec("sgd", lr=0.25, momentum=0.5)) == {
         "kind": "sgd", "lr": "0.25", "weight_decay": "0.0", "momentum": "0.5"}
@@ -275,3 +277,22 @@ def test_a_graph_it_cannot_fuse_is_refused_by_name():
     model.graph.node[3].output[0] = "other"           # b_grad made by no node
     with pytest.raises(InvalidModelError, match="the gradient 'b_grad' is not computed by any node"):
         fuse_optimizer(model, list(SHAPES), OptimizerSpec("sgd", lr=0.1))
+
+
+def test_a_parameter_or_statistic_already_an_input_is_not_added_twice():
+    model = _training_graph()
+    model.graph.input.extend([helper.make_tensor_value_info("w", TensorProto.FLOAT, [3, 4]),
+                              helper.make_tensor_value_info("stat", TensorProto.FLOAT, [2])])
+    fuse_optimizer(model, list(SHAPES), OptimizerSpec("sgd", lr=0.1))
+    assert [i.name for i in model.graph.input] == ["x", "gw", "gb", "w", "stat", "b"]
+
+
+def test_a_name_clash_lists_the_first_five_names():
+    model = _training_graph()
+    taken = ["w_updated", "b_updated", "w.exp_avg", "w.exp_avg_sq", "b.exp_avg", "b.exp_avg_sq", STEP_NAME]
+    model.graph.node.extend(helper.make_node("Neg", ["x"], [t], name=f"neg_{k}") for k, t in enumerate(taken))
+    with pytest.raises(InvalidModelError) as refused:
+        fuse_optimizer(model, list(SHAPES), OptimizerSpec("adamw", lr=0.1))
+    assert str(refused.value) == (
+        "the training graph already has tensors named ['w_updated', 'w.exp_avg', 'w.exp_avg_sq', 'b_updated', "
+        "'b.exp_avg']: the optimizer's inputs and outputs need those names")
