@@ -138,11 +138,17 @@ def _set_metadata(model: onnx.ModelProto, key: str, value: str) -> None:
 _INLINE_DOMAIN = "graphopt.inline"
 
 
+def _schema_domain(domain: str) -> str:
+    """The domain onnx.defs knows `domain`'s operators by ("ai.onnx" is the default domain's
+    other name; onnx.defs has no schema under it)."""
+    return "" if domain == "ai.onnx" else domain
+
+
 def has_function(node: onnx.NodeProto, opset: int) -> bool:
     """Whether `node`'s operator is defined by an ONNX function at `opset` (ORT inlines such a
     node at load when its provider has no kernel for it)."""
     try:
-        schema = onnx.defs.get_schema(node.op_type, opset, node.domain)
+        schema = onnx.defs.get_schema(node.op_type, opset, _schema_domain(node.domain))
     except onnx.defs.SchemaError:
         return False
     return bool(schema.has_function or schema.has_context_dependent_function)
@@ -152,7 +158,7 @@ def _function_body(node: onnx.NodeProto, opset: int, input_types: list[onnx.Type
     """The FunctionProto of `node`'s operator at `opset`, or None where it cannot be had (a
     context-dependent function without the input types, or a body whose operators mean
     something else at `opset` than at the body's own opset)."""
-    schema = onnx.defs.get_schema(node.op_type, opset, node.domain)
+    schema = onnx.defs.get_schema(node.op_type, opset, _schema_domain(node.domain))
     if schema.has_function:
         version = max((v for v in schema.function_opset_versions if v <= opset), default=None)
         body = schema.get_function_with_opset_version(version) if version else None

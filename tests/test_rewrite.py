@@ -426,6 +426,15 @@ def test_unread_optional_outputs_are_dropped_in_originals_and_copies():
     model, inputs = layernorm_training_graph()
     training, graph, plan, rewritten = planned(model, inputs)   # keep nothing optional
     assert graph.droppable == {"mean", "inv_std"} and ("ln", 1) in plan.schedule
+    _check_unread_optional_outputs_dropped(training, rewritten, inputs)
+    # the same with the mean's slot left empty in the given graph: inv_std, after it, is renamed
+    model, inputs = layernorm_training_graph(renamed={"mean": ""})
+    training, graph, plan, rewritten = planned(model, inputs)
+    assert graph.droppable == {"inv_std"} and ("ln", 1) in plan.schedule
+    _check_unread_optional_outputs_dropped(training, rewritten, inputs)
+
+
+def _check_unread_optional_outputs_dropped(training, rewritten, inputs):
     nodes = {n.name: n for n in rewritten.graph.node}
 
     def written(name):
@@ -441,11 +450,15 @@ def test_unread_optional_outputs_are_dropped_in_originals_and_copies():
 
 
 def test_copies_never_take_a_name_in_use():
-    """Tensors already named as the copies would be (a graph input `h__rc1`, an initializer
-    `inv_std__rc1`, a node's output `y__rc1`): the copies take other names, every tensor is
-    written once and ORT computes what the original does."""
+    """Tensors already named as the copies would be, each met before the copy in the planned
+    order or never (a backward output `h__rc1`, an unread graph input `y__rc1`, an unread
+    initializer `inv_std__rc1`): the copies take other names, every tensor is written once and
+    ORT computes what the original does."""
     from graphopt.rewrite import version_name
-    model, inputs = layernorm_training_graph(renamed={"x": "h__rc1", "scale": "inv_std__rc1", "t": "y__rc1"})
+    model, inputs = layernorm_training_graph(renamed={"tsq": "h__rc1"})
+    model.graph.input.append(helper.make_tensor_value_info("y__rc1", TensorProto.FLOAT, [2]))
+    model.graph.initializer.append(numpy_helper.from_array(np.zeros(3, np.float32), "inv_std__rc1"))
+    inputs["y__rc1"] = np.ones(2, np.float32)
     training, graph, plan, rewritten = planned(model, inputs)
     assert {("ln", 1), ("mm", 1)} <= set(plan.schedule)
     _check_runs_like_the_original(training, rewritten, inputs)
@@ -460,11 +473,67 @@ def test_the_plan_is_recorded_in_the_model():
     import json
 
     from graphopt.rewrite import PLAN_KEY
-    model, inputs = layernorm_training_graph()
-    model.metadata_props.add(key=PLAN_KEY, value="an older plan")
-    training, graph, plan, rewritten = planned(model, inputs, checkpoints={"y"})
-    records = [p.value for p in rewritten.metadata_props if p.key == PLAN_KEY]
-    assert len(records) == 1, records
-    assert json.loads(records[0]) == {"strategy": "test", "checkpoints": ["y"],
-                                      "recompute_nodes": len(clones(rewritten))}
-    assert clones(rewritten)
+    for older in (None, "an older plan"):
+        model, inputs = layernorm_training_graph()
+        if older:
+            model.metadata_props.add(key=PLAN_KEY, value=older)
+        training, graph, plan, rewritten = planned(model, inputs, checkpoints={"y"})
+        records = [p.value for p in rewritten.metadata_props if p.key == PLAN_KEY]
+        assert len(records) == 1, records
+        assert json.loads(records[0]) == {"strategy": "test", "checkpoints": ["y"],
+                                          "recompute_nodes": len(clones(rewritten))}
+        assert clones(rewritten)
+
+
+def test_the_default_domain_by_either_name_and_beside_others():
+    """The model's opset is its default domain's, imported as "" or as "ai.onnx", whatever other
+    domains it imports (at the newest opset HardSigmoid, in HardSwish's body, means something
+    newer: not expanded there); a node written in domain "ai.onnx" is expanded as one in ""."""
+    from graphopt.rewrite import expand_functions, has_function
+    model, inputs = _function_ops_model()
+    model.opset_import.append(helper.make_opsetid("com.example", 1))
+    assert expand_functions(model, ["hs"])[1] == ["hs"]
+    del model.opset_import[:]
+    model.opset_import.append(helper.make_opsetid("ai.onnx", 17))
+    assert expand_functions(model, ["hs"])[1] == ["hs"]
+    model, inputs = _function_ops_model()
+    model.graph.node[1].domain = "ai.onnx"
+    assert has_function(model.graph.node[1], 17)
+    expanded, names = expand_functions(model, ["hs"])
+    assert names == ["hs"] and [n.op_type for n in expanded.graph.node][1:3] == ["HardSigmoid", "Mul"]
+    session = ort.InferenceSession(expanded.SerializeToString(), providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(session.run(["h"], inputs)[0], _function_ops_reference(model, inputs)["h"],
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_a_function_from_the_models_own_opset_and_a_context_dependent_one():
+    """Relu's function is from opset 18: at 18 it is expanded. SoftmaxCrossEntropyLoss's body is
+    context-dependent: expanded with the input types (ORT computes numpy's mean cross-entropy
+    from the body, at opsets 12 and 13), left without them."""
+    from graphopt.rewrite import expand_functions
+    model, inputs = _function_ops_model(18)
+    expanded, names = expand_functions(model, ["relu"])
+    assert names == ["relu"] and "Relu" not in {n.op_type for n in expanded.graph.node}
+    session = ort.InferenceSession(expanded.SerializeToString(), providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(session.run(["h"], inputs)[0], _function_ops_reference(model, inputs)["h"],
+                               rtol=1e-5, atol=1e-6)
+    rng = np.random.default_rng(7)
+    feeds = {"z": rng.standard_normal((5, 4)).astype(np.float32), "labels": rng.integers(0, 4, 5).astype(np.int64)}
+    types = _types(z=(TensorProto.FLOAT, [5, 4]), labels=(TensorProto.INT64, [5]))
+    z = feeds["z"].astype(np.float64)
+    log_softmax = z - z.max(1, keepdims=True)
+    log_softmax -= np.log(np.exp(log_softmax).sum(1, keepdims=True))
+    expected = -log_softmax[np.arange(5), feeds["labels"]].mean()
+    for opset, given, expands in [(13, types, True), (13, None, False), (12, types, True)]:
+        graph = helper.make_graph(
+            [helper.make_node("SoftmaxCrossEntropyLoss", ["z", "labels"], ["loss"], name="sce")], "sce",
+            [helper.make_tensor_value_info("z", TensorProto.FLOAT, [5, 4]),
+             helper.make_tensor_value_info("labels", TensorProto.INT64, [5])],
+            [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+        expanded, names = expand_functions(model, ["sce"], given)
+        assert names == (["sce"] if expands else []), (opset, given)
+        if expands:
+            assert "SoftmaxCrossEntropyLoss" not in {n.op_type for n in expanded.graph.node}
+            session = ort.InferenceSession(expanded.SerializeToString(), providers=["CPUExecutionProvider"])
+            np.testing.assert_allclose(session.run(None, feeds)[0], expected, rtol=1e-5)
