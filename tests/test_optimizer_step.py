@@ -56,6 +56,14 @@ def _gradients(dtype=np.float32):
              for p, s in SHAPES.items()} for _ in range(STEPS)]
 
 
+def _one_thread() -> ort.SessionOptions:
+    """One thread, no spinning: tiny graphs, and mutation testing limits each run's CPU seconds."""
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = options.inter_op_num_threads = 1
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return options
+
+
 def _run_fused(spec, dtype=np.float32):
     """The fused graph run STEPS times in ONNX Runtime: per step, name -> value after it."""
     model = _training_graph(dtype)
@@ -63,7 +71,7 @@ def _run_fused(spec, dtype=np.float32):
     onnx.checker.check_model(model)
     values = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
     names = [i.name for i in model.graph.input]
-    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(model.SerializeToString(), _one_thread(), providers=["CPUExecutionProvider"])
     outputs = [o.name for o in session.get_outputs()]
     state = {k: values[k] for k in names if k in values}
     history = []
