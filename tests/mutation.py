@@ -40,6 +40,7 @@ MODULES = {
     "rewrite": ("graphopt/rewrite.py", ["tests/test_rewrite_rules.py", "tests/test_rewrite.py"]),
     "builder.file_order": ("graphopt/builder/file_order.py",
                            ["tests/test_file_order_rules.py", "tests/test_file_order.py"]),
+    "builder.optimizer": ("graphopt/builder/optimizer.py", ["tests/test_optimizer_step.py"]),
 }
 # what CI runs (tests/test_mutation.py): the cost model against its own step-by-step references
 # alone, about a minute on two cores

@@ -181,8 +181,17 @@ def test_rewrite_refuses_a_plan_that_reads_an_overwritten_tensor():
     schedule = [(op, copy) for op, copy in plan.schedule
                 if not (copy and graph.ops[op].outputs[0] in set(bn.input[3:5]))]
     bad = Plan("by-hand", plan.checkpoints, schedule)
-    with pytest.raises(ValueError, match="overwrote it in place"):
+    with pytest.raises(ValueError) as refused:
         rewrite(training, graph, bad)
+    assert str(refused.value) == (
+        "the plan has 'bn' (copy 1) read 'bn.running_mean.copy' (copy 0) after 'bn' overwrote it in place "
+        "(ONNX Runtime aliases an output to that input): the plan must recompute it")
+    # a second copy of bn right after the first reads what the first copy overwrote
+    schedule = list(plan.schedule)
+    schedule.insert(schedule.index(("bn", 1)) + 1, ("bn", 2))
+    with pytest.raises(ValueError, match=r"^the plan has 'bn' \(copy 2\) read 'bn.running_mean.copy' \(copy 1\) "
+                                         r"after 'bn \(copy 1\)' overwrote it in place"):
+        rewrite(training, graph, Plan("by-hand", plan.checkpoints, schedule))
 
 
 def _if_reading_outer_tensors():
@@ -246,3 +255,285 @@ def test_tensors_a_subgraph_reads_from_the_outer_scope_are_its_inputs():
     executed = executed_order(rewritten, inputs, PLANNED_SETTINGS)
     planned_names = [n.name for n in rewritten.graph.node]
     assert [n for n in executed if n in set(planned_names)] == planned_names
+
+
+def _function_ops_model(opset=17):
+    """Relu -> HardSwish -> Neg -> LayerNormalization, with the HardSwish and LayerNormalization
+    outputs as outputs. At opset 17 HardSwish is an ONNX function (HardSigmoid, Mul),
+    LayerNormalization a context-dependent one (its body needs the input types) and Relu has
+    none yet (its function is from opset 18)."""
+    n = helper.make_node
+    rng = np.random.default_rng(5)
+    nodes = [n("Relu", ["x"], ["r"], name="relu"),
+             n("HardSwish", ["r"], ["h"], name="hs"),
+             n("Neg", ["h"], ["neg_h"], name="neg"),
+             n("LayerNormalization", ["neg_h", "scale", "bias"], ["y"], name="ln", axis=-1, epsilon=1e-3)]
+    graph = helper.make_graph(
+        nodes, "function_ops", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 6])],
+        [helper.make_tensor_value_info("h", TensorProto.FLOAT, [4, 6]),
+         helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 6])],
+        [numpy_helper.from_array(rng.uniform(0.5, 2, 6).astype(np.float32), "scale"),
+         numpy_helper.from_array(rng.standard_normal(6).astype(np.float32), "bias")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    inputs = {"x": (rng.standard_normal((4, 6)) * 4).astype(np.float32)}
+    return model, inputs
+
+
+def _function_ops_reference(model, inputs):
+    """numpy, from the operators' definitions: HardSwish(x) = x * max(0, min(1, x / 6 + 1/2)),
+    LayerNormalization (z - mean) / sqrt(var + epsilon) * scale + bias over the last axis."""
+    weights = {t.name: numpy_helper.to_array(t).astype(np.float64) for t in model.graph.initializer}
+    x = inputs["x"].astype(np.float64)
+    r = np.maximum(x, 0)
+    h = r * np.clip(r / 6 + 0.5, 0, 1)
+    z = -h
+    y = (z - z.mean(1, keepdims=True)) / np.sqrt(z.var(1, keepdims=True) + 1e-3) * weights["scale"] + weights["bias"]
+    return {"h": h, "y": y}
+
+
+def _types(**shapes):
+    return {name: helper.make_tensor_type_proto(elem, shape) for name, (elem, shape) in shapes.items()}
+
+
+FUNCTION_TYPES = dict(neg_h=(TensorProto.FLOAT, [4, 6]), scale=(TensorProto.FLOAT, [6]), bias=(TensorProto.FLOAT, [6]))
+
+
+def test_expanded_functions_are_their_bodies_in_place_and_compute_the_same():
+    from graphopt.rewrite import expand_functions
+    model, inputs = _function_ops_model()
+    before = model.SerializeToString()
+    expanded, names = expand_functions(model, ["hs", "ln", "relu"], _types(**FUNCTION_TYPES))
+    assert model.SerializeToString() == before                     # the input untouched
+    assert names == ["hs", "ln"]                                    # Relu has no body at opset 17
+    order = [n.name for n in expanded.graph.node]
+    ln_body = order[4:]
+    assert order[:4] == ["relu", "hs/HardSigmoid_0", "hs/Mul_1", "neg"] and len(ln_body) > 10
+    assert ln_body == [f"ln/{n.op_type}_{k}" for k, n in enumerate(expanded.graph.node[4:])]
+    assert {n.op_type for n in expanded.graph.node}.isdisjoint({"HardSwish", "LayerNormalization"})
+    assert [(o.domain, o.version) for o in expanded.opset_import] == [("", 17)]
+    onnx.checker.check_model(expanded)
+    expected = _function_ops_reference(model, inputs)
+    for version in (model, expanded):
+        session = ort.InferenceSession(version.SerializeToString(), providers=["CPUExecutionProvider"])
+        got = dict(zip(["h", "y"], session.run(["h", "y"], inputs)))
+        for key in expected:
+            np.testing.assert_allclose(got[key], expected[key], rtol=1e-5, atol=1e-6)
+
+
+def test_a_function_without_its_input_types_or_its_body_is_left_as_it_is():
+    from graphopt.rewrite import expand_functions
+    model, _ = _function_ops_model()
+    expanded, names = expand_functions(model, ["hs", "ln"])           # no types: ln stays
+    assert names == ["hs"] and [n.op_type for n in expanded.graph.node][-1] == "LayerNormalization"
+    types = dict(FUNCTION_TYPES)
+    del types["bias"]
+    expanded, names = expand_functions(model, ["ln"], _types(**types))   # the bias's type missing
+    assert names == [] and expanded is model
+    expanded, names = expand_functions(model, ["relu", "neg", "absent"])
+    assert (expanded, names) == (model, [])
+    model.graph.node[1].domain = "com.example"                      # not an ONNX operator
+    assert expand_functions(model, ["hs"]) == (model, [])
+
+
+def test_an_expanded_body_node_never_takes_a_name_in_use():
+    from graphopt.rewrite import expand_functions
+    model, _ = _function_ops_model()
+    model.graph.node[2].name = "hs/HardSigmoid_0"
+    expanded, _ = expand_functions(model, ["hs"])
+    names = [n.name for n in expanded.graph.node]
+    assert names[1:4] == ["hs/HardSigmoid_0_", "hs/Mul_1", "hs/HardSigmoid_0"] and len(set(names)) == len(names)
+
+
+def test_the_model_opset_decides_which_body_and_whether_one():
+    """A function's body is written in its own opset: taken only where each of its operators
+    means at the model's opset what it meant there (GreaterOrEqual's body, opset 16, has an
+    Equal, which changed at 19)."""
+    from graphopt.rewrite import expand_functions, has_function
+    n = helper.make_node
+    for opset, kept in [(17, False), (19, True)]:
+        graph = helper.make_graph(
+            [n("GreaterOrEqual", ["a", "b"], ["c"], name="ge")], "ge",
+            [helper.make_tensor_value_info(k, TensorProto.FLOAT, [3]) for k in "ab"],
+            [helper.make_tensor_value_info("c", TensorProto.BOOL, [3])])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+        expanded, names = expand_functions(model, ["ge"])
+        assert (names == []) == kept, opset
+        if not kept:
+            assert [x.op_type for x in expanded.graph.node] == ["Greater", "Equal", "Or"]
+            a, b = np.array([1, 2, 3], np.float32), np.array([2, 2, 2], np.float32)
+            session = ort.InferenceSession(expanded.SerializeToString(), providers=["CPUExecutionProvider"])
+            assert session.run(None, {"a": a, "b": b})[0].tolist() == [False, True, True]
+    assert has_function(n("HardSwish", ["x"], ["y"]), 17) and not has_function(n("HardSwish", ["x"], ["y"]), 13)
+    assert has_function(n("SoftmaxCrossEntropyLoss", ["x", "l"], ["y"]), 17)   # context-dependent
+    assert not has_function(n("Relu", ["x"], ["y"]), 13) and has_function(n("Relu", ["x"], ["y"]), 18)
+    assert not has_function(n("NoSuchOp", ["x"], ["y"]), 17)
+    assert not has_function(n("Relu", ["x"], ["y"], domain="com.example"), 18)
+
+
+def layernorm_training_graph(batch=16, width=32, renamed=None):
+    """MatMul -> LayerNormalization (outputs y, mean, inv_std) -> Tanh -> loss, and a backward
+    that reads y and inv_std, never the mean. `renamed`: tensor -> new name, applied throughout
+    (to give tensors the names the rewrite's copies would take)."""
+    rng = np.random.default_rng(2)
+    inits = [numpy_helper.from_array((rng.standard_normal((width, width)) * 0.2).astype(np.float32), "W"),
+             numpy_helper.from_array(rng.uniform(0.5, 1.5, width).astype(np.float32), "scale"),
+             numpy_helper.from_array((rng.standard_normal(width) * 0.1).astype(np.float32), "bias")]
+    n = helper.make_node
+    nodes = [
+        n("MatMul", ["x", "W"], ["h"], name="mm"),
+        n("LayerNormalization", ["h", "scale", "bias"], ["y", "mean", "inv_std"], name="ln", axis=-1),
+        n("Tanh", ["y"], ["t"], name="tanh"),
+        n("ReduceSum", ["t"], ["loss"], name="sum", keepdims=0),
+        # backward
+        n("Mul", ["t", "t"], ["tsq"], name="b_sq"),
+        n("Mul", ["tsq", "inv_std"], ["g_scaled"], name="b_inv"),
+        n("Mul", ["g_scaled", "y"], ["g_h"], name="b_y"),
+        n("Transpose", ["x"], ["xt"], name="b_xt"),
+        n("MatMul", ["xt", "g_h"], ["W_grad"], name="b_dw"),
+    ]
+    graph = helper.make_graph(
+        nodes, "layernorm", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, width])],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, []),
+         helper.make_tensor_value_info("W_grad", TensorProto.FLOAT, [width, width])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    inputs = {"x": rng.standard_normal((batch, width)).astype(np.float32)}
+    for old, new in (renamed or {}).items():
+        for node in model.graph.node:
+            node.input[:] = [new if t == old else t for t in node.input]
+            node.output[:] = [new if t == old else t for t in node.output]
+        for value in list(model.graph.input) + list(model.graph.initializer):
+            if value.name == old:
+                value.name = new
+        if old in inputs:
+            inputs[new] = inputs.pop(old)
+    return model, inputs
+
+
+def _check_runs_like_the_original(training, rewritten, inputs):
+    onnx.checker.check_model(rewritten)
+    produced = [t for node in rewritten.graph.node for t in node.output if t]
+    resident = [i.name for i in rewritten.graph.input] + [i.name for i in rewritten.graph.initializer]
+    assert len(set(produced)) == len(produced) and not set(produced) & set(resident)
+    reference = run_outputs(training.model, inputs, ORIGINAL_UNOPTIMIZED)
+    comparison = compare_outputs(reference, run_outputs(rewritten, inputs))
+    assert comparison.match, comparison.per_output
+
+
+def test_unread_optional_outputs_are_dropped_in_originals_and_copies():
+    """Nobody reads the mean, so neither the LayerNormalization nor its recomputed copy writes it;
+    the copy's inv_std, read by the backward, stays (after the empty slot), renamed; the
+    original's, read by no one once the copy's is, goes too. Every other output is read."""
+    model, inputs = layernorm_training_graph()
+    training, graph, plan, rewritten = planned(model, inputs)   # keep nothing optional
+    assert graph.droppable == {"mean", "inv_std"} and ("ln", 1) in plan.schedule
+    _check_unread_optional_outputs_dropped(training, rewritten, inputs)
+    # the same with the mean's slot left empty in the given graph: inv_std, after it, is renamed
+    model, inputs = layernorm_training_graph(renamed={"mean": ""})
+    training, graph, plan, rewritten = planned(model, inputs)
+    assert graph.droppable == {"inv_std"} and ("ln", 1) in plan.schedule
+    _check_unread_optional_outputs_dropped(training, rewritten, inputs)
+
+
+def _check_unread_optional_outputs_dropped(training, rewritten, inputs):
+    nodes = {n.name: n for n in rewritten.graph.node}
+
+    def written(name):
+        outputs = list(nodes[name].output)
+        while outputs and not outputs[-1]:
+            outputs.pop()
+        return outputs
+
+    assert written("ln") == ["y"] and written("ln__rc1") == ["y__rc1", "", "inv_std__rc1"]
+    read = {t for n in rewritten.graph.node for t in n.input} | {o.name for o in rewritten.graph.output}
+    assert all(t in read for n in rewritten.graph.node for t in n.output if t)
+    _check_runs_like_the_original(training, rewritten, inputs)
+
+
+def test_copies_never_take_a_name_in_use():
+    """Tensors already named as the copies would be, each met before the copy in the planned
+    order or never (a backward output `h__rc1`, an unread graph input `y__rc1`, an unread
+    initializer `inv_std__rc1`): the copies take other names, every tensor is written once and
+    ORT computes what the original does."""
+    from graphopt.rewrite import version_name
+    model, inputs = layernorm_training_graph(renamed={"tsq": "h__rc1"})
+    model.graph.input.append(helper.make_tensor_value_info("y__rc1", TensorProto.FLOAT, [2]))
+    model.graph.initializer.append(numpy_helper.from_array(np.zeros(3, np.float32), "inv_std__rc1"))
+    inputs["y__rc1"] = np.ones(2, np.float32)
+    training, graph, plan, rewritten = planned(model, inputs)
+    assert {("ln", 1), ("mm", 1)} <= set(plan.schedule)
+    _check_runs_like_the_original(training, rewritten, inputs)
+    assert version_name("t", 0, {"t"}) == "t" and version_name("t", -1, set()) == "t"
+    assert version_name("t", 2, set()) == "t__rc2" and version_name("t", 2, {"t__rc2"}) == "t__rc2_"
+    assert version_name("t", 2, {"t__rc2", "t__rc2_", "_"}) == "t__rc2__"
+
+
+def test_the_plan_is_recorded_in_the_model():
+    """`graphopt.plan`, once, even where the model had one: the strategy, the checkpoints and
+    the number of recomputed nodes (counted here from the copies in the graph)."""
+    import json
+
+    from graphopt.rewrite import PLAN_KEY
+    for older in (None, "an older plan"):
+        model, inputs = layernorm_training_graph()
+        if older:
+            model.metadata_props.add(key=PLAN_KEY, value=older)
+        training, graph, plan, rewritten = planned(model, inputs, checkpoints={"y"})
+        records = [p.value for p in rewritten.metadata_props if p.key == PLAN_KEY]
+        assert len(records) == 1, records
+        assert json.loads(records[0]) == {"strategy": "test", "checkpoints": ["y"],
+                                          "recompute_nodes": len(clones(rewritten))}
+        assert clones(rewritten)
+
+
+def test_the_default_domain_by_either_name_and_beside_others():
+    """The model's opset is its default domain's, imported as "" or as "ai.onnx", whatever other
+    domains it imports (at the newest opset HardSigmoid, in HardSwish's body, means something
+    newer: not expanded there); a node written in domain "ai.onnx" is expanded as one in ""."""
+    from graphopt.rewrite import expand_functions, has_function
+    model, inputs = _function_ops_model()
+    model.opset_import.append(helper.make_opsetid("com.example", 1))
+    assert expand_functions(model, ["hs"])[1] == ["hs"]
+    del model.opset_import[:]
+    model.opset_import.append(helper.make_opsetid("ai.onnx", 17))
+    assert expand_functions(model, ["hs"])[1] == ["hs"]
+    model, inputs = _function_ops_model()
+    model.graph.node[1].domain = "ai.onnx"
+    assert has_function(model.graph.node[1], 17)
+    expanded, names = expand_functions(model, ["hs"])
+    assert names == ["hs"] and [n.op_type for n in expanded.graph.node][1:3] == ["HardSigmoid", "Mul"]
+    session = ort.InferenceSession(expanded.SerializeToString(), providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(session.run(["h"], inputs)[0], _function_ops_reference(model, inputs)["h"],
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_a_function_from_the_models_own_opset_and_a_context_dependent_one():
+    """Relu's function is from opset 18: at 18 it is expanded. SoftmaxCrossEntropyLoss's body is
+    context-dependent: expanded with the input types (ORT computes numpy's mean cross-entropy
+    from the body, at opsets 12 and 13), left without them."""
+    from graphopt.rewrite import expand_functions
+    model, inputs = _function_ops_model(18)
+    expanded, names = expand_functions(model, ["relu"])
+    assert names == ["relu"] and "Relu" not in {n.op_type for n in expanded.graph.node}
+    session = ort.InferenceSession(expanded.SerializeToString(), providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(session.run(["h"], inputs)[0], _function_ops_reference(model, inputs)["h"],
+                               rtol=1e-5, atol=1e-6)
+    rng = np.random.default_rng(7)
+    feeds = {"z": rng.standard_normal((5, 4)).astype(np.float32), "labels": rng.integers(0, 4, 5).astype(np.int64)}
+    types = _types(z=(TensorProto.FLOAT, [5, 4]), labels=(TensorProto.INT64, [5]))
+    z = feeds["z"].astype(np.float64)
+    log_softmax = z - z.max(1, keepdims=True)
+    log_softmax -= np.log(np.exp(log_softmax).sum(1, keepdims=True))
+    expected = -log_softmax[np.arange(5), feeds["labels"]].mean()
+    for opset, given, expands in [(13, types, True), (13, None, False), (12, types, True)]:
+        graph = helper.make_graph(
+            [helper.make_node("SoftmaxCrossEntropyLoss", ["z", "labels"], ["loss"], name="sce")], "sce",
+            [helper.make_tensor_value_info("z", TensorProto.FLOAT, [5, 4]),
+             helper.make_tensor_value_info("labels", TensorProto.INT64, [5])],
+            [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+        expanded, names = expand_functions(model, ["sce"], given)
+        assert names == (["sce"] if expands else []), (opset, given)
+        if expands:
+            assert "SoftmaxCrossEntropyLoss" not in {n.op_type for n in expanded.graph.node}
+            session = ort.InferenceSession(expanded.SerializeToString(), providers=["CPUExecutionProvider"])
+            np.testing.assert_allclose(session.run(None, feeds)[0], expected, rtol=1e-5)

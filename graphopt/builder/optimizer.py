@@ -198,9 +198,15 @@ def fuse_optimizer(model: onnx.ModelProto, params: list[str], spec: OptimizerSpe
         one_minus_b1, b2_const = const(np.float32(1.0 - b1)), const(np.float32(b2))
         one_minus_b2, eps = const(np.float32(1.0 - b2)), const(np.float32(spec.eps))
     else:
-        minus_lr = const(np.float32(-spec.lr))
-        decay = const(np.float32(spec.decay)) if spec.decay else None
-        momentum = const(np.float32(spec.momentum)) if spec.momentum else None
+        # in each parameter's own type (a float64 parameter steps in float64, as torch's does)
+        sgd_constants: dict[int, tuple] = {}
+
+        def constants_for(elem_type: int) -> tuple:
+            if elem_type not in sgd_constants:
+                sgd_constants[elem_type] = (const(-spec.lr, elem_type),
+                                            const(spec.decay, elem_type) if spec.decay else None,
+                                            const(spec.momentum, elem_type) if spec.momentum else None)
+            return sgd_constants[elem_type]
 
     def update(p: str) -> list:
         g, nodes = p + GRAD, []
@@ -214,9 +220,10 @@ def fuse_optimizer(model: onnx.ModelProto, params: list[str], spec: OptimizerSpe
             return out
 
         if spec.kind == "sgd":
+            minus_lr, weight_decay, momentum = constants_for(initializers[p].data_type)
             d = g
-            if decay:                                   # grad.add(param, alpha=wd)
-                d = emit("Add", [g, emit("Mul", [p, decay], "decayed")], "decayed_grad")
+            if weight_decay:                            # grad.add(param, alpha=wd)
+                d = emit("Add", [g, emit("Mul", [p, weight_decay], "decayed")], "decayed_grad")
             if momentum:                                # buf.mul_(momentum).add_(grad)
                 kept_momentum = emit("Mul", [states[p][0], momentum], "momentum")
                 d = emit("Add", [kept_momentum, d], "buffer", out=states[p][0] + UPDATED)
