@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from graphopt.costgraph import CostGraph, Op
-from graphopt.costmodel import priority_order, simulate
+from graphopt.costmodel import check_schedule, priority_order, resolve_versions, simulate
 from graphopt.search.plan import schedule_for
 
 from graphopt_zoo.synthetic import branching_cost_graph, training_cost_graph
@@ -191,3 +191,124 @@ def test_the_empty_schedule_costs_nothing():
     assert isinstance(sim.peak_bytes, int) and isinstance(sim.compute_seconds, float)
     assert sim.live_bytes.shape == (0,) and sim.live_bytes.dtype == np.int64
     assert priority_order(graph, []) == []
+
+
+# ---- small graphs worked by hand from the module docstring's rules (x is resident: not counted)
+
+def _graph(ops, tensor_bytes, **sets) -> CostGraph:
+    return CostGraph(ops, [], {"x": 1000, **tensor_bytes}, resident=["x"], **sets)
+
+
+def _assert_live(graph, schedule, expected, sizes_graph=None, **kwargs):
+    """`simulate` gives the hand-worked live bytes, as the step-by-step reference does (on
+    `sizes_graph` when the sizes come from another graph), its peak at a step holding it."""
+    sim = simulate(graph, schedule, **kwargs)
+    assert reference_live_bytes(sizes_graph or graph, schedule) == expected
+    assert sim.live_bytes.dtype == np.int64 and sim.live_bytes.tolist() == expected
+    assert sim.peak_bytes == max(expected) and isinstance(sim.peak_bytes, int)
+    assert 0 <= sim.peak_step < len(schedule) and expected[sim.peak_step] == max(expected)
+
+
+A = Op("A", "F", ("x",), ("a",))
+B = Op("B", "F", ("a",), ("b",))
+
+
+def test_a_buffer_lives_until_its_last_read_even_when_nothing_is_freed_at_the_last_step():
+    # a (10) freed after B reads it; b (20) and c (40) never read, not droppable: kept
+    g = _graph([A, B, Op("C", "F", ("x",), ("c",))], {"a": 10, "b": 20, "c": 40})
+    _assert_live(g, [("A", 0), ("B", 0), ("C", 0)], [10, 30, 60])
+
+
+def test_a_last_step_that_allocates_nothing_and_reads_of_residents_in_between():
+    # V: a view of resident x (no buffer); W views b, reading b's buffer at step 3; Y views a
+    g = _graph([A, Op("B", "F", ("x",), ("b",)), Op("V", "Reshape", ("x",), ("v",), alias=True),
+                Op("W", "Reshape", ("b",), ("w",), alias=True), Op("Y", "Reshape", ("a",), ("y",), alias=True)],
+               {"a": 10, "b": 20, "v": 1000, "w": 20, "y": 10})
+    _assert_live(g, [("A", 0), ("B", 0), ("V", 0), ("W", 0), ("Y", 0)], [10, 30, 30, 30, 10])
+    _assert_live(g, [("A", 0), ("B", 0), ("W", 0), ("V", 0), ("Y", 0)], [10, 30, 30, 10, 10])
+
+
+def test_a_view_of_a_tensor_never_produced_has_its_own_buffer():
+    # u: neither resident nor produced (a schedule check_schedule refuses): V's output gets a
+    # buffer of its own (8), freed after B reads it
+    g = _graph([A, Op("V", "Reshape", ("u",), ("v",), alias=True), Op("B", "F", ("v",), ("b",)),
+                Op("C", "F", ("x",), ("c",))], {"a": 10, "u": 8, "v": 8, "b": 20, "c": 40})
+    _assert_live(g, [("A", 0), ("V", 0), ("B", 0), ("C", 0)], [10, 18, 38, 70])
+
+
+def test_a_bound_output_costs_nothing_when_written_and_its_bytes_when_recomputed():
+    g = CostGraph([A, B], [], {"x": 1000, "a": 10, "b": 20}, resident=["x"], kept=["a"], bound=["a"])
+    assert simulate(g, [("A", 0), ("B", 0)]).live_bytes.tolist() == [0, 20]
+    assert simulate(g, [("A", 0), ("A", 1), ("B", 0)]).live_bytes.tolist() == [0, 10, 30]
+
+
+def test_a_zero_peak_is_at_step_0_and_a_one_byte_peak_is_one_byte():
+    for size in (0, 1):
+        g = _graph([A], {"a": size})
+        sim = simulate(g, [("A", 0)])
+        assert (sim.peak_bytes, sim.peak_step, sim.live_bytes.tolist()) == (size, 0, [size])
+
+
+def test_simulate_with_the_tensor_sizes_of_another_graph():
+    """`tensor_bytes_by_id` (by the graph's tensor ids) replaces the graph's sizes."""
+    ops = [A, B, Op("C", "F", ("x",), ("c",))]
+    g = _graph(ops, {"a": 10, "b": 20, "c": 40})
+    other = _graph(ops, {"a": 1, "b": 2, "c": 4})
+    assert other.tensor_names == g.tensor_names
+    _assert_live(g, [("A", 0), ("B", 0), ("C", 0)], [1, 3, 6], sizes_graph=other,
+                 tensor_bytes_by_id=other.tensor_bytes_by_id)
+
+
+def test_resolve_versions_reads_the_latest_copy_written_before_the_step():
+    g = _graph([A, B], {"a": 10, "b": 20})
+    steps = resolve_versions(g, [("A", 0), ("B", 0), ("A", 2), ("B", 1)])
+    assert [(s.op, s.copy, s.reads, s.writes) for s in steps] == [
+        ("A", 0, [("x", -1)], [("a", 0)]),
+        ("B", 0, [("a", 0)], [("b", 0)]),
+        ("A", 2, [("x", -1)], [("a", 2)]),
+        ("B", 1, [("a", 2)], [("b", 1)])]
+
+
+@pytest.mark.parametrize("graph", list(_graphs())[::4], ids=lambda g: repr(g))
+def test_resolve_versions_on_plans_reads_what_the_last_earlier_write_wrote(graph):
+    """Each read: the copy of the nearest EARLIER step writing the tensor (searched backwards
+    from the step), -1 when none does."""
+    rng = random.Random(3)
+    for gap in (None, 0, 2):
+        schedule = schedule_for(graph, {t for t in graph.candidate_checkpoints if rng.random() < 0.5}, gap)
+        steps = resolve_versions(graph, schedule)
+        assert [(s.op, s.copy) for s in steps] == schedule
+        for i, s in enumerate(steps):
+            assert s.writes == [(t, s.copy) for t in graph.ops[s.op].outputs]
+            for t, version in s.reads:
+                writers = [c for name, c in schedule[:i] if t in graph.ops[name].outputs]
+                assert version == (writers[-1] if writers else -1)
+            assert [t for t, _ in s.reads] == list(graph.ops[s.op].inputs)
+
+
+def test_check_schedule_refuses_a_read_before_its_tensor_exists_and_names_it():
+    g = _graph([A, B], {"a": 10, "b": 20})
+    check_schedule(g, [("A", 0), ("B", 0), ("A", 1), ("B", 1)])     # x is resident
+    with pytest.raises(ValueError, match=r"step 0 \(B, copy 3\) reads 'a' before it exists"):
+        check_schedule(g, [("B", 3), ("A", 0)])
+    g = _graph([A, B, Op("C", "F", ("x",), ("c",))], {"a": 10, "b": 20, "c": 40})
+    with pytest.raises(ValueError, match=r"step 1 \(B, copy 0\) reads 'a' before it exists"):
+        check_schedule(g, [("C", 0), ("B", 0), ("A", 0)])
+
+
+def test_priority_order_by_the_letter_with_a_step_that_reads_nothing():
+    """N reads nothing (ready at once); B's read of (a, 0) waits for the LAST step writing it."""
+    g = _graph([A, Op("N", "RandomNormal", (), ("n",)), Op("B", "F", ("a", "n"), ("b",))],
+               {"a": 10, "n": 5, "b": 20})
+    schedule = [("A", 0), ("N", 0), ("B", 0), ("A", 0)]
+    expected = [("A", 0), ("N", 0), ("A", 0), ("B", 0)]
+    assert reference_order(g, schedule) == expected
+    assert priority_order(g, schedule) == expected
+
+
+def test_priority_order_refuses_a_dependency_cycle():
+    """A and B read each other's outputs: by the letter, B's read of (a, 0) waits for the last
+    (A, 0), which reads the (b, 0) B writes."""
+    g = CostGraph([Op("A", "F", ("b",), ("a",)), Op("B", "F", ("a",), ("b",))], [], {"a": 10, "b": 20})
+    with pytest.raises(ValueError, match="^schedule has a dependency cycle$"):
+        priority_order(g, [("A", 0), ("B", 0), ("A", 0)])
