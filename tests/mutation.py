@@ -36,7 +36,7 @@ MODULES = {
     "costmodel": ("graphopt/costmodel.py", ["tests/test_costmodel.py"]),
     "costgraph": ("graphopt/costgraph.py", ["tests/test_costgraph.py", "tests/test_costmodel.py"]),
     "search.registry": ("graphopt/search/registry.py", ["tests/test_strategy_registry.py"]),
-    "search.auto": ("graphopt/search/auto.py", ["tests/test_search.py", "tests/test_oracles.py"]),
+    "search.auto": ("graphopt/search/auto.py", ["tests/test_auto_rules.py"]),
     "rewrite": ("graphopt/rewrite.py", ["tests/test_rewrite_rules.py", "tests/test_rewrite.py"]),
     "builder.file_order": ("graphopt/builder/file_order.py",
                            ["tests/test_file_order_rules.py", "tests/test_file_order.py"]),

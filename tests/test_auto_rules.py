@@ -1,0 +1,197 @@
+"""`auto`'s documented rules (graphopt/search/auto.py), each in seconds on small synthetic
+cost graphs: `choose` on plans of hand-set peaks and seconds, the seeds that run on which
+graph sizes (`Seed.max_candidates`) and in which order, the work options handed to the
+seeds, the budget objective and the peak cap against the seeds' own plans, the switch at the
+floor, and `least_peak_local`'s time limit. The mutation selection of `search.auto`."""
+import dataclasses
+import importlib
+
+import pytest
+
+from graphopt.search import chen_sqrt, store_all
+from graphopt.search.plan import make_plan, peak_floor_bytes
+from graphopt_zoo.synthetic import branching_cost_graph
+
+A = importlib.import_module("graphopt.search.auto")
+ALL = ["store-all", "chen-sqrt", "chen-greedy", "chain", "feng-huang", "kusumoto", "kusumoto-approx"]
+FAST = ["store-all", "chen-sqrt", "chen-greedy", "chain"]
+
+
+def _plan(peak, seconds, name="p"):
+    """A real plan whose simulation reports the given peak and recompute seconds."""
+    base = store_all(branching_cost_graph(4, seed=0))
+    sim = dataclasses.replace(base.simulation, peak_bytes=peak, recompute_seconds=seconds)
+    return dataclasses.replace(base, strategy=name, simulation=sim, notes={})
+
+
+def test_choose_without_budget_takes_least_seconds_within_one_percent():
+    a, b, c = _plan(1000, 5.0, "a"), _plan(1010, 3.0, "b"), _plan(1011, 1.0, "c")
+    assert A.choose([a, b, c], None).strategy == "b"        # 1010 <= 1000 * 1.01 < 1011
+    assert A.choose([c, b, a], None).strategy == "b"
+    # the cap (best solver's peak) lowers the limit, but never below the least peak
+    assert A.choose([a, b, c], None, cap_bytes=1005).strategy == "a"
+    assert A.choose([a, b, c], None, cap_bytes=1010).strategy == "b"
+    assert A.choose([a, b, c], None, cap_bytes=900).strategy == "a"
+    assert A.choose([a, b, c], None, cap_bytes=5000).strategy == "b"
+    # equal seconds: the lower peak
+    d, e = _plan(1004, 2.0, "d"), _plan(1002, 2.0, "e")
+    assert A.choose([d, e], None).strategy == "e"
+    assert A.choose([e, d], None).strategy == "e"
+    assert A.PEAK_TOLERANCE == 0.01
+
+
+def test_choose_with_budget_takes_least_seconds_that_fit():
+    a, b, c = _plan(1000, 5.0, "a"), _plan(1010, 3.0, "b"), _plan(1011, 1.0, "c")
+    assert A.choose([a, b, c], 1005).strategy == "a"        # only a fits
+    assert A.choose([a, b, c], 1010).strategy == "b"        # a and b fit, b recomputes less
+    assert A.choose([a, b, c], 2000).strategy == "c"
+    assert A.choose([c, b, a], 500).strategy == "a"         # none fits: least excess
+    f = _plan(900, 1.0, "f")
+    g = _plan(800, 1.0, "g")
+    assert A.choose([f, g], 2000).strategy == "g"           # same seconds: the lower peak
+
+
+def test_seed_options_are_the_work_limits():
+    small = branching_cost_graph(8, seed=1)
+    assert A._seed_options("feng-huang", small) == {
+        "max_labels": A.FENG_HUANG_LABELS, "max_comparisons": A.FENG_HUANG_COMPARISONS,
+        "time_limit_seconds": None}
+    assert A._seed_options("chain", small) == {"bounds": A.CHAIN_BOUNDS}
+    assert A._seed_options("kusumoto", small) == {"max_lower_sets": A.KUSUMOTO_LOWER_SETS}
+    assert A._seed_options("store-all", small) == {}
+    assert A._seed_options("kusumoto-approx", small) == {}
+    # Chen's greedy: CHEN_GREEDY_STEPS // ops evaluations, between 16+6 and 40+12, a quarter
+    # (at least 6) refined; worked by hand for each graph size
+    assert len(small) * 52 <= 60_000
+    assert A._seed_options("chen-greedy", small) == {"grid": 39, "refine": 13}
+    middle = branching_cost_graph(760, seed=1)          # 60_000 // ops between 22 and 52
+    ops = len(middle)
+    evaluations = 60_000 // ops
+    assert 22 < evaluations < 52, ops
+    refine = max(6, evaluations // 4)
+    assert A._seed_options("chen-greedy", middle) == {"grid": evaluations - refine, "refine": refine}
+    large = branching_cost_graph(1300, seed=1)          # fewer than 22: 22
+    assert 60_000 // len(large) < 22, len(large)
+    assert A._seed_options("chen-greedy", large) == {"grid": 16, "refine": 6}
+
+
+@pytest.mark.parametrize("n,seed,candidates,ran", [
+    (8, 1, 9, ALL),
+    (39, 3, 40, ALL),
+    (39, 1, 41, ALL[:-1]),
+    (120, 1, 120, ALL[:-1]),
+    (121, 1, 121, ALL[:-2]),
+    (150, 1, 150, ALL[:-2]),
+    (151, 1, 151, ALL[:-3]),
+])
+def test_seeds_run_in_order_up_to_their_max_candidates(n, seed, candidates, ran):
+    graph = branching_cost_graph(n, seed=seed)
+    assert len(graph.candidate_checkpoints) == candidates
+    best = auto_plan(graph)
+    assert not best.notes["reached_floor"]
+    assert list(best.notes["seed_seconds"]) == ran
+    assert sorted(best.notes["seeds"]) == sorted(ran)
+    check_against_seeds(graph, best, None)
+
+
+def auto_plan(graph, budget=None, **kw):
+    return A.auto(graph, budget, **kw)
+
+
+def check_against_seeds(graph, best, budget):
+    """The documented guarantees against the seeds' plans, each seed run here on its own."""
+    seeds = best.notes["seeds"]
+    assert best.strategy == "auto"
+    assert best.notes["peak_floor_bytes"] == peak_floor_bytes(graph)
+    assert best.notes["exact"] == (budget is None and best.peak_bytes <= peak_floor_bytes(graph))
+    assert best.notes["stopped_by_time"] is False
+    assert best.notes["search_seconds"] > 0
+    sa = store_all(graph)
+    assert seeds["store-all"] == {"peak_bytes": sa.peak_bytes, "recompute_seconds": sa.recompute_seconds}
+    cs = chen_sqrt(graph)
+    assert seeds["chen-sqrt"]["peak_bytes"] == cs.peak_bytes
+    again = make_plan(graph, "again", best.checkpoints, best.refresh_gap)
+    assert again.peak_bytes == best.peak_bytes
+    if budget is None:
+        assert best.peak_bytes <= min(s["peak_bytes"] for s in seeds.values())
+    else:
+        fitting = [s for s in seeds.values() if s["peak_bytes"] <= budget]
+        if fitting:
+            assert best.peak_bytes <= budget
+            assert best.recompute_seconds <= min(s["recompute_seconds"] for s in fitting) + 1e-12
+
+
+@pytest.mark.parametrize("n,seed", [(8, 1), (10, 3), (12, 5)])
+def test_budget_objective_against_seeds(n, seed):
+    graph = branching_cost_graph(n, seed=seed)
+    high = store_all(graph).peak_bytes
+    low = chen_sqrt(graph).peak_bytes
+    for budget in (high, (high + low) // 2, low, peak_floor_bytes(graph) // 2):
+        best = auto_plan(graph, budget)
+        assert not best.notes["reached_floor"]
+        assert best.notes["exact"] is False
+        check_against_seeds(graph, best, budget)
+        if budget >= high:
+            assert best.recompute_seconds == 0
+
+
+def _heavy(graph, factor=3):
+    """A work buffer on a middle backward gradient sum, `factor` times store-all's peak: the
+    least plans sit on the floor."""
+    backward = graph.backward_order
+    sums = [i for i, op in enumerate(backward) if op.startswith("sum_")]
+    name = backward[sums[len(sums) // 2]]
+    ops = [dataclasses.replace(graph.ops[n], workspace_bytes=factor * store_all(graph).peak_bytes)
+           if n == name else graph.ops[n] for n in backward]
+    from graphopt.costgraph import CostGraph
+    return CostGraph([graph.ops[n] for n in graph.forward_order], ops, graph.tensor_bytes,
+                     graph.resident, graph.kept, graph.droppable)
+
+
+@pytest.mark.parametrize("n,seed", [(7, 2), (8, 8), (9, 15)])
+def test_at_the_floor_only_fast_seeds_run(n, seed):
+    heavy = _heavy(branching_cost_graph(n, seed=seed))
+    best = auto_plan(heavy)
+    floor = peak_floor_bytes(heavy)
+    assert best.notes["reached_floor"]
+    assert list(best.notes["seed_seconds"]) == FAST
+    assert best.peak_bytes <= floor * (1 + A.PEAK_TOLERANCE)
+    check_against_seeds(heavy, best, None)
+    # with a budget there is no floor switch: every seed runs
+    withbudget = auto_plan(heavy, store_all(heavy).peak_bytes)
+    assert not withbudget.notes["reached_floor"]
+    assert list(withbudget.notes["seed_seconds"]) == ALL
+
+
+def test_time_limit_is_a_safety_net_after_the_first_seed():
+    graph = branching_cost_graph(8, seed=1)
+    best = auto_plan(graph, time_limit_seconds=0.0)
+    assert list(best.notes["seed_seconds"]) == ["store-all"]
+    assert best.notes["stopped_by_time"] is True
+    assert best.peak_bytes <= store_all(graph).peak_bytes
+
+
+def test_budgetless_seeds_are_reused_with_their_own_notes():
+    graph = branching_cost_graph(9, seed=3)
+    first = auto_plan(graph)
+    second = auto_plan(graph)
+    assert first.checkpoints == second.checkpoints
+    assert first.notes["seeds"] == second.notes["seeds"]
+    cached = A._BUDGETLESS_SEEDS[graph]
+    assert sorted(cached) == ["chen-sqrt", "feng-huang", "store-all"]
+    assert all("seed" not in p.notes for p in cached.values())
+
+
+@pytest.mark.parametrize("n,seed", [(8, 1), (12, 5)])
+def test_least_peak_local_within_seconds(n, seed):
+    graph = branching_cost_graph(n, seed=seed)
+    sa, cs = store_all(graph), chen_sqrt(graph)
+    limit = (sa.simulation.compute_seconds + cs.simulation.compute_seconds) / 2
+    best = A.least_peak_local(graph, [sa, cs], limit)
+    fitting = [p for p in (sa, cs) if p.simulation.compute_seconds <= limit]
+    assert best.simulation.compute_seconds <= limit + 1e-12
+    assert best.peak_bytes <= min(p.peak_bytes for p in fitting)
+    if best.strategy == "auto":
+        assert best.notes["refined_within_seconds"] is True
+    else:
+        assert best is sa or best is cs
