@@ -102,6 +102,9 @@ def check_against_seeds(graph, best, budget):
     """The documented guarantees against the seeds' plans, each seed run here on its own."""
     seeds = best.notes["seeds"]
     assert best.strategy == "auto"
+    # the plan's origin, named as documented: a seed, a value prefix, the search from keeping
+    # nothing, or a local search's own plan
+    assert best.notes["seed"] in set(ALL) | {"value-prefix", "recompute-all", "greedy"}
     assert best.notes["peak_floor_bytes"] == peak_floor_bytes(graph)
     assert best.notes["exact"] == (budget is None and best.peak_bytes <= peak_floor_bytes(graph))
     assert best.notes["stopped_by_time"] is False
@@ -164,7 +167,7 @@ def _heavy(graph, factor=3):
                      graph.resident, graph.kept, graph.droppable)
 
 
-@pytest.mark.parametrize("n,seed", [(7, 2), (8, 8), (9, 15)])
+@pytest.mark.parametrize("n,seed", [(7, 2), (8, 8), (9, 15), (6, 12), (8, 13)])
 def test_at_the_floor_only_fast_seeds_run(n, seed):
     heavy = _heavy(branching_cost_graph(n, seed=seed))
     best = auto_plan(heavy)
