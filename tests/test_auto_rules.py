@@ -241,6 +241,9 @@ def test_auto_reaches_brute_force_on_small_graphs(n, seed):
     assert best.peak_bytes == least
     check_against_seeds(graph, best, None)
     check_seed_plans(graph, best, None)
+    # "the same switch happens when a local search reaches the floor"
+    floor = peak_floor_bytes(graph)
+    assert best.notes["reached_floor"] is (least <= floor * (1 + A.PEAK_TOLERANCE))
     at_least = [p.recompute_seconds for p in plans if p.peak_bytes <= least]
     assert best.recompute_seconds == pytest.approx(min(at_least), abs=1e-9)
     high = store_all(graph).peak_bytes
@@ -252,3 +255,19 @@ def test_auto_reaches_brute_force_on_small_graphs(n, seed):
         assert fit.notes["reached_floor"] is False
         check_against_seeds(graph, fit, budget)
         check_seed_plans(graph, fit, budget)
+
+
+@pytest.mark.parametrize("n,seed", [(6, 13), (7, 10), (8, 21), (9, 13), (10, 4), (11, 9), (6, 7), (8, 9)])
+def test_least_peak_local_reaches_brute_force(n, seed):
+    """Between store-all's and Chen's step seconds, the least peak of every checkpoint subset
+    whose predicted step fits the limit (brute force; on these graphs below both inputs' peaks,
+    so found by the searches)."""
+    graph = branching_cost_graph(n, seed=seed)
+    plans = list(_every_subset_plan(graph))
+    sa, cs = store_all(graph), chen_sqrt(graph)
+    for share in (0.5, 0.9):
+        limit = sa.simulation.compute_seconds + share * (cs.simulation.compute_seconds - sa.simulation.compute_seconds)
+        best = A.least_peak_local(graph, [sa, cs], limit)
+        assert best.simulation.compute_seconds <= limit
+        assert best.peak_bytes == min(p.peak_bytes for p in plans if p.simulation.compute_seconds <= limit)
+        assert best.strategy == "auto" and best.notes["refined_within_seconds"] is True
