@@ -102,7 +102,10 @@ def test_optimize_measures_peaks_in_the_background_and_never_beside_a_timing(mon
     background.sort(key=lambda e: e[1])
     for _, b, e, _ in (background[0], background[-1]):
         assert any(b < t_end and t_begin < e for _, t_begin, t_end, _ in tasks), log
+    # the peaks measured are the originals' two and each plan's (a loaded machine can retry a
+    # plan over the time limit: one more), and the report's are those
     measured = report.measured
     assert sorted(peaks) == sorted([measured.original_default_session.peak_bytes,
-                                    measured.original_optimizations_off.peak_bytes,
-                                    measured.optimized.peak_bytes])
+                                    measured.original_optimizations_off.peak_bytes]
+                                   + [p.measured_peak_bytes for p in report.plans_measured])
+    assert measured.optimized.peak_bytes in peaks
