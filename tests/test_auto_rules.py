@@ -95,7 +95,15 @@ def test_seeds_run_in_order_up_to_their_max_candidates(n, seed, candidates, ran)
 
 
 def auto_plan(graph, budget=None, **kw):
-    return A.auto(graph, budget, **kw)
+    import time
+    started = time.perf_counter()
+    best = A.auto(graph, budget, **kw)
+    assert 0 < best.notes["search_seconds"] <= time.perf_counter() - started
+    # the seeds as the local searches take them: best first under the objective (stable)
+    seeds = list(best.notes["seeds"].values())
+    keys = [_objective(s["peak_bytes"], s["recompute_seconds"], None, budget, None) for s in seeds]
+    assert keys == sorted(keys)
+    return best
 
 
 def check_against_seeds(graph, best, budget):
@@ -271,3 +279,178 @@ def test_least_peak_local_reaches_brute_force(n, seed):
         assert best.simulation.compute_seconds <= limit
         assert best.peak_bytes == min(p.peak_bytes for p in plans if p.simulation.compute_seconds <= limit)
         assert best.strategy == "auto" and best.notes["refined_within_seconds"] is True
+
+
+# The work each local search is handed (the module's "Work, not time"), read from the plan's
+# notes["local_searches"], against the shares the docstring and the constants' comments state:
+# a third of the work per schedule, of which 70% for the search from the best seeds and 30%
+# for the one from keeping nothing; at the floor an eighth of it per value prefix and half of
+# it for the search under that peak; MIN_EVALUATIONS toggles for the first search alone.
+def _work(graph):
+    return int(A.EVALUATED_STEPS * min(1.0, A.LARGE_GRAPH_OPS / len(graph)))
+
+
+def _handed(best):
+    return [(s["from"], s["refresh_gap"], s["max_steps"], s["min_evaluations"]) for s in best.notes["local_searches"]]
+
+
+def _shared_by_schedule(work):
+    share = work // 3
+    expected = []
+    for gap in (None, 8, 0):
+        expected += [("seeds", gap, int(share * 0.7), 4 if gap is None else 0),
+                     ("recompute-all", gap, int(share * 0.3), 0)]
+    return expected
+
+
+@pytest.mark.parametrize("n,seed", [(8, 1), (7, 2)])
+def test_local_searches_share_the_work_as_documented(n, seed):
+    graph = branching_cost_graph(n, seed=seed)
+    for budget in (None, chen_sqrt(graph).peak_bytes):
+        best = auto_plan(graph, budget)
+        assert not best.notes["reached_floor"]
+        assert _handed(best) == _shared_by_schedule(_work(graph))
+        for search in best.notes["local_searches"]:
+            # the safety net's time left, never less than the documented least
+            assert A.MIN_SEARCH_SECONDS <= search["time_limit_seconds"] <= 60.0
+            assert search["time_limit_seconds"] > 59.0        # a small graph: its seeds took < 1 s
+            # the search's own report: what it found and spent (not over the work: small graph)
+            assert 0 < search["evaluated_steps"] <= search["max_steps"]
+            assert search["evaluated_plans"] >= search["min_evaluations"]
+            again = make_plan(graph, "again", (), search["refresh_gap"])
+            assert again is not None
+        # the plan returned is one of the searches' (or a seed's)
+        found = {(s["peak_bytes"], s["recompute_seconds"]) for s in best.notes["local_searches"]}
+        seeds = {(s["peak_bytes"], s["recompute_seconds"]) for s in best.notes["seeds"].values()}
+        assert (best.peak_bytes, best.recompute_seconds) in found | seeds
+
+
+def test_work_scales_down_on_large_graphs(monkeypatch):
+    """Above LARGE_GRAPH_OPS ops the work is scaled by LARGE_GRAPH_OPS / ops (the constant set
+    here below the graph's size, so that the scaling applies to a graph searched in seconds)."""
+    graph = branching_cost_graph(8, seed=1)
+    ops = len(graph)
+    monkeypatch.setattr(A, "LARGE_GRAPH_OPS", ops // 4)
+    best = auto_plan(graph)
+    assert _handed(best) == _shared_by_schedule(int(A.EVALUATED_STEPS * (ops // 4) / ops))
+    monkeypatch.setattr(A, "LARGE_GRAPH_OPS", 4 * ops)      # below it: the whole work
+    assert _handed(auto_plan(graph)) == _shared_by_schedule(A.EVALUATED_STEPS)
+
+
+def test_work_limit_binds_the_local_searches(monkeypatch):
+    """With little work, each search stops soon after its steps (a toggle's schedule is at most
+    the graph's length twice) unless it has not made its least toggles; an unbounded search
+    would toggle every candidate at least once."""
+    graph = branching_cost_graph(10, seed=4)
+    longest = max(len(make_plan(graph, "x", (), gap).schedule) for gap in A.REFRESH_GAPS)
+    monkeypatch.setattr(A, "EVALUATED_STEPS", 3 * 3 * longest)
+    best = auto_plan(graph)
+    searches = best.notes["local_searches"]
+    # the search from keeping nothing only where keeping nothing's schedule fits its work
+    share = A.EVALUATED_STEPS // 3
+    expected = [e for e in _shared_by_schedule(A.EVALUATED_STEPS)
+                if e[0] == "seeds" or len(make_plan(graph, "x", (), e[1]).schedule) <= int(share * 0.3)]
+    assert 4 <= len(expected) < 6
+    assert _handed(best) == expected
+    first = searches[0]
+    assert first["evaluated_plans"] >= 4
+    for search in searches[1:]:
+        assert search["evaluated_steps"] <= search["max_steps"] + 2 * longest, search
+        assert search["evaluated_plans"] < len(graph.candidate_checkpoints), search
+
+
+def test_past_the_deadline_each_search_gets_the_least_time():
+    graph = branching_cost_graph(8, seed=1)
+    best = auto_plan(graph, time_limit_seconds=0.0)
+    assert [s["time_limit_seconds"] for s in best.notes["local_searches"]] == [A.MIN_SEARCH_SECONDS] * 6
+    assert 0 < A.MIN_SEARCH_SECONDS < 1
+
+
+@pytest.mark.parametrize("n,seed", [(7, 2), (8, 8)])
+def test_at_the_floor_the_work_goes_to_time(n, seed):
+    """Seeds at the floor: two value prefixes (from nothing, from the best seed) of an eighth of
+    the work each, then a search of half of it under the best seed's peak."""
+    heavy = _heavy(branching_cost_graph(n, seed=seed))
+    best = auto_plan(heavy)
+    assert best.notes["reached_floor"]
+    work = _work(heavy)
+    handed = _handed(best)
+    assert handed[-1] == ("at-floor", None, work // 2, 0)
+    assert handed[:-1] == [("value-prefix", None, work // 8, 0)] * (len(handed) - 1)
+    assert 1 <= len(handed) - 1 <= 2
+    target = min(s["peak_bytes"] for s in best.notes["seeds"].values())
+    for search in best.notes["local_searches"]:
+        assert search["peak_bytes"] <= target
+        assert search["evaluated_steps"] > 0
+
+
+def _objective(peak_bytes, recompute_seconds, compute_seconds, budget_bytes, seconds_limit):
+    """greedy.objective's docstring, restated: the peak then the seconds; with a budget the
+    excess over it, the seconds, the peak; with a step-time limit the excess over it, the peak,
+    the step's seconds."""
+    if seconds_limit is not None:
+        return (max(0.0, compute_seconds - seconds_limit), peak_bytes, compute_seconds)
+    if budget_bytes is None:
+        return (peak_bytes, recompute_seconds)
+    return (max(0, peak_bytes - budget_bytes), recompute_seconds, peak_bytes)
+
+
+def _plan_objective(plan, search):
+    return _objective(plan.peak_bytes, plan.recompute_seconds, plan.simulation.compute_seconds,
+                      search["budget_bytes"], search["seconds_limit"])
+
+
+def check_local_optima(graph, searches):
+    """Each local search that stopped before its work ran out ends where no single toggle of a
+    candidate checkpoint, under its schedule, lowers its objective (for its budget or limit):
+    checked here by evaluating every toggle."""
+    checked = 0
+    for search in searches:
+        if search["from"] == "value-prefix" or search["evaluated_steps"] >= search["max_steps"]:
+            continue
+        own = make_plan(graph, "own", search["checkpoints"], search["refresh_gap"])
+        assert (own.peak_bytes, own.recompute_seconds) == (search["peak_bytes"], search["recompute_seconds"])
+        for t in graph.candidate_checkpoints:
+            toggled = make_plan(graph, "toggled", set(search["checkpoints"]) ^ {t}, search["refresh_gap"])
+            assert _plan_objective(toggled, search) >= _plan_objective(own, search), (search["from"], t)
+        checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("n,seed", [(10, 4), (11, 9), (8, 21), (12, 5)])
+def test_each_local_search_ends_at_a_local_optimum_of_its_objective(n, seed):
+    graph = branching_cost_graph(n, seed=seed)
+    least = auto_plan(graph).peak_bytes
+    checked = 0
+    for budget in (None, least, (least + store_all(graph).peak_bytes) // 2):
+        best = auto_plan(graph, budget)
+        searches = best.notes["local_searches"]
+        assert [s["budget_bytes"] for s in searches if s["from"] in ("seeds", "recompute-all")] \
+            == [budget] * len([s for s in searches if s["from"] in ("seeds", "recompute-all")])
+        checked += check_local_optima(graph, searches)
+        assert best.recompute_seconds > 0 or budget is None
+    assert checked >= 7
+
+
+@pytest.mark.parametrize("n,seed", [(7, 2), (8, 8)])
+def test_at_the_floor_the_search_keeps_the_best_seeds_peak(n, seed):
+    heavy = _heavy(branching_cost_graph(n, seed=seed))
+    best = auto_plan(heavy)
+    target = min(s["peak_bytes"] for s in best.notes["seeds"].values())
+    searches = best.notes["local_searches"]
+    assert [s["budget_bytes"] for s in searches] == [target] * len(searches)
+    assert check_local_optima(heavy, searches) == 1
+
+
+@pytest.mark.parametrize("n,seed", [(8, 1), (12, 5)])
+def test_least_peak_local_searches_each_schedule_within_the_limit(n, seed):
+    graph = branching_cost_graph(n, seed=seed)
+    sa, cs = store_all(graph), chen_sqrt(graph)
+    limit = (sa.simulation.compute_seconds + cs.simulation.compute_seconds) / 2
+    best = A.least_peak_local(graph, [sa, cs], limit)
+    assert best.notes["refined_within_seconds"] is True
+    searches = best.notes["local_searches"]
+    work = _work(graph)
+    assert [(s["from"], s["refresh_gap"], s["max_steps"], s["min_evaluations"], s["seconds_limit"], s["budget_bytes"])
+            for s in searches] == [("best-so-far", gap, work // 3, 4, limit, None) for gap in (None, 8, 0)]
+    assert check_local_optima(graph, searches) == 3

@@ -101,6 +101,9 @@ FROM_NOTHING_SHARE = 0.3        # of each schedule's work, for the search from k
 REFRESH_GAPS = (None, 8, 0)
 # Without a budget, a plan within this fraction of the least peak that recomputes less wins.
 PEAK_TOLERANCE = 0.01
+# past the safety net's deadline, each local search still gets this long (its seeds' evaluation)
+MIN_SEARCH_SECONDS = 0.3
+LIMIT_SEARCH_SECONDS = 20.0     # least_peak_local's safety net per local search
 
 
 # A seed that takes no budget gives the same plan for every budget (its work is counted, not
@@ -126,6 +129,37 @@ def _seed_options(name: str, graph: CostGraph) -> dict:
     return {}
 
 
+def _work_steps(graph: CostGraph) -> int:
+    """The schedule steps all local searches of one `auto` (or `least_peak_local`) may evaluate:
+    EVALUATED_STEPS, scaled down by LARGE_GRAPH_OPS / ops above that many ops."""
+    return int(EVALUATED_STEPS * min(1.0, LARGE_GRAPH_OPS / max(1, len(graph))))
+
+
+def _local_search(graph: CostGraph, searches: list[dict], start: str, gap: int | None, budget_bytes: int | None,
+                  starts: list[Plan], max_steps: int, min_evaluations: int, time_limit_seconds: float,
+                  seconds_limit: float | None = None) -> Plan:
+    """`greedy` from `starts` alone (none of its built-in seeds) under schedule `gap`, with this
+    much work; what it was handed and what it found appended to `searches` (the plan's
+    notes["local_searches"]: where the work went)."""
+    plan = greedy(graph, budget_bytes, time_limit_seconds=time_limit_seconds, seeds=starts, max_seeds=0,
+                  refresh_gap=gap, max_steps=max_steps, min_evaluations=min_evaluations,
+                  seconds_limit=seconds_limit)
+    _searched(searches, start, plan, budget_bytes, max_steps, min_evaluations, time_limit_seconds, seconds_limit)
+    return plan
+
+
+def _searched(searches: list[dict], start: str, plan: Plan, budget_bytes: int | None, max_steps: int,
+              min_evaluations: int, time_limit_seconds: float | None = None,
+              seconds_limit: float | None = None) -> None:
+    searches.append({"from": start, "refresh_gap": plan.refresh_gap, "budget_bytes": budget_bytes,
+                     "seconds_limit": seconds_limit, "max_steps": max_steps, "min_evaluations": min_evaluations,
+                     "time_limit_seconds": time_limit_seconds,
+                     "evaluated_steps": plan.notes.get("evaluated_steps"),
+                     "evaluated_plans": plan.notes.get("evaluated_plans"),
+                     "checkpoints": plan.checkpoints, "peak_bytes": plan.peak_bytes,
+                     "recompute_seconds": plan.recompute_seconds})
+
+
 def choose(plans: list[Plan], budget_bytes: int | None, cap_bytes: int | None = None) -> Plan:
     """With a budget: least recompute seconds among plans that fit (least peak if none fits).
     Without: least recompute seconds among plans within PEAK_TOLERANCE of the least peak and
@@ -148,15 +182,15 @@ def least_peak_local(graph: CostGraph, plans: list[Plan], seconds_limit: float) 
     least peak within the time often lies between them (`pipeline.LIMIT_SEARCH_REFINE`)."""
     def key(p: Plan):
         return objective(p, None, seconds_limit)
-    work = int(EVALUATED_STEPS * min(1.0, LARGE_GRAPH_OPS / max(1, len(graph))))
+    work = _work_steps(graph)
     found = list(plans)
+    searches: list[dict] = []
     for gap in REFRESH_GAPS:
-        found.append(greedy(graph, None, seeds=[min(found, key=key)], max_seeds=0, refresh_gap=gap,
-                            max_steps=work // len(REFRESH_GAPS), min_evaluations=MIN_EVALUATIONS,
-                            seconds_limit=seconds_limit))
+        found.append(_local_search(graph, searches, "best-so-far", gap, None, [min(found, key=key)],
+                                   work // len(REFRESH_GAPS), MIN_EVALUATIONS, LIMIT_SEARCH_SECONDS, seconds_limit))
     best = min(found, key=key)
     if best.strategy == "greedy":        # found here: auto's plan, as the report names it
-        best.notes["refined_within_seconds"] = True
+        best.notes.update(refined_within_seconds=True, local_searches=searches)
         best.strategy = "auto"
     return best
 
@@ -194,10 +228,16 @@ def auto(graph: CostGraph, budget_bytes: int | None = None, *,
         seeds.append(plan)
     seeds.sort(key=lambda p: objective(p, budget_bytes))
     found = [seeds[0]]
-    work = int(EVALUATED_STEPS * min(1.0, LARGE_GRAPH_OPS / max(1, len(graph))))
+    work = _work_steps(graph)
 
     def remaining() -> float:
-        return max(0.3, deadline - time.perf_counter())
+        return max(MIN_SEARCH_SECONDS, deadline - time.perf_counter())
+
+    searches: list[dict] = []       # notes["local_searches"]
+
+    def local(start: str, gap: int | None, budget: int | None, starts: list[Plan], max_steps: int,
+              min_evaluations: int) -> Plan:
+        return _local_search(graph, searches, start, gap, budget, starts, max_steps, min_evaluations, remaining())
 
     reached_floor = at_floor()
     if reached_floor:
@@ -208,11 +248,11 @@ def auto(graph: CostGraph, budget_bytes: int | None = None, *,
                                 for base in ((), seeds[0].checkpoints)) if p is not None]
         for prefix in prefixes:
             prefix.notes["seed"] = "value-prefix"
+            _searched(searches, "value-prefix", prefix, target, work // 8, 0)
         fitting = sorted([p for p in seeds + prefixes if p.peak_bytes <= target],
                          key=lambda p: p.recompute_seconds)
         found.extend(prefixes)
-        found.append(greedy(graph, target, time_limit_seconds=remaining(), seeds=fitting[:3], max_seeds=0,
-                            max_steps=work // 2, min_evaluations=0))
+        found.append(local("at-floor", None, target, fitting[:3], work // 2, 0))
     else:
         # each recomputation schedule gets an equal share of the steps (a schedule that
         # recomputes more is longer, so it gets fewer evaluations); the first starts from the
@@ -220,18 +260,15 @@ def auto(graph: CostGraph, budget_bytes: int | None = None, *,
         share = work // len(REFRESH_GAPS)
         for gap in REFRESH_GAPS:
             starts = seeds[:3] if gap is None else [min(found, key=lambda p: objective(p, budget_bytes))] + seeds[:3]
-            plan = greedy(graph, budget_bytes, time_limit_seconds=remaining(), seeds=starts, max_seeds=0,
-                          refresh_gap=gap, max_steps=int(share * (1 - FROM_NOTHING_SHARE)),
-                          min_evaluations=MIN_EVALUATIONS if gap is None else 0)
+            plan = local("seeds", gap, budget_bytes, starts, int(share * (1 - FROM_NOTHING_SHARE)),
+                         MIN_EVALUATIONS if gap is None else 0)
             found.append(plan)
             # and from the other end, keeping nothing (every seed may keep more than the best
             # plan): a second local search, its result beside the first (the objective then
             # prefers the one that recomputes less within PEAK_TOLERANCE)
             nothing = make_plan(graph, "recompute-all", (), gap, max_steps=int(share * FROM_NOTHING_SHARE))
             if nothing is not None:
-                nothing.notes["seed"] = "recompute-all"
-                other = greedy(graph, budget_bytes, time_limit_seconds=remaining(), seeds=[nothing], max_seeds=0,
-                               refresh_gap=gap, max_steps=int(share * FROM_NOTHING_SHARE), min_evaluations=0)
+                other = local("recompute-all", gap, budget_bytes, [nothing], int(share * FROM_NOTHING_SHARE), 0)
                 found.append(other)
                 plan = min((plan, other), key=lambda p: objective(p, budget_bytes))
             if budget_bytes is None and plan.peak_bytes <= floor_bytes * (1 + PEAK_TOLERANCE):
@@ -239,22 +276,24 @@ def auto(graph: CostGraph, budget_bytes: int | None = None, *,
                 reached_floor = True
                 prefixes = [p for p in (value_prefix(graph, plan.peak_bytes, base, gap, max_steps=share // 8)
                                         for base in ((), plan.checkpoints)) if p is not None]
+                for prefix in prefixes:
+                    prefix.notes["seed"] = "value-prefix"
+                    _searched(searches, "value-prefix", prefix, plan.peak_bytes, share // 8, 0)
                 found.extend(prefixes)
                 fitting = sorted([q for q in [plan] + prefixes if q.peak_bytes <= plan.peak_bytes],
                                  key=lambda q: q.recompute_seconds)
-                found.append(greedy(graph, plan.peak_bytes, refresh_gap=gap, seeds=fitting, max_seeds=0,
-                                    time_limit_seconds=remaining(),
-                                    max_steps=int(share * EVALUATIONS_AT_FLOOR_SHARE),
-                                    min_evaluations=MIN_EVALUATIONS))
+                found.append(local("at-floor", gap, plan.peak_bytes, fitting, int(share * EVALUATIONS_AT_FLOOR_SHARE),
+                                   MIN_EVALUATIONS))
                 break
     best = choose(found, budget_bytes, cap_bytes=seeds[0].peak_bytes)
     best.notes.update(
-        seed=best.notes.get("seed", best.strategy),
+        seed=best.notes["seed"],
         seeds={p.notes["seed"]: {"peak_bytes": p.peak_bytes, "recompute_seconds": p.recompute_seconds}
                for p in seeds},
         seed_seconds=seed_seconds,
         peak_floor_bytes=floor_bytes,
         reached_floor=reached_floor,
+        local_searches=searches,
         # optimal under the cost model: no plan of any checkpoint set has a lower peak
         exact=budget_bytes is None and best.peak_bytes <= floor_bytes,
         stopped_by_time=time.perf_counter() > deadline,

@@ -69,7 +69,7 @@ def value_prefix(graph: CostGraph, budget_bytes: int, base=(), refresh_gap: int 
             lo, best = mid, plan
         else:
             hi = mid - 1
-    best.notes.update(added=lo, evaluated_plans=evaluated)
+    best.notes.update(added=lo, evaluated_plans=evaluated, evaluated_steps=steps)
     return best
 
 
