@@ -454,3 +454,16 @@ def test_least_peak_local_searches_each_schedule_within_the_limit(n, seed):
     assert [(s["from"], s["refresh_gap"], s["max_steps"], s["min_evaluations"], s["seconds_limit"], s["budget_bytes"])
             for s in searches] == [("best-so-far", gap, work // 3, 4, limit, None) for gap in (None, 8, 0)]
     assert check_local_optima(graph, searches) == 3
+
+
+def test_budgetless_seeds_get_their_work_options(monkeypatch):
+    """Feng & Huang is run with `_seed_options`' work limits: with a label limit that binds (set
+    here to 5), its seed is the limited search's plan, not the unlimited one's."""
+    graph = branching_cost_graph(10, seed=4)
+    monkeypatch.setattr(A, "FENG_HUANG_LABELS", 5)
+    from graphopt.search.feng_huang import feng_huang
+    limited = feng_huang(graph, **A._seed_options("feng-huang", graph))
+    unlimited = feng_huang(graph)
+    assert limited.peak_bytes != unlimited.peak_bytes
+    best = auto_plan(graph)
+    assert best.notes["seeds"]["feng-huang"]["peak_bytes"] == limited.peak_bytes
