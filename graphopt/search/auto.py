@@ -32,10 +32,15 @@ candidate checkpoints (the exact DPs grow too fast beyond); Feng & Huang gets
 FENG_HUANG_LABELS and FENG_HUANG_COMPARISONS of work (then the best so far); Chen's greedy a grid of CHEN_GREEDY_GRID
 budgets; the chain solver CHAIN_BOUNDS model bounds; Kusumoto's exact DP KUSUMOTO_LOWER_SETS
 lower sets;
-the local searches together EVALUATED_STEPS schedule steps of plan evaluations (fewer above
-LARGE_GRAPH_OPS ops; about 25
-evaluations per schedule on a 3,000-op graph, about 10 on 10,000 ops; an evaluation is one `make_plan`:
-schedule, runtime order and simulation, linear in the schedule's length). Measured with
+the local searches EVALUATED_STEPS schedule steps of plan evaluations (fewer above
+LARGE_GRAPH_OPS ops; about 25 evaluations per schedule on a 3,000-op graph, about 10 on
+10,000 ops; an evaluation is one `make_plan`: schedule, runtime order and simulation, linear
+in the schedule's length): a third per schedule, of which 70% for the search from the best
+seeds and 30% for the one from keeping nothing. A schedule whose search reaches the floor
+gets three quarters of its third again for time at that peak (two value prefixes of an eighth,
+a search of a half) and the later schedules are not searched; seeds already at the floor leave
+the whole work to that (an eighth, an eighth, a half). The plan's notes["local_searches"] say
+what each search was handed (work, budget, schedule, time) and what it spent and found. Measured with
 `python benchmarks/solver_timing.py` (families and `--corpus`). A wall-clock limit remains
 only as a safety net (`time_limit_seconds`, default 60 s), never reached on the benchmarks.
 """
