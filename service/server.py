@@ -482,6 +482,7 @@ class RunningServer:
                                               "threads": threads, "idle_timeout_seconds": config.idle_timeout_seconds,
                                               "job_timeout_seconds": config.job_timeout_seconds,
                                               "job_memory_bytes": self.job_memory_bytes,
+                                              "job_memory_enforced_by": self.pool.memory_cap_kind(),
                                               "max_files": config.max_files, "tls": bool(config.tls_cert_path),
                                               "token": bool(config.token), "pid": os.getpid()}})
 

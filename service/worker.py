@@ -24,6 +24,8 @@ import threading
 import traceback
 from pathlib import Path
 
+from .memory_cap import allocation_failed, enter_from_environment, human_bytes
+
 OPTIMIZED_MODEL_NAME = "optimized.onnx"
 
 
@@ -73,10 +75,19 @@ def _disk_full(exc: BaseException, job: dict) -> bool:
         return False
 
 
+# RLIMIT_DATA's bytes when the worker's memory cap is that (memory_cap.py), else None
+RLIMIT_DATA_BYTES: int | None = None
+
+
 def error_message(exc: BaseException, job: dict) -> tuple[str, str]:
     """(error class name, message without server paths) of a failed job."""
     if _disk_full(exc, job):
         return "LimitExceededError", "the server's work disk is full; try again later"
+    failed = allocation_failed(exc) if RLIMIT_DATA_BYTES is not None else None
+    if failed is not None:
+        return "LimitExceededError", (
+            f"the job needed more memory than this server's limit of {human_bytes(RLIMIT_DATA_BYTES)} a job "
+            f"(--job-memory): an allocation failed ({failed})")
     if isinstance(exc, MemoryError):
         return "LimitExceededError", f"the job ran out of memory ({type(exc).__name__}: {exc})"
     return error_class_name(exc), without_server_paths(str(exc), job)
@@ -90,6 +101,10 @@ def _read_jobs(jobs: queue.Queue) -> None:
 
 
 def main() -> int:
+    # first thing, before the imports: every page of this worker and its processes is charged
+    # to its memory cap's group (or bounded by its RLIMIT_DATA)
+    global RLIMIT_DATA_BYTES
+    RLIMIT_DATA_BYTES = enter_from_environment()
     answers = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # stray prints must not corrupt the protocol
     sys.stdout = sys.stderr

@@ -23,19 +23,13 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
+from .memory_cap import MemoryCap, human_bytes
 from .status import (CallCancelledError, JobMemoryError, JobTimeoutError, QueueFullError, ShuttingDownError,
                      WorkerFailedError)
 
 log = logging.getLogger(__name__)
 POLL_SECONDS = 0.1
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
-
-
-def human_bytes(n: float) -> str:
-    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{int(n)} bytes"
 
 
 def _descendants(pid: int) -> list[int]:
@@ -82,12 +76,25 @@ def resident_bytes(pid: int) -> int:
 
 
 class Worker:
-    def __init__(self, env: dict[str, str] | None = None):
+    def __init__(self, env: dict[str, str] | None = None, memory_bytes: int | None = None):
+        # its memory limit, enforced by the kernel (memory_cap.py): the worker enters it first thing
+        self.memory_cap = MemoryCap.create(memory_bytes) if memory_bytes is not None else None
+        if self.memory_cap is not None:
+            env = {**(os.environ if env is None else env), **self.memory_cap.worker_environment()}
         # the end of its stdin (this process gone: no one holds the pipe's write end) makes the
         # worker kill its process group, measuring processes included (worker.py)
-        self.proc = subprocess.Popen([sys.executable, "-m", "graphopt_service.worker"],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     start_new_session=True, env=env)
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-m", "graphopt_service.worker"],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                         start_new_session=True, env=env)
+        except BaseException:
+            if self.memory_cap is not None:
+                self.memory_cap.close(attempts=1)
+            raise
+        if self.memory_cap is not None:
+            log.info("worker memory cap", extra={"fields": {"worker_pid": self.proc.pid, "memory_cap": self.memory_cap.kind,
+                                                            "cgroup": self.memory_cap.folder,
+                                                            "memory_limit_bytes": self.memory_cap.limit_bytes}})
         self._buffer = bytearray()
         self.ready = False   # it said so (its imports are done)
         # what the libraries print in the worker becomes structured log lines of the server
@@ -137,6 +144,8 @@ class Worker:
                 stream.close()
             except OSError:
                 pass
+        if self.memory_cap is not None:
+            self.memory_cap.close()
 
 
 class WorkerPool:
@@ -156,7 +165,7 @@ class WorkerPool:
         self.upload_limit = upload_limit if upload_limit is not None else size + queue_limit
         self.job_seconds, self.job_memory_bytes = job_seconds, job_memory_bytes
         self._cond = threading.Condition()
-        self._idle = [Worker(env) for _ in range(size)]
+        self._idle = [Worker(env, job_memory_bytes) for _ in range(size)]
         self._all = set(self._idle)   # idle and busy
         self._uploading = 0
         self._line: collections.deque = collections.deque()   # calls waiting for a worker, in order
@@ -209,6 +218,16 @@ class WorkerPool:
         worker = self._acquire(is_cancelled)
         finished = False
         started = time.monotonic()
+        cap = worker.memory_cap
+        kills_before = cap.oom_kills() if cap is not None else 0
+
+        def over_memory() -> JobMemoryError | None:
+            """The kernel stopped a process of this job for the limit (memory_cap.py)."""
+            if cap is None or cap.oom_kills() <= kills_before:
+                return None
+            return JobMemoryError(
+                f"the job needed more memory than this server's limit of {human_bytes(self.job_memory_bytes)} "
+                "a job (--job-memory); the kernel stopped it")
         try:
             worker.send(job)
             while True:
@@ -217,7 +236,8 @@ class WorkerPool:
                 if self.job_seconds is not None and time.monotonic() - started > self.job_seconds:
                     raise JobTimeoutError(f"the job ran past this server's limit of {self.job_seconds:g} s a job "
                                           "(--job-timeout); the work was stopped")
-                if self.job_memory_bytes is not None:
+                if self.job_memory_bytes is not None and not cap.enforced_by_kernel_for_the_sum:
+                    # each process is bounded by RLIMIT_DATA alone: their sum is polled
                     used = resident_bytes(worker.pid)
                     if used > self.job_memory_bytes:
                         raise JobMemoryError(
@@ -227,6 +247,9 @@ class WorkerPool:
                     event = worker.read_event(POLL_SECONDS)
                 except EOFError:
                     code = worker.proc.wait()
+                    stopped = over_memory()
+                    if stopped is not None:
+                        raise stopped from None
                     raise WorkerFailedError(f"the worker process died (exit code {code}) while working "
                                             "on this model (out of memory?)") from None
                 if event is not None and "ready" in event:
@@ -238,6 +261,9 @@ class WorkerPool:
                 if "progress" in event:
                     yield event
                     continue
+                stopped = over_memory()     # a measuring process killed for the limit: the job's error says
+                if stopped is not None:     # only that it died; the worker is replaced (finally)
+                    raise stopped
                 finished = True
                 yield event
                 return
@@ -245,14 +271,18 @@ class WorkerPool:
             if finished:
                 self._release(worker)
             else:
-                log.info("stopping a worker", extra={"fields": {"worker_pid": worker.pid}})
+                fields = {"worker_pid": worker.pid}
+                if cap is not None and cap.folder is not None:
+                    fields.update(memory_cap=cap.kind, memory_peak_bytes=cap.peak_bytes(),
+                                  memory_limit_bytes=cap.limit_bytes)
+                log.info("stopping a worker", extra={"fields": fields})
                 worker.kill()
                 with self._cond:
                     self._all.discard(worker)
                 self._release(None if self._closed else self._spawn())
 
     def _spawn(self) -> Worker:
-        worker = Worker(self._env)
+        worker = Worker(self._env, self.job_memory_bytes)
         with self._cond:
             self._all.add(worker)
         return worker
@@ -320,6 +350,13 @@ class WorkerPool:
             self._cond.notify_all()
         for worker in list(self._all):
             worker.kill()
+
+    def memory_cap_kind(self) -> str | None:
+        """How the job memory limit is enforced: "cgroup2", "cgroup1", "rlimit" (with the poll) or
+        None (no limit)."""
+        with self._cond:
+            caps = [w.memory_cap for w in self._all if w.memory_cap is not None]
+        return caps[0].kind if caps else None
 
     def worker_pids(self) -> list[int]:
         with self._cond:

@@ -238,6 +238,112 @@ def test_a_job_over_the_memory_limit_is_stopped(tmp_path, models):
         server.kill()
 
 
+class _Sampler:
+    """From outside the server (this test process): every ~2 ms, the kernel's charge of the
+    worker's group (cgroup kinds) and the resident set of each process of the worker's tree
+    (every kind); the largest of each seen."""
+
+    def __init__(self, worker_pid: int, cgroup: str | None):
+        self.worker_pid, self.cgroup = worker_pid, cgroup
+        self.group_bytes, self.process_bytes, self.samples = 0, 0, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _tree(self) -> list[int]:
+        found, todo = [], [self.worker_pid]
+        while todo:
+            pid = todo.pop()
+            found.append(pid)
+            try:
+                for tid in os.listdir(f"/proc/{pid}/task"):
+                    with open(f"/proc/{pid}/task/{tid}/children") as f:
+                        todo.extend(int(c) for c in f.read().split())
+            except OSError:
+                pass
+        return found
+
+    def _run(self) -> None:
+        usage = None
+        if self.cgroup is not None:
+            name = "memory.current" if os.path.exists(os.path.join(self.cgroup, "memory.current")) \
+                else "memory.usage_in_bytes"
+            usage = os.path.join(self.cgroup, name)
+        while not self._stop.is_set():
+            if usage is not None:
+                try:
+                    with open(usage) as f:
+                        self.group_bytes = max(self.group_bytes, int(f.read()))
+                except (OSError, ValueError):
+                    pass
+            for pid in self._tree():
+                try:
+                    with open(f"/proc/{pid}/status") as f:
+                        for line in f:
+                            if line.startswith("VmRSS:"):
+                                self.process_bytes = max(self.process_bytes, int(line.split()[1]) * 1024)
+                except (OSError, ValueError):
+                    pass
+            self.samples += 1
+            time.sleep(0.002)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+@pytest.mark.parametrize("cap", ["kernel", "rlimit"])
+def test_a_job_allocating_four_times_the_memory_limit_at_once_is_stopped_by_the_kernel(tmp_path, cap):
+    """A job that asks for 4 GiB in one step (one ConstantOfShape) under a 1 GiB limit: the
+    kernel stops it before it holds more than the limit (a page's margin), measured from here;
+    the call ends RESOURCE_EXHAUSTED naming the limit and the next client is served. "kernel":
+    the cap this machine allows the server (a cgroup where it may create one, as here), checked
+    against what this process may create; "rlimit": the fallback (GRAPHOPT_KERNEL_MEMORY_CAP=0),
+    each process's data bounded by RLIMIT_DATA, the sum still polled."""
+    from graphopt_service.memory_cap import MemoryCap
+    limit = 1 << 30
+    page = os.sysconf("SC_PAGE_SIZE")
+    onnx.save(memory_hog_model(1 << 30), tmp_path / "hog4g.onnx")
+    model, _ = training_example("mlp", small=True)
+    save_model(model, tmp_path / "mlp.onnx")
+    env = dict(os.environ, **({"GRAPHOPT_KERNEL_MEMORY_CAP": "0"} if cap == "rlimit" else {}))
+    expected = "rlimit" if cap == "rlimit" else MemoryCap.create(limit)
+    if not isinstance(expected, str):
+        expected.close(attempts=1)
+        expected = expected.kind
+    server = ServerProcess(tmp_path / "work", "--workers", "1", "--job-memory", "1GiB", env=env)
+    try:
+        assert server.wait_for_log("serving")["job_memory_enforced_by"] == expected
+        worker = server.wait_for_log("worker memory cap")
+        assert worker["memory_cap"] == expected and worker["memory_limit_bytes"] == limit
+        sampler = _Sampler(worker["worker_pid"], worker["cgroup"])
+        try:
+            with Client(server.target) as client:
+                error = _error(lambda: client.optimize(tmp_path / "hog4g.onnx", tmp_path / "never.onnx",
+                                                       measure=False, timeout_seconds=120))
+        finally:
+            sampler.stop()
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error.details()
+        assert "1.0 GiB" in error.details() and "--job-memory" in error.details()
+        assert sampler.samples > 10
+        assert sampler.process_bytes <= limit + page, sampler.process_bytes
+        if expected in ("cgroup1", "cgroup2"):
+            assert "the kernel stopped it" in error.details()
+            assert limit // 2 < sampler.group_bytes <= limit + page, sampler.group_bytes   # it got near
+            stopped = server.wait_for_log("stopping a worker", worker_pid=worker["worker_pid"])
+            assert limit // 2 < stopped["memory_peak_bytes"] <= limit + page       # the kernel's own mark
+        else:
+            assert "an allocation failed" in error.details()
+        assert not (tmp_path / "never.onnx").exists()
+        assert _health(server.target) == "SERVING"
+        _served(server, {"mlp": tmp_path / "mlp.onnx"}, tmp_path)
+        assert server.wait_no_leftovers() == []
+    finally:
+        server.terminate()
+    if worker["cgroup"] is not None:     # the server removed its workers' groups as it stopped
+        assert not os.path.exists(worker["cgroup"])
+
+
 # -- idle streams against the thread pool --------------------------------------------------------
 # the idle timeout of the reflection test: every one of its 30 streams must arrive while the first
 # ones are still held (at 2 s, a loaded CI run once saw 13 held in turn and 17 refused, not 4 and 26)
