@@ -511,6 +511,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-files", type=int, default=env_default("MAX_FILES", 4096), metavar="N",
                    help="limit on the files of one upload, the model and its external data "
                         "($GRAPHOPT_MAX_FILES, default 4096)")
+    p.add_argument("--uploads-per-address", type=int, default=env_default("UPLOADS_PER_ADDRESS", None), metavar="N",
+                   help="limit on the uploads in progress from one client address; more are refused "
+                        "RESOURCE_EXHAUSTED ($GRAPHOPT_UPLOADS_PER_ADDRESS, default none: behind a proxy or a NAT "
+                        "every client has one address)")
+    p.add_argument("--min-upload-rate", type=parse_bytes, default=env_default("MIN_UPLOAD_RATE", 16 << 10),
+                   metavar="BYTES",
+                   help="least bytes a second an upload must bring over each --upload-rate-window, else DEADLINE_EXCEEDED: a "
+                        "client that trickles does not hold a slot until --job-timeout "
+                        "($GRAPHOPT_MIN_UPLOAD_RATE, default 16KiB; 0: none)")
+    p.add_argument("--upload-rate-window", type=float, default=env_default("UPLOAD_RATE_WINDOW", 30.0),
+                   metavar="SECONDS", help="the window over which --min-upload-rate is measured "
+                                           "($GRAPHOPT_UPLOAD_RATE_WINDOW, default 30)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("health", help="ask a server's grpc.health.v1 service; exit 0 when SERVING")

@@ -52,7 +52,10 @@ def serve(args) -> int:
                           work_dir=args.work_dir, token=token, tls_cert_path=args.tls_cert,
                           tls_key_path=args.tls_key, drain_seconds=args.drain_seconds,
                           idle_timeout_seconds=args.idle_timeout, job_timeout_seconds=args.job_timeout,
-                          job_memory_bytes=args.job_memory, max_files=args.max_files)
+                          job_memory_bytes=args.job_memory, max_files=args.max_files,
+                          uploads_per_address=args.uploads_per_address,
+                          min_upload_bytes_per_second=args.min_upload_rate,
+                          upload_rate_window_seconds=args.upload_rate_window)
     try:
         config.check()
     except ValueError as exc:

@@ -10,6 +10,12 @@ thread while it waits for the client, so:
 - `StreamLimitInterceptor` refuses (RESOURCE_EXHAUSTED, at once) a streaming call beyond the
   number allowed for its kind, so that those calls can never take every thread of the pool.
   Health (grpc.health.v1) is never limited or wrapped: its Watch does not hold a thread.
+- `UploadRate` ends an upload (DEADLINE_EXCEEDED) that brings fewer than the minimum bytes a
+  second over a window: a client that trickles a byte now and then, never silent for the idle
+  timeout, would otherwise hold its slot, thread and folder until the job timeout.
+- `AddressUploads` refuses (RESOURCE_EXHAUSTED) an upload from an address that already has the
+  most uploads in progress one address may have (off by default: behind a proxy or a NAT every
+  client has the proxy's address).
 - `DiskReservations` refuses an upload (RESOURCE_EXHAUSTED) whose declared size does not fit in
   the work disk's free space less what the other uploads in progress have declared.
 """
@@ -24,6 +30,8 @@ from pathlib import Path
 import grpc
 
 from graphopt.errors import LimitExceededError
+
+from .status import QueueFullError, UploadTooSlowError
 
 log = logging.getLogger("graphopt_service")
 UNLIMITED_PREFIXES = ("/grpc.health.v1.Health/",)
@@ -229,3 +237,74 @@ class DiskReservations:
     def release(self, size_bytes: int) -> None:
         with self._lock:
             self.reserved_bytes -= size_bytes
+
+
+class UploadRate:
+    """An upload's pace: once it has run `window_seconds`, every message must find at least
+    `min_bytes_per_second * window_seconds` bytes received in the `window_seconds` before it
+    (that message included), else UploadTooSlowError. 0 bytes a second: no minimum."""
+
+    def __init__(self, min_bytes_per_second: int, window_seconds: float, clock=time.monotonic):
+        self.min_bytes_per_second, self.window_seconds, self._clock = min_bytes_per_second, window_seconds, clock
+        self.started = clock()
+        self._recent: list[tuple[float, int]] = []   # (when, bytes) within the window
+
+    def received(self, nbytes: int) -> None:
+        now = self._clock()
+        self._recent = [(t, n) for t, n in self._recent if t > now - self.window_seconds] + [(now, nbytes)]
+        if self.min_bytes_per_second <= 0 or now - self.started < self.window_seconds:
+            return
+        got = sum(n for _, n in self._recent)
+        if got < self.min_bytes_per_second * self.window_seconds:
+            raise UploadTooSlowError(
+                f"the upload brought {got} bytes in the last {self.window_seconds:g} s, under this server's "
+                f"minimum of {self.min_bytes_per_second} bytes a second (--min-upload-rate); the call was ended")
+
+
+def peer_address(peer: str) -> str:
+    """The client's address without its port: "ipv4:10.0.0.7:52114" -> "ipv4:10.0.0.7",
+    "ipv6:[::1]:52114" -> "ipv6:[::1]" (a Unix socket's peer is kept whole)."""
+    kind, _, rest = peer.partition(":")
+    if kind in ("ipv4", "ipv6") and ":" in rest:
+        return f"{kind}:{rest.rsplit(':', 1)[0]}"
+    return peer
+
+
+class AddressUploads:
+    """Uploads in progress per client address, at most `limit` each (None: no limit)."""
+
+    def __init__(self, limit: int | None):
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._counts: dict[str, int] = {}
+
+    def in_progress(self, address: str) -> int:
+        with self._lock:
+            return self._counts.get(address, 0)
+
+    def __call__(self, address: str) -> "_AddressSlot":
+        return _AddressSlot(self, address)
+
+
+class _AddressSlot:
+    def __init__(self, uploads: AddressUploads, address: str):
+        self.uploads, self.address = uploads, address
+
+    def __enter__(self):
+        u = self.uploads
+        with u._lock:
+            count = u._counts.get(self.address, 0)
+            if u.limit is not None and count >= u.limit:
+                raise QueueFullError(f"{count} uploads from this address ({self.address}) are in progress, the most "
+                                     "this server takes from one address (--uploads-per-address); try again later")
+            u._counts[self.address] = count + 1
+        return self
+
+    def __exit__(self, *exc) -> None:
+        u = self.uploads
+        with u._lock:
+            left = u._counts[self.address] - 1
+            if left:
+                u._counts[self.address] = left
+            else:
+                del u._counts[self.address]

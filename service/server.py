@@ -44,7 +44,8 @@ from graphopt.report import Analysis, Report, summary_text
 from ._proto import graphopt_pb2 as pb
 from ._proto import graphopt_pb2_grpc as pb_grpc
 from .auth import BearerTokenInterceptor
-from .limits import DiskReservations, StreamLimitInterceptor, StreamWatchdog
+from .limits import (AddressUploads, DiskReservations, StreamLimitInterceptor, StreamWatchdog, UploadRate,
+                     peer_address)
 from .options import from_message
 from .status import (CallCancelledError, IdleTimeoutError, JobTimeoutError, ShuttingDownError, error_from_worker,
                      status_for, trailing_metadata_for)
@@ -100,6 +101,9 @@ class ServerConfig:
     job_memory_bytes: int | None = None     # a worker and its measuring processes; None: default_job_memory_bytes
     max_files: int = 4096                   # files in one upload (the model and its external data)
     upload_limit: int | None = None         # uploads in progress at once; None: 2 x (workers + queue_limit)
+    uploads_per_address: int | None = None  # uploads in progress from one client address; None: no limit
+    min_upload_bytes_per_second: int = 16 << 10   # an upload's least pace over each window (0: none)
+    upload_rate_window_seconds: float = 30.0
 
     def check(self) -> None:
         """ValueError naming the first setting out of range."""
@@ -115,6 +119,12 @@ class ServerConfig:
             raise ValueError(f"max files must be at least 1, got {self.max_files}")
         if self.upload_limit is not None and self.upload_limit < 1:
             raise ValueError(f"the upload limit must be at least 1, got {self.upload_limit}")
+        if self.uploads_per_address is not None and self.uploads_per_address < 1:
+            raise ValueError(f"uploads per address must be at least 1, got {self.uploads_per_address}")
+        if self.min_upload_bytes_per_second < 0:
+            raise ValueError(f"the minimum upload rate must be at least 0, got {self.min_upload_bytes_per_second}")
+        if not self.upload_rate_window_seconds > 0:
+            raise ValueError(f"upload_rate_window_seconds must be positive, got {self.upload_rate_window_seconds}")
         if self.token is not None and not self.token.strip():
             raise ValueError("the bearer token is empty: that would let anyone in")
 
@@ -202,6 +212,7 @@ class GraphoptServicer(pb_grpc.GraphoptServicer):
     def __init__(self, config: ServerConfig, pool: WorkerPool, work_root: Path, watchdog: StreamWatchdog):
         self.config, self.pool, self.work_root, self.watchdog = config, pool, work_root, watchdog
         self.disk = DiskReservations(work_root)
+        self.address_uploads = AddressUploads(config.uploads_per_address)
         self.draining = threading.Event()
 
     def _without_server_paths(self, message: str) -> str:
@@ -260,13 +271,15 @@ class GraphoptServicer(pb_grpc.GraphoptServicer):
 
     def _receive(self, request_iterator, call: _Call) -> dict:
         """The upload, in an upload slot; the stream's messages as raw bytes (see `_parsed`)."""
-        with self.pool.upload_slot():
+        with self.address_uploads(peer_address(call.fields["peer"])), self.pool.upload_slot():
             receiver = FileReceiver(call.folder / "upload", self.config.max_model_bytes,
                                     max_files=self.config.max_files, reserve=self._reserver(call))
             options = None
             deadline = time.monotonic() + self.config.job_timeout_seconds
+            pace = UploadRate(self.config.min_upload_bytes_per_second, self.config.upload_rate_window_seconds)
             try:
                 for raw in call.watch.requests(request_iterator):
+                    pace.received(len(raw))
                     if time.monotonic() > deadline:
                         raise JobTimeoutError(f"the upload took longer than this server's limit of "
                                               f"{self.config.job_timeout_seconds:g} s (--job-timeout)")
@@ -484,6 +497,8 @@ class RunningServer:
                                               "job_memory_bytes": self.job_memory_bytes,
                                               "job_memory_enforced_by": self.pool.memory_cap_kind(),
                                               "max_files": config.max_files, "tls": bool(config.tls_cert_path),
+                                              "uploads_per_address": config.uploads_per_address,
+                                              "min_upload_bytes_per_second": config.min_upload_bytes_per_second,
                                               "token": bool(config.token), "pid": os.getpid()}})
 
     def drain_and_stop(self) -> None:

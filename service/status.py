@@ -32,6 +32,10 @@ class JobMemoryError(Exception):
     """A job's processes used more memory than the server's limit per job (--job-memory)."""
 
 
+class UploadTooSlowError(Exception):
+    """An upload brought fewer bytes a second than the server's minimum (--min-upload-rate)."""
+
+
 class IdleTimeoutError(Exception):
     """The client neither sent nor read for longer than the server's idle timeout."""
 
@@ -46,6 +50,7 @@ STATUS_BY_ERROR: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (JobMemoryError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (JobTimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
     (IdleTimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (UploadTooSlowError, grpc.StatusCode.DEADLINE_EXCEEDED),
     (errors.UnsupportedOpError, grpc.StatusCode.UNIMPLEMENTED),
     (errors.BudgetInfeasibleError, grpc.StatusCode.FAILED_PRECONDITION),
     (ShuttingDownError, grpc.StatusCode.UNAVAILABLE),

@@ -344,6 +344,80 @@ def test_a_job_allocating_four_times_the_memory_limit_at_once_is_stopped_by_the_
         assert not os.path.exists(worker["cgroup"])
 
 
+# -- tricklers and one address's many uploads ----------------------------------------------------
+def _trickled(first_messages: list, release: threading.Event, every_seconds: float = 0.2):
+    """Sends `first_messages`, then one byte of the file every `every_seconds` (never silent
+    for the idle timeout), until `release`."""
+    yield from first_messages
+    offset = 0
+    while not release.wait(every_seconds):
+        yield pb.OptimizeRequest(chunk=pb.FileChunk(offset=offset, data=b"x"))
+        offset += 1
+
+
+def test_an_upload_under_the_minimum_rate_is_ended(tmp_path, models):
+    """A client that trickles a byte every 0.2 s (never idle for the 60 s idle timeout) is ended
+    DEADLINE_EXCEEDED once a 2 s window brings fewer than 64 KiB a second; a fast upload of
+    32 MB and the legitimate client are served meanwhile, and nothing is left behind."""
+    server = ServerProcess(tmp_path / "work", "--workers", "1", "--idle-timeout", "60", "--job-timeout", "20",
+                           "--min-upload-rate", "64KiB", "--upload-rate-window", "2")
+    release = threading.Event()
+    try:
+        data = models["wide"].read_bytes()
+        header = pb.OptimizeRequest(file=pb.FileHeader(path="m.onnx", size_bytes=len(data),
+                                                       sha256=hashlib.sha256(data).hexdigest()))
+        with grpc.insecure_channel(server.target) as channel:
+            started = time.monotonic()
+            call = pb_grpc.GraphoptStub(channel).Optimize(
+                _trickled([pb.OptimizeRequest(options=make_options(measure=False)), header], release))
+            error = _error(lambda: call)
+            ended_after = time.monotonic() - started
+        assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED, error.details()
+        assert "--min-upload-rate" in error.details() and "65536 bytes a second" in error.details()
+        assert 2.0 <= ended_after < 30.0, ended_after      # after the window, long before the idle timeout
+        assert server.wait_for_log("call finished", status="DEADLINE_EXCEEDED")
+        with Client(server.target) as client:       # 32 MB at loopback speed: far over the minimum
+            report = client.optimize(models["wide"], tmp_path / "wide-out.onnx", strategy="chen-sqrt",
+                                     measure=False, verify=False, timeout_seconds=300)
+        assert report.strategy == "chen-sqrt"
+        _served(server, models, tmp_path)
+        assert server.wait_no_leftovers() == []
+    finally:
+        release.set()
+        server.kill()
+
+
+def test_one_address_holds_at_most_its_uploads(tmp_path, models):
+    """--uploads-per-address 2: two stalled uploads from 127.0.0.1, a third from there is refused
+    at once, naming the flag; a client from another address (::1) is served meanwhile; once the
+    two end, 127.0.0.1 is served again."""
+    server = ServerProcess(tmp_path / "work", "--host", "[::]", "--workers", "1", "--queue", "4",
+                           "--uploads-per-address", "2", "--idle-timeout", "60")
+    release = threading.Event()
+    try:
+        v4, v6 = f"127.0.0.1:{server.port}", f"[::1]:{server.port}"
+        with grpc.insecure_channel(v4) as channel:
+            stub = pb_grpc.GraphoptStub(channel)
+            held = [stub.Optimize(_stalled([pb.OptimizeRequest(options=make_options(measure=False))], release))
+                    for _ in range(2)]
+            server.wait_for_logs("call started", 2)
+            third = _error(lambda: stub.Optimize(iter([pb.OptimizeRequest(options=make_options(measure=False))])))
+            assert third.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, third.details()
+            assert "--uploads-per-address" in third.details() and "2 uploads from this address" in third.details()
+            with Client(v6) as client:                     # another address: served
+                client.optimize(models["mlp"], tmp_path / "v6.onnx", measure=False, timeout_seconds=120)
+            release.set()
+            for call in held:
+                _error(lambda: call)       # their streams ended without a model: an error each
+        server.wait_for_logs("call finished", 4)
+        with Client(v4) as client:
+            client.optimize(models["mlp"], tmp_path / "v4.onnx", measure=False, timeout_seconds=120)
+        assert server.wait_no_leftovers() == []
+    finally:
+        release.set()
+        server.kill()
+
+
 # -- idle streams against the thread pool --------------------------------------------------------
 # the idle timeout of the reflection test: every one of its 30 streams must arrive while the first
 # ones are still held (at 2 s, a loaded CI run once saw 13 held in turn and 17 refused, not 4 and 26)

@@ -29,6 +29,7 @@ EXPECTED = {
     status.JobMemoryError: grpc.StatusCode.RESOURCE_EXHAUSTED,
     status.JobTimeoutError: grpc.StatusCode.DEADLINE_EXCEEDED,
     status.IdleTimeoutError: grpc.StatusCode.DEADLINE_EXCEEDED,
+    status.UploadTooSlowError: grpc.StatusCode.DEADLINE_EXCEEDED,   # a client that trickles
     errors.UnsupportedOpError: grpc.StatusCode.UNIMPLEMENTED,
     errors.BudgetInfeasibleError: grpc.StatusCode.FAILED_PRECONDITION,
     errors.MemoryLimitError: grpc.StatusCode.FAILED_PRECONDITION,   # a budget that is a memory cap
