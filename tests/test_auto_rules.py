@@ -310,6 +310,10 @@ def test_local_searches_share_the_work_as_documented(n, seed):
         best = auto_plan(graph, budget)
         assert not best.notes["reached_floor"]
         assert _handed(best) == _shared_by_schedule(_work(graph))
+        # the first search from the best three seeds; each later one also from the best plan so
+        # far; the second of each schedule from keeping nothing alone
+        seeds = min(3, len(best.notes["seeds"]))
+        assert [s["seeds_given"] for s in best.notes["local_searches"]] == [seeds, 1, seeds + 1, 1, seeds + 1, 1]
         for search in best.notes["local_searches"]:
             # the safety net's time left, never less than the documented least
             assert A.MIN_SEARCH_SECONDS <= search["time_limit_seconds"] <= 60.0
@@ -376,12 +380,21 @@ def test_at_the_floor_the_work_goes_to_time(n, seed):
     work = _work(heavy)
     handed = _handed(best)
     assert handed[-1] == ("at-floor", None, work // 2, 0)
-    assert handed[:-1] == [("value-prefix", None, work // 8, 0)] * (len(handed) - 1)
+    assert handed[:-1] == [("value-prefix", None, work // 8, None)] * (len(handed) - 1)
     assert 1 <= len(handed) - 1 <= 2
     target = min(s["peak_bytes"] for s in best.notes["seeds"].values())
-    for search in best.notes["local_searches"]:
-        assert search["peak_bytes"] <= target
+    searches = best.notes["local_searches"]
+    for search in searches:
         assert search["evaluated_steps"] > 0
+    assert searches[-1]["peak_bytes"] <= target
+    # the prefixes: from nothing, then from the best seed's checkpoints (run here), which fit
+    first_seed = next(s for s in A.SEEDS if s.name == list(best.notes["seeds"])[0])
+    own = first_seed.solve(heavy, **A._seed_options(first_seed.name, heavy))
+    assert own.peak_bytes == target
+    prefixes = [s for s in searches if s["from"] == "value-prefix"]
+    assert [s["base_checkpoints"] for s in prefixes] == [0, len(own.checkpoints)][-len(prefixes):]
+    assert prefixes[-1]["peak_bytes"] <= target
+    assert 1 <= searches[-1]["seeds_given"] <= 3
 
 
 def _objective(peak_bytes, recompute_seconds, compute_seconds, budget_bytes, seconds_limit):
@@ -467,3 +480,38 @@ def test_budgetless_seeds_get_their_work_options(monkeypatch):
     assert limited.peak_bytes != unlimited.peak_bytes
     best = auto_plan(graph)
     assert best.notes["seeds"]["feng-huang"]["peak_bytes"] == limited.peak_bytes
+
+
+@pytest.mark.parametrize("n,seed,gap", [(6, 27, None), (12, 12, 8), (7, 10, 0)])
+def test_a_search_reaching_the_floor_spends_the_rest_on_time(n, seed, gap):
+    """No seed at the floor, but the searches of schedule `gap` reach it: the two value prefixes
+    (an eighth of that schedule's share each) and a search of half of it (MIN_EVALUATIONS
+    toggles at least) under the best of that schedule's two searches' peak, and no later
+    schedule is searched."""
+    graph = branching_cost_graph(n, seed=seed)
+    best = auto_plan(graph)
+    floor = peak_floor_bytes(graph)
+    assert best.notes["reached_floor"]
+    assert min(s["peak_bytes"] for s in best.notes["seeds"].values()) > floor * (1 + A.PEAK_TOLERANCE)
+    share = _work(graph) // 3
+    schedules = list(A.REFRESH_GAPS[:A.REFRESH_GAPS.index(gap) + 1])
+    before = [e for e in _shared_by_schedule(_work(graph)) if e[1] in schedules]
+    handed = _handed(best)
+    assert handed[:len(before)] == before
+    assert handed[len(before):] == [("value-prefix", gap, share // 8, None)] * 2 + [("at-floor", gap, share // 2, 4)]
+    searches = best.notes["local_searches"]
+    at_gap = [s for s in searches[:len(before)] if s["refresh_gap"] == gap]
+    reached = min(s["peak_bytes"] for s in at_gap)
+    assert reached <= floor * (1 + A.PEAK_TOLERANCE)
+    assert [s["budget_bytes"] for s in searches[len(before):]] == [reached] * 3
+    assert searches[-1]["peak_bytes"] <= reached       # the search under that peak keeps it
+    assert check_local_optima(graph, searches[-1:]) == 1
+    # the prefixes from nothing and from the better of the schedule's two searches
+    better = min(at_gap, key=lambda s: (s["peak_bytes"], s["recompute_seconds"]))
+    assert [s["base_checkpoints"] for s in searches[len(before):len(before) + 2]] == [0, len(better["checkpoints"])]
+    # the search under that peak starts from those of the three that fit it
+    assert 1 <= searches[-1]["seeds_given"] <= 3
+    # the result: within the tolerance of the least peak found, the least recompute seconds
+    least = min(s["peak_bytes"] for s in searches)
+    near = [s["recompute_seconds"] for s in searches if s["peak_bytes"] <= least * (1 + A.PEAK_TOLERANCE)]
+    assert best.recompute_seconds == pytest.approx(min(near))

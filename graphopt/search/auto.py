@@ -144,23 +144,22 @@ def _local_search(graph: CostGraph, searches: list[dict], start: str, gap: int |
                   starts: list[Plan], max_steps: int, min_evaluations: int, time_limit_seconds: float,
                   seconds_limit: float | None = None) -> Plan:
     """`greedy` from `starts` alone (none of its built-in seeds) under schedule `gap`, with this
-    much work; what it was handed and what it found appended to `searches` (the plan's
-    notes["local_searches"]: where the work went)."""
+    much work; what it was handed and what it found appended to `searches`."""
     plan = greedy(graph, budget_bytes, time_limit_seconds=time_limit_seconds, seeds=starts, max_seeds=0,
                   refresh_gap=gap, max_steps=max_steps, min_evaluations=min_evaluations,
                   seconds_limit=seconds_limit)
-    _searched(searches, start, plan, budget_bytes, max_steps, min_evaluations, time_limit_seconds, seconds_limit)
+    _searched(searches, start, plan)
     return plan
 
 
-def _searched(searches: list[dict], start: str, plan: Plan, budget_bytes: int | None, max_steps: int,
-              min_evaluations: int, time_limit_seconds: float | None = None,
-              seconds_limit: float | None = None) -> None:
-    searches.append({"from": start, "refresh_gap": plan.refresh_gap, "budget_bytes": budget_bytes,
-                     "seconds_limit": seconds_limit, "max_steps": max_steps, "min_evaluations": min_evaluations,
-                     "time_limit_seconds": time_limit_seconds,
-                     "evaluated_steps": plan.notes.get("evaluated_steps"),
-                     "evaluated_plans": plan.notes.get("evaluated_plans"),
+def _searched(searches: list[dict], start: str, plan: Plan) -> None:
+    """One local search's (or value prefix's) record in the plan's notes["local_searches"] (where
+    the work went): where it started, what it was handed and spent, by its own notes, and what it
+    found."""
+    handed = ("seeds_given", "base_checkpoints", "budget_bytes", "seconds_limit", "min_evaluations",
+              "time_limit_seconds", "evaluated_steps", "evaluated_plans")
+    searches.append({"from": start, "refresh_gap": plan.refresh_gap, "max_steps": plan.notes.get("step_limit"),
+                     **{key: plan.notes.get(key) for key in handed},
                      "checkpoints": plan.checkpoints, "peak_bytes": plan.peak_bytes,
                      "recompute_seconds": plan.recompute_seconds})
 
@@ -252,8 +251,7 @@ def auto(graph: CostGraph, budget_bytes: int | None = None, *,
         prefixes = [p for p in (value_prefix(graph, target, base, max_steps=work // 8)
                                 for base in ((), seeds[0].checkpoints)) if p is not None]
         for prefix in prefixes:
-            prefix.notes["seed"] = "value-prefix"
-            _searched(searches, "value-prefix", prefix, target, work // 8, 0)
+            _searched(searches, "value-prefix", prefix)
         fitting = sorted([p for p in seeds + prefixes if p.peak_bytes <= target],
                          key=lambda p: p.recompute_seconds)
         found.extend(prefixes)
@@ -282,8 +280,7 @@ def auto(graph: CostGraph, budget_bytes: int | None = None, *,
                 prefixes = [p for p in (value_prefix(graph, plan.peak_bytes, base, gap, max_steps=share // 8)
                                         for base in ((), plan.checkpoints)) if p is not None]
                 for prefix in prefixes:
-                    prefix.notes["seed"] = "value-prefix"
-                    _searched(searches, "value-prefix", prefix, plan.peak_bytes, share // 8, 0)
+                    _searched(searches, "value-prefix", prefix)
                 found.extend(prefixes)
                 fitting = sorted([q for q in [plan] + prefixes if q.peak_bytes <= plan.peak_bytes],
                                  key=lambda q: q.recompute_seconds)

@@ -69,7 +69,9 @@ def value_prefix(graph: CostGraph, budget_bytes: int, base=(), refresh_gap: int 
             lo, best = mid, plan
         else:
             hi = mid - 1
-    best.notes.update(added=lo, evaluated_plans=evaluated, evaluated_steps=steps)
+    # what it was handed and spent (auto's notes["local_searches"])
+    best.notes.update(seed="value-prefix", added=lo, base_checkpoints=len(base), budget_bytes=budget_bytes,
+                      step_limit=max_steps, evaluated_plans=evaluated, evaluated_steps=steps)
     return best
 
 
@@ -143,5 +145,8 @@ def greedy(graph: CostGraph, budget_bytes: int | None = None, *,
     best.notes["seed"] = best.notes.get("seed", best.strategy)
     best.strategy = "greedy"
     best.notes.update(evaluated_plans=evaluated, evaluated_steps=steps, search_seconds=time.perf_counter() - started,
-                      stopped_by_time=time.perf_counter() - started >= time_limit_seconds)
+                      stopped_by_time=time.perf_counter() - started >= time_limit_seconds,
+                      # what it was handed (auto's notes["local_searches"])
+                      seeds_given=len(given), budget_bytes=budget_bytes, seconds_limit=seconds_limit,
+                      step_limit=max_steps, min_evaluations=min_evaluations, time_limit_seconds=time_limit_seconds)
     return best
