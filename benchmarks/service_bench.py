@@ -113,6 +113,19 @@ class Server:
         self._log.close()
 
 
+def _descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        found.append(current)
+        try:
+            for task in Path(f"/proc/{current}/task").iterdir():
+                todo.extend(int(p) for p in (task / "children").read_text().split())
+        except OSError:
+            pass
+    return found
+
+
 class CpuMeter:
     """CPU used on the whole machine against CPU used by this benchmark (this process and its
     waited children, the server, its workers and their waited children) over a stretch of time:
@@ -130,7 +143,9 @@ class CpuMeter:
     def _ours(self) -> float:
         t = os.times()
         total = t.user + t.system + t.children_user + t.children_system
-        pids = [self.server.proc.pid, *self.server.worker_pids] if self.server else []
+        # the server, its workers, their warm measuring parents (whose reaped children's CPU is
+        # in their cutime and cstime) and whatever runs below them now
+        pids = _descendants(self.server.proc.pid) if self.server else []
         for pid in pids:
             try:
                 with open(f"/proc/{pid}/stat") as f:
@@ -186,7 +201,9 @@ def service_call(target: str, model_path: Path, output_path: Path, timeout: floa
 
 
 # ------------------------------------------------------------------ 1. latency / throughput --
-def run_level(server: Server, model_path: Path, out_dir: Path, clients: int, calls: int, timeout: float) -> dict:
+def run_level(server: Server, model_path: Path, out_dir: Path, clients: int, calls: int, timeout: float,
+              kind: str = "optimize") -> dict:
+    """`clients` clients, `calls` calls in all: optimize calls (verify on, measure off) or Analyze calls."""
     per_client = [calls // clients + (1 if i < calls % clients else 0) for i in range(clients)]
     latencies, dispatch, errors = [], [], {}
     lock = threading.Lock()
@@ -200,9 +217,12 @@ def run_level(server: Server, model_path: Path, out_dir: Path, clients: int, cal
                 marks = []
                 started = time.perf_counter()
                 try:
-                    client.optimize(model_path, out_dir / f"c{index}-{k}.onnx", timeout_seconds=timeout,
-                                    progress=lambda stage, f: marks.append((stage, time.perf_counter())),
-                                    verify=True, measure=False)
+                    if kind == "analyze":
+                        client.analyze(model_path, timeout_seconds=timeout)
+                    else:
+                        client.optimize(model_path, out_dir / f"c{index}-{k}.onnx", timeout_seconds=timeout,
+                                        progress=lambda stage, f: marks.append((stage, time.perf_counter())),
+                                        verify=True, measure=False)
                     seconds = time.perf_counter() - started
                     with lock:
                         latencies.append(seconds)
@@ -253,6 +273,23 @@ def latency_table(levels: list[dict], single: float, cores: int) -> list[str]:
                      f"| {fmt_s(nearest_rank(waits, 50))} / {fmt_s(nearest_rank(waits, 95))} "
                      f"| {level['overtaken']} | {throughput:.2f} | {fmt_s(single)} | {ideal:.2f} "
                      f"| {throughput / ideal:.2f} | {level['ours_cores']:.2f} / {level['others_cores']:.2f} |")
+    return lines
+
+
+def analyze_table(levels: list[dict], cores: int, size_bytes: int) -> list[str]:
+    lines = [f"### Tiny Analyze calls: mlp small training graph ({size_bytes / 1e3:.0f} kB)", "",
+             f"Server: --workers {WORKERS} --queue {QUEUE} on 127.0.0.1, {cores} cores shared with the clients. "
+             "Each client its own channel and thread, its calls one after another; throughput = successful "
+             "calls / the level's wall time; latencies: nearest rank.", "",
+             "| clients | calls | ok | errors | p50 | p95 | max | throughput calls/s | CPU ours / others (cores) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for level in levels:
+        lat = level["latencies"]
+        errors = ", ".join(f"{k} x{v}" for k, v in sorted(level["errors"].items())) or "0"
+        lines.append(f"| {level['clients']} | {level['calls']} | {level['ok']} | {errors} | "
+                     f"{fmt_s(nearest_rank(lat, 50))} | {fmt_s(nearest_rank(lat, 95))} | {fmt_s(max(lat, default=float('nan')))} "
+                     f"| {level['ok'] / level['wall_seconds']:.2f} "
+                     f"| {level['ours_cores']:.2f} / {level['others_cores']:.2f} |")
     return lines
 
 
@@ -359,6 +396,9 @@ def main() -> int:
                         help="verify on, measure off for the big model (when a call takes > ~2 min)")
     parser.add_argument("--skip-big", action="store_true")
     parser.add_argument("--json", help="also write the raw numbers here")
+    parser.add_argument("--analyze-calls", type=int, default=20,
+                        help="tiny Analyze calls per client at each level (0: skip that table)")
+    parser.add_argument("--skip-optimize", action="store_true", help="skip the optimize latency table")
     args = parser.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
     calls = [int(x) for x in args.calls.split(",")]
@@ -385,25 +425,41 @@ def main() -> int:
         server = Server(folder, WORKERS, QUEUE)
         say(f"server on {server.target}")
 
-        # warm both paths once (imports, first sessions), uncounted
-        in_process(small_path, folder / "warm_in.onnx", verify=True, measure=False)
-        service_call(server.target, small_path, folder / "warm_sv.onnx", 120, verify=True, measure=False)
-        server.note_workers()
-        single = statistics.median(in_process(small_path, folder / "in.onnx", verify=True, measure=False)
-                                   for _ in range(3))
-        say(f"in-process single call {single:.3f} s")
-        results = []
-        for clients, n in zip(levels, calls):
-            level_dir = folder / f"level{clients}"
-            level_dir.mkdir()
-            results.append(run_level(server, small_path, level_dir, clients, n, timeout=300))
-            shutil.rmtree(level_dir, ignore_errors=True)
-            r = results[-1]
-            say(f"{clients} clients: {r['ok']}/{n} ok, errors {r['errors']}, {r['wall_seconds']:.1f} s, "
-                f"CPU others {r['others_cores']:.2f} cores")
-        raw["latency"] = {"in_process_seconds": single, "levels": results}
-        out += latency_table(results, single, cores)
-        print("\n".join(out), flush=True)
+        if args.analyze_calls:
+            tiny_path = small_dir / "tiny.onnx"
+            save_model(training_example("mlp", small=True)[0], tiny_path)
+            with Client(server.target) as client:
+                client.analyze(tiny_path, timeout_seconds=120)      # uncounted: the first sessions
+            tiny = []
+            for clients in levels:
+                tiny.append(run_level(server, tiny_path, folder, clients, clients * args.analyze_calls, timeout=300,
+                                      kind="analyze"))
+                r = tiny[-1]
+                say(f"tiny Analyze, {clients} clients: {r['ok']}/{r['calls']} ok, errors {r['errors']}, "
+                    f"{r['ok'] / r['wall_seconds']:.2f} calls/s, p50 {fmt_s(nearest_rank(r['latencies'], 50))}")
+            raw["tiny_analyze"] = tiny
+            out += analyze_table(tiny, cores, tiny_path.stat().st_size) + [""]
+            print("\n".join(out), flush=True)
+        if not args.skip_optimize:
+            # warm both paths once (imports, first sessions), uncounted
+            in_process(small_path, folder / "warm_in.onnx", verify=True, measure=False)
+            service_call(server.target, small_path, folder / "warm_sv.onnx", 120, verify=True, measure=False)
+            server.note_workers()
+            single = statistics.median(in_process(small_path, folder / "in.onnx", verify=True, measure=False)
+                                       for _ in range(3))
+            say(f"in-process single call {single:.3f} s")
+            results = []
+            for clients, n in zip(levels, calls):
+                level_dir = folder / f"level{clients}"
+                level_dir.mkdir()
+                results.append(run_level(server, small_path, level_dir, clients, n, timeout=300))
+                shutil.rmtree(level_dir, ignore_errors=True)
+                r = results[-1]
+                say(f"{clients} clients: {r['ok']}/{n} ok, errors {r['errors']}, {r['wall_seconds']:.1f} s, "
+                    f"CPU others {r['others_cores']:.2f} cores")
+            raw["latency"] = {"in_process_seconds": single, "levels": results}
+            out += latency_table(results, single, cores)
+            print("\n".join(out), flush=True)
 
         if not args.skip_big:
             big_dir = folder / "big"

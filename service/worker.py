@@ -114,6 +114,9 @@ def main() -> int:
         answers.flush()
 
     import graphopt.optimize  # noqa: F401  (warm: the first job should not pay the imports)
+    import graphopt.tasks  # noqa: F401  (what the warm parent preloads)
+    from graphopt.runtime import warm
+    warm.warm_parent()       # started now, not in the first job: its measuring runs fork from it at once
     jobs: queue.Queue = queue.Queue()
     threading.Thread(target=_read_jobs, args=(jobs,), name="jobs", daemon=True).start()
     send({"ready": os.getpid()})

@@ -29,6 +29,7 @@ from .status import (CallCancelledError, JobMemoryError, JobTimeoutError, QueueF
 
 log = logging.getLogger(__name__)
 POLL_SECONDS = 0.1
+WORKER_START_SECONDS = 120.0   # a worker's imports and warm parent, on a loaded machine
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 
 
@@ -131,6 +132,20 @@ class Worker:
         self._buffer = bytearray(rest)
         return json.loads(line)
 
+    def wait_ready(self, timeout_seconds: float) -> None:
+        """Until the worker says it is ready (its imports done, its warm measuring parent
+        started); WorkerFailedError when it dies or takes longer."""
+        deadline = time.monotonic() + timeout_seconds
+        while not self.ready:
+            left = deadline - time.monotonic()
+            try:
+                event = self.read_event(max(0.0, left)) if left > 0 else None
+            except EOFError:
+                raise WorkerFailedError(f"a worker process failed to start (exit code {self.proc.wait()})") from None
+            if event is None:
+                raise WorkerFailedError(f"a worker process did not start within {timeout_seconds:g} s")
+            self.ready = "ready" in event
+
     def kill(self) -> None:
         if self.proc.returncode is not None and self.proc.stdin.closed:
             return
@@ -167,6 +182,13 @@ class WorkerPool:
         self._cond = threading.Condition()
         self._idle = [Worker(env, job_memory_bytes) for _ in range(size)]
         self._all = set(self._idle)   # idle and busy
+        try:
+            for worker in self._idle:    # they start together; the first calls find them ready
+                worker.wait_ready(WORKER_START_SECONDS)
+        except BaseException:
+            for worker in self._idle:
+                worker.kill()
+            raise
         self._uploading = 0
         self._line: collections.deque = collections.deque()   # calls waiting for a worker, in order
         self._admitted = 0
