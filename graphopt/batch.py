@@ -232,7 +232,8 @@ def run_batch(jobs: list[BatchJob], runner: Runner, options: BatchOptions, worke
             report = {}
         outcome.seconds = time.perf_counter() - started
         report = dict(report)
-        report["graphopt_batch"] = {"key": job.key, "status": outcome.status, "kind": job.kind,
+        # what the runner says of where the model ran (RayRunner: its node and task), then the batch's own
+        report["graphopt_batch"] = {**report.pop("graphopt_batch", {}), "key": job.key, "status": outcome.status, "kind": job.kind,
                                     "error": outcome.error, "seconds": outcome.seconds, "model": job.name,
                                     "nodes": _node_count(job.training_path)}
         job.out_dir.mkdir(parents=True, exist_ok=True)

@@ -295,11 +295,16 @@ def cmd_batch(args) -> int:
     from .batch_summary import write_summary
     options = batch_options_from_args(args)
     options.check()
+    if args.server and args.ray:
+        raise GraphoptError("--server and --ray each say where the models run: give one")
     if args.server:
         if args.sweep:
             raise GraphoptError("--sweep runs in-process only; drop --server or --sweep")
         from graphopt_service import commands
         runner = commands.remote_runner(args)
+    elif args.ray:
+        from .batch_ray import RayRunner
+        runner = RayRunner(args.ray, cpus_per_job=args.ray_cpus_per_job, memory_bytes=args.ray_memory)
     else:
         runner = LocalRunner()
     args.output.mkdir(parents=True, exist_ok=True)
@@ -464,6 +469,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--server", metavar="H:P[,H:P...]",
                    help="optimize on these servers (client-side round robin; one name may be a DNS name "
                         "resolving to many, e.g. a headless Service); default: worker processes here")
+    p.add_argument("--ray", metavar="ADDRESS",
+                   help="each model a task on a Ray cluster: 'auto' (the cluster this machine is in), 'local' "
+                        "(start one here) or its address; pip install 'graphopt[ray]'")
+    p.add_argument("--ray-cpus-per-job", type=int, default=1, metavar="N",
+                   help="CPUs each model's task declares to Ray (and the optimize's threads; default 1)")
+    p.add_argument("--ray-memory", type=parse_bytes, metavar="BYTES",
+                   help="memory each model's task declares to Ray (it runs only on a node with that much free)")
     p.add_argument("--budget-fraction", type=float, help="budget = this fraction of each model's predicted peak")
     p.add_argument("--loss", default="cross_entropy", metavar="KIND",
                    help="loss for forward models (cross_entropy, mse, output:NAME); training graphs go straight in")
