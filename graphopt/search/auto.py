@@ -289,7 +289,6 @@ def auto(graph: CostGraph, budget_bytes: int | None = None, *,
                 break
     best = choose(found, budget_bytes, cap_bytes=seeds[0].peak_bytes)
     best.notes.update(
-        seed=best.notes["seed"],
         seeds={p.notes["seed"]: {"peak_bytes": p.peak_bytes, "recompute_seconds": p.recompute_seconds}
                for p in seeds},
         seed_seconds=seed_seconds,
