@@ -344,6 +344,34 @@ def test_a_job_allocating_four_times_the_memory_limit_at_once_is_stopped_by_the_
         assert not os.path.exists(worker["cgroup"])
 
 
+def test_the_memory_groups_of_a_killed_server_are_removed_at_the_next_start(tmp_path):
+    """A server killed with SIGKILL cannot remove its workers' groups; the next server on the
+    machine removes those of servers that are gone (and only those: its own stay)."""
+    from graphopt_service.memory_cap import MemoryCap
+    probe = MemoryCap.create(1 << 30)
+    probe.close(attempts=1)
+    first = ServerProcess(tmp_path / "work1", "--workers", "1", "--job-memory", "1GiB")
+    try:
+        group = first.wait_for_log("worker memory cap")["cgroup"]
+    finally:
+        first.kill()
+    assert (group is not None) == (probe.folder is not None)     # a group wherever one can be made
+    if group is None:
+        return                                                    # RLIMIT_DATA: nothing to sweep
+    deadline = time.monotonic() + 30
+    while Path(group, "cgroup.procs").read_text().strip():        # the worker dies with its server
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert os.path.isdir(group)                                   # left behind by the killed server
+    second = ServerProcess(tmp_path / "work2", "--workers", "1", "--job-memory", "1GiB")
+    try:
+        own = second.wait_for_log("worker memory cap")["cgroup"]
+        assert not os.path.exists(group) and os.path.isdir(own)
+    finally:
+        second.terminate()
+    assert not os.path.exists(own)
+
+
 # -- tricklers and one address's many uploads ----------------------------------------------------
 def _trickled(first_messages: list, release: threading.Event, every_seconds: float = 0.2):
     """Sends `first_messages`, then one byte of the file every `every_seconds` (never silent
