@@ -10,7 +10,10 @@ checkout clean and lets each module have its own settings): `mutmut run`, then `
 --all true`. Printed: one row per module, the mutants killed (a test failed, or the mutant hung
 past mutmut's timeout), survived (the tests passed), not covered (no selected test runs the
 function), listed as equivalent (`EQUIVALENT_FILE`: a mutant that cannot change what the code
-does, one line each saying why) and the score, killed over all but the equivalent ones.
+does, one line each saying why, with the digest of its diff: a listed name that now means
+another mutant, after an edit renumbered them, is judged by its status and reported stale) and
+the score, killed over all but the equivalent ones. `--pin-equivalents` prints the listed
+mutants of the modules beside their reasons, for review, and writes their digests.
 `--survivors` prints each surviving or uncovered mutant's diff (`mutmut show`), and each one killed
 by mutmut's timeout alone (on a loaded machine a mutant may only have been slow: judge those).
 
@@ -19,6 +22,7 @@ mutmut is in the test extra (`pip install -e '.[test]'`).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import shutil
 import subprocess
@@ -102,16 +106,33 @@ def _configure(folder: str, path: str, tests: list[str]) -> None:
         f.write(head.rstrip() + "\n\n" + section + tail)
 
 
-def equivalent_mutants() -> dict[str, str]:
-    """name -> why, from EQUIVALENT_FILE (``name  # why`` per line)."""
+def equivalent_mutants() -> dict[str, tuple[str, str]]:
+    """name -> (digest, why), from EQUIVALENT_FILE (``name [digest]  # why`` per line; the
+    digest is that of the mutant's diff when it was judged, `mutant_digest`)."""
     found = {}
     if os.path.exists(EQUIVALENT_FILE):
         with open(EQUIVALENT_FILE) as f:
             for line in f:
-                name, _, why = line.partition("#")
-                if name.strip():
-                    found[name.strip()] = why.strip()
+                head, _, why = line.partition("#")
+                name, _, digest = head.strip().partition(" ")
+                if name:
+                    found[name] = (digest.strip().strip("[]"), why.strip())
     return found
+
+
+def mutant_diff(folder: str, env: dict, mutant: str) -> list[str]:
+    """The lines a mutant removes and adds (`mutmut show`), stripped."""
+    shown = subprocess.run([sys.executable, "-m", "mutmut", "show", mutant], cwd=folder, env=env,
+                           capture_output=True, text=True).stdout
+    return [line[0] + line[1:].strip() for line in shown.splitlines()
+            if line[:1] in "+-" and not line.startswith(("---", "+++"))]
+
+
+def mutant_digest(diff: list[str]) -> str:
+    """What an equivalent mutant's line in EQUIVALENT_FILE pins: mutmut numbers a function's
+    mutants in order, so an edit of the function gives its numbers to other mutants; a listed
+    name whose diff no longer has this digest is not counted as equivalent ("stale")."""
+    return hashlib.sha256("\n".join(diff).encode()).hexdigest()[:10]
 
 
 def run_module(name: str, children: int, survivors: bool, modules: dict = MODULES) -> Counter:
@@ -135,8 +156,15 @@ def run_module(name: str, children: int, survivors: bool, modules: dict = MODULE
             if not mutant:
                 continue
             if mutant in equivalent:
-                counts["equivalent"] += 1
-            elif status in KILLED:
+                diff = mutant_diff(folder, env, mutant)
+                if mutant_digest(diff) == equivalent[mutant][0]:
+                    counts["equivalent"] += 1
+                    continue
+                # listed, but the mutant of that name is another one now: judged by its status
+                counts["stale equivalent"] += 1
+                print(f"stale in {os.path.basename(EQUIVALENT_FILE)}: {mutant} ({status}) is now "
+                      f"{' | '.join(diff)}", file=sys.stderr, flush=True)
+            if status in KILLED:
                 counts["killed"] += 1
                 if status == "timeout":     # killed, but on a busy machine perhaps only slow: shown
                     counts["timeout"] += 1
@@ -155,6 +183,40 @@ def run_module(name: str, children: int, survivors: bool, modules: dict = MODULE
         return counts
 
 
+def pin_equivalents(name: str) -> None:
+    """Print each mutant EQUIVALENT_FILE lists for module `name` beside why it is listed, and
+    write its digest into its line (review what is printed: a name that now means another
+    mutant must be judged again, not pinned)."""
+    path, tests = MODULES[name]
+    with tempfile.TemporaryDirectory(prefix="graphopt-mutation-") as folder:
+        _copy_tracked(folder)
+        mutated = _as_imported(folder, path)
+        _configure(folder, mutated, tests)
+        env = dict(os.environ, PYTHONPATH=folder)
+        prefix = mutated[:-len(".py")].replace("/", ".") + "."
+        listed = [n for n in equivalent_mutants() if n.startswith(prefix)]
+        if not listed:
+            return
+        # mutmut writes every mutant of the module before it runs the first one named
+        subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children", "1", listed[0]], cwd=folder, env=env,
+                       capture_output=True)
+        digests = {}
+        for mutant in listed:
+            diff = mutant_diff(folder, env, mutant)
+            digests[mutant] = mutant_digest(diff)
+            print(f"{mutant}: {' | '.join(diff) or 'NO SUCH MUTANT'}\n    listed because: "
+                  f"{equivalent_mutants()[mutant][1]}")
+    with open(EQUIVALENT_FILE) as f:
+        lines = f.read().splitlines()
+    for i, line in enumerate(lines):
+        head, hash_mark, why = line.partition("#")
+        mutant = head.strip().split(" ")[0]
+        if mutant in digests and not line.startswith("#"):
+            lines[i] = f"{mutant} [{digests[mutant]}]  #{why}"
+    with open(EQUIVALENT_FILE, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
 def score(counts: Counter) -> float:
     judged = counts["killed"] + counts["survived"] + counts["not covered"]
     return counts["killed"] / judged if judged else 1.0
@@ -165,11 +227,17 @@ def main() -> None:
     ap.add_argument("--modules", default=",".join(MODULES))
     ap.add_argument("--children", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--survivors", action="store_true")
+    ap.add_argument("--pin-equivalents", action="store_true",
+                    help="print the modules' listed equivalent mutants and pin their digests (no run)")
     args = ap.parse_args()
     names = [n for n in args.modules.split(",") if n]
     unknown = [n for n in names if n not in MODULES]
     if unknown:
         raise SystemExit(f"unknown modules {unknown} (known: {', '.join(MODULES)})")
+    if args.pin_equivalents:
+        for name in names:
+            pin_equivalents(name)
+        return
     rows = []
     for name in names:
         counts = run_module(name, args.children, args.survivors)
