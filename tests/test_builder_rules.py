@@ -12,8 +12,9 @@ gradient graph's operators say which one was written. The pure helpers (`per_tap
 docstrings' rules worked out here. One small model goes through build_training_graph itself.
 
 Tolerance: float32 against float64 on sums of at most a few hundred products of numbers near 1:
-max|got - torch| <= TOL * max|torch| per tensor (float32's relative rounding is 6e-8; the largest
-error seen here was under 1e-6 of the scale), so a wrong element anywhere near the scale fails.
+max|got - torch| <= TOL (2e-5) * max|torch| per tensor. Measured: at most 4.2e-6 of the scale,
+in BatchNormalization's narrowest channel (0.01 wide around a mean near 1: float32's 6e-8 over
+0.01), under 5e-7 everywhere else; so a wrong element anywhere near the scale fails.
 
 Fast (no model export; about a second per dozen cases): the mutation selection of
 builder.rules (tests/mutation.py).
@@ -306,7 +307,7 @@ def test_slice_positions_reads_what_onnx_runtime_reads():
 
 
 def test_slice_positions_refuses_a_zero_step():
-    with pytest.raises(UnsupportedOperator, match="step of 0"):
+    with pytest.raises(UnsupportedOperator, match="^Slice with a step of 0$"):
         rules.slice_positions(5, 0, 5, 0)
 
 
@@ -518,12 +519,15 @@ def test_grouped_weight_gradient_needs_static_shapes():
     x_shape, w_shape, attrs, bias, _ = CONV_CASES["grouped"]
     arrays = _conv_arrays(x_shape, w_shape, False)
     model = _model([_conv_node(attrs, False)], arrays, ["n", 6, 3, 5], dynamic={"x": 0})
-    with pytest.raises(UnsupportedOperator, match=r"weight gradient needs static shapes \(the shape of 'y'"):
+    with pytest.raises(UnsupportedOperator, match=r"^a grouped or transposed convolution's weight gradient needs static shapes \(the shape of 'y' is not "
+                                                  r"known\)$"):
         _reverse(model, ["w"])
+    # a ConvTranspose's output known, its input not: weight_gradient's own refusal
     x_shape, w_shape, attrs, _ = CONV_TRANSPOSE_CASES["grouped"]
     arrays = _conv_arrays(x_shape, w_shape, False)
-    model = _model([_conv_node(attrs, False, "ConvTranspose")], arrays, ["n", 4, 5, 5], dynamic={"x": 0})
-    with pytest.raises(UnsupportedOperator, match="weight gradient needs static shapes"):
+    model = _model([_conv_node(attrs, False, "ConvTranspose")], arrays, [2, 4, 5, 5], dynamic={"x": 0})
+    with pytest.raises(UnsupportedOperator, match="^a grouped or transposed convolution's weight gradient needs static "
+                                                  "shapes$"):
         _reverse(model, ["w"])
 
 
@@ -718,22 +722,22 @@ def test_slice_refusals_name_the_problem():
     node = helper.make_node("Slice", ["x", "starts", "ends", "axes", "steps"], ["y"])
     bounds = {"starts": np.array([0], np.int64), "ends": np.array([6], np.int64), "axes": np.array([1], np.int64)}
     fed_steps = _model([node], {**arrays, "steps": np.array([2], np.int64)}, [4, 3, 5], bounds)
-    with pytest.raises(UnsupportedOperator, match="constant steps"):
+    with pytest.raises(UnsupportedOperator, match="^Slice is differentiable only with constant steps$"):
         _reverse(fed_steps, ["x"])
     fed_starts = _model([node], {**arrays, "starts": np.array([0], np.int64)}, [4, 3, 5],
                         {k: v for k, v in {**bounds, "steps": np.array([2], np.int64)}.items() if k != "starts"})
-    with pytest.raises(UnsupportedOperator, match="constant bounds"):
+    with pytest.raises(UnsupportedOperator, match="^Slice is differentiable only with constant bounds$"):
         _reverse(fed_starts, ["x"])
     fed_ends = _model([node], {**arrays, "ends": np.array([6], np.int64)}, [4, 3, 5],
                       {k: v for k, v in {**bounds, "steps": np.array([2], np.int64)}.items() if k != "ends"})
-    with pytest.raises(UnsupportedOperator, match="constant bounds"):
+    with pytest.raises(UnsupportedOperator, match="^Slice is differentiable only with constant bounds$"):
         _reverse(fed_ends, ["x"])
     unknown = _model([node], arrays, [4, 3, 5], {**bounds, "steps": np.array([2], np.int64)}, dynamic={"x": 0})
     unknown.graph.input[0].type.tensor_type.ClearField("shape")
-    with pytest.raises(UnsupportedOperator, match="declared shape"):
+    with pytest.raises(UnsupportedOperator, match="^Slice needs a declared shape to be differentiated in reverse mode$"):
         _reverse(unknown, ["x"])
     zero_step = _model([node], arrays, [4, 3, 5], {**bounds, "steps": np.array([0], np.int64)})
-    with pytest.raises(UnsupportedOperator, match="step of 0"):
+    with pytest.raises(UnsupportedOperator, match="^Slice with a step of 0$"):
         _reverse(zero_step, ["x"])
 
 
