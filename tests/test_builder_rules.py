@@ -38,6 +38,9 @@ from graphopt.builder.train_graph import build_training_graph
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
+# torch's OpenMP pool is not fork-safe: in mutmut's children, forked from a process that ran these
+# tests, a convolution waited forever on the parent's threads (every such mutant a timeout)
+torch.set_num_threads(1)
 
 TOL = 2e-5
 OPSET = 17
