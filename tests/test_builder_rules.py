@@ -271,6 +271,9 @@ def test_transposed_pads_lost_follows_its_docstring():
     assert lost([1, 0, 1, 1], [1, 1], [4, 3, 3, 3], [2, 3, 6, 5])   # the second axis: out 4, total 1, first pad 0
     assert not lost([1, 1, 0, 1], [2, 2], [4, 3, 3, 3], [2, 3, 6, 6])   # totals 1 and 1, first pads 1 and 1
     assert lost([1, 0, 1, 1], [2, 2], [4, 3, 3, 3], [2, 3, 6, 6])       # the second axis: total 1, first pad 0
+    # each axis its own kernel size: [4, 5, 3, 2] (5 input channels)
+    assert not lost([1, 1, 1, 0], [1, 1], [4, 5, 3, 2], [2, 5, 6, 6])   # out 6, 6: totals 2, 1 -> 1, 1
+    assert lost([1, 0, 1, 1], [1, 1], [4, 5, 3, 2], [2, 5, 6, 6])       # the second: total 1, first pad 0
     attrs = {"group": 1, "strides": [2], "pads": [0, 1], "dilations": [1]}
     assert not rules.transposed_pads_lost(attrs, None, [2, 3, 6], [2, 4, 3])   # unknown: onnx-ad's rule
     assert not rules.transposed_pads_lost(attrs, [4, 3, 3], None, [2, 4, 3])
@@ -383,6 +386,10 @@ CONV_CASES = {
     "more_filters": ([2, 8, 5, 5], [12, 8, 3, 3], dict(pads=[1, 1, 1, 1]), False, "per_tap"),
     "more_filters_strided": ([2, 8, 6, 5], [12, 8, 2, 3], dict(strides=[2, 1], dilations=[1, 2]), False, "per_tap"),
     "few_channels": ([2, 3, 5, 5], [4, 3, 3, 3], dict(pads=[1, 1, 1, 1]), True, "onnx_ad"),
+    "few_channels_1d": ([2, 3, 9], [4, 3, 3], dict(pads=[1, 1]), False, "onnx_ad"),
+    "few_channels_3x1": ([2, 3, 5, 5], [4, 3, 3, 1], dict(pads=[1, 0, 1, 0]), False, "onnx_ad"),
+    "same_channels": ([2, 8, 5, 5], [8, 8, 3, 3], dict(pads=[1, 1, 1, 1]), False, "per_tap"),
+    "two_taps": ([2, 8, 5, 6], [4, 8, 1, 2], dict(pads=[0, 1, 0, 0]), False, "per_tap"),
     "stride_remainder": ([2, 3, 5, 7], [4, 3, 2, 2], dict(strides=[3, 3], pads=[1, 1, 1, 1]), True, "onnx_ad"),
     "tf_same": ([2, 3, 6, 6], [4, 3, 3, 3], dict(strides=[2, 2], pads=[0, 0, 1, 1]), False, "onnx_ad"),
 }
@@ -438,6 +445,74 @@ def test_conv_gradients_against_torch(name):
             assert any(o.startswith("a_conv_w") for n in gradient_graph.graph.node for o in n.output)
         else:
             assert not any(o.startswith("a_conv_w") for n in gradient_graph.graph.node for o in n.output)
+
+
+def _initializers(gradient_graph):
+    return {t.name: numpy_helper.to_array(t) for t in gradient_graph.graph.initializer}
+
+
+@pytest.mark.parametrize("name", [n for n, case in CONV_CASES.items() if case[4] in ("per_tap", "depthwise")])
+def test_per_tap_layout_follows_its_docstring(name):
+    """per_tap_weight_gradient's docstring, on the gradient graph: one product per tap, a Gemm
+    taking the larger operand first (or, depthwise, a Mul and a ReduceSum). At stride 1 with
+    fewer filters than channels (ungrouped) the adjoint moves: one flattened copy with `reach`
+    zeros before each image, reach = sum((k - 1) * dilation * grid) over the padded grid's row
+    sizes, and per tap a Slice of it at reach minus the tap's flat offset; the source rows are
+    shared by every tap. Otherwise the (padded) source is read per tap at the tap's offset with
+    the strides as steps, and the adjoint rows are shared. A 1 x 1 kernel at stride 1 without
+    pads moves nothing (no Slice, no Pad, no Concat)."""
+    x_shape, w_shape, attrs, bias, form = CONV_CASES[name]
+    arrays = _conv_arrays(x_shape, w_shape, bias, name)
+    output_shape = _torch_conv(torch.zeros(x_shape), torch.zeros(w_shape), **attrs).shape
+    gradient_graph = _reverse(_model([_conv_node(attrs, bias)], arrays, output_shape), ["w"])
+    nodes = list(gradient_graph.graph.node)
+    constants = _initializers(gradient_graph)
+    producers = {o: n for n in nodes for o in n.output}
+    spatial = len(w_shape) - 2
+    strides, dilations = attrs.get("strides", [1] * spatial), attrs.get("dilations", [1] * spatial)
+    pads = attrs.get("pads", [0] * 2 * spatial)
+    filters, channels, kernel = w_shape[0], x_shape[1], w_shape[2:]
+    taps = list(itertools.product(*(range(k) for k in kernel)))
+    ops = [n.op_type for n in nodes[1:]]
+    whole = all(k == 1 for k in kernel) and all(s == 1 for s in strides) and not any(pads)
+    shift = form == "per_tap" and filters < channels and all(s == 1 for s in strides)
+    if form == "depthwise":
+        assert ops.count("Mul") == len(taps) and ops.count("ReduceSum") == len(taps) and "Gemm" not in ops
+    else:
+        gemms = [n for n in nodes if n.op_type == "Gemm"]
+        assert len(gemms) == len(taps)
+
+        def rows(value):   # each Gemm operand is a Reshape to [rows, -1]
+            return int(constants[producers[value].input[1]][0])
+        for gemm in gemms:
+            assert rows(gemm.input[0]) >= rows(gemm.input[1]), "the larger operand first"
+            assert {rows(gemm.input[0]), rows(gemm.input[1])} == {filters, channels}
+        if len(taps) > 1:
+            (shared,) = set.intersection(*(set(g.input[:2]) for g in gemms))
+            assert rows(shared) == (channels if shift else filters)
+    if whole:
+        assert not {"Slice", "Pad", "Concat"} & set(ops), ops
+        return
+    assert ops.count("Concat") == (1 if len(taps) > 1 else 0)
+    padded = [d + pads[i] + pads[spatial + i] for i, d in enumerate(x_shape[2:])]
+    grid = [int(np.prod(padded[i + 1:])) for i in range(spatial)]
+    moved = [n for n in nodes if n.op_type == "Slice"]
+    shifted = [n for n in nodes if n.op_type == "Pad" and producers.get(n.input[0]) is not None
+               and producers[n.input[0]].op_type == "Reshape"]
+    if shift:
+        reach = sum((k - 1) * d * g for k, d, g in zip(kernel, dilations, grid))
+        assert [constants[n.input[1]].tolist() for n in shifted] == [[0, 0, reach, 0, 0, 0]]
+        starts = sorted(reach - sum(t * d * g for t, d, g in zip(tap, dilations, grid)) for tap in taps)
+        assert sorted(int(constants[n.input[1]][0]) for n in moved) == starts
+        flat = int(np.prod(padded))
+        assert all(constants[n.input[2]][0] - constants[n.input[1]][0] == flat for n in moved)
+    else:
+        assert shifted == []
+        out_sizes = list(output_shape[2:])
+        expected = sorted(([t * d for t, d in zip(tap, dilations)],
+                           [t * d + s * (n - 1) + 1 for t, d, s, n in zip(tap, dilations, strides, out_sizes)],
+                           list(range(2, 2 + spatial)), list(strides)) for tap in taps)
+        assert sorted([constants[i].tolist() for i in n.input[1:]] for n in moved) == [list(e) for e in expected]
 
 
 @pytest.mark.parametrize("name", ["grouped", "depthwise", "fewer_filters", "pointwise", "more_filters_strided"])
@@ -600,6 +675,30 @@ def test_batch_norm_training_against_torch(shape, epsilon):
     _check([node], arrays, ["scale"], bn)
 
 
+def test_batch_norm_gradient_types():
+    """The backward is written in X's type (epsilon included): in float64 it matches torch, and
+    with float64 X beside float32 running statistics (ONNX allows it; ONNX Runtime's CPU kernels do
+    not run it) the gradient graph passes onnx's full type check."""
+    node = helper.make_node("BatchNormalization", ["x", "scale", "bias", "mean", "var"], ["y", "mean_out", "var_out"],
+                            training_mode=1)
+    arrays = {k: v.astype(np.float64) for k, v in _bn_arrays([3, 4, 2, 3]).items()}
+
+    def bn(x, scale, bias, mean, var):
+        return F.batch_norm(x, mean.detach().clone(), var.detach().clone(), scale, bias, training=True)
+    output_shape = [3, 4, 2, 3]
+    seed = _random(*output_shape).astype(np.float64)
+    model = _model([node], arrays, output_shape, output_type=TensorProto.DOUBLE)
+    gradient_graph = _reverse(model, ["x", "scale", "bias"])
+    onnx.checker.check_model(gradient_graph, full_check=True)
+    got = _run(gradient_graph, {**arrays, "adj_y": seed[..., None]})
+    _, expected = _torch_reference(bn, arrays, ["x", "scale", "bias"], seed)
+    for name in ("x", "scale", "bias"):
+        np.testing.assert_allclose(got[f"adj_{name}"][..., 0], expected[name], rtol=1e-9, atol=1e-9)
+    mixed = {k: (v if k in ("x", "scale", "bias") else v.astype(np.float32)) for k, v in arrays.items()}
+    gradient_graph = _reverse(_model([node], mixed, output_shape, output_type=TensorProto.DOUBLE), ["x", "scale"])
+    onnx.checker.check_model(gradient_graph, full_check=True)
+
+
 @pytest.mark.parametrize("training_mode", [None, 0])
 def test_batch_norm_inference_against_torch(training_mode):
     arrays = _bn_arrays([3, 4, 2, 3])
@@ -665,6 +764,7 @@ SLICE_CASES = {
     "unit_steps": ([1, 2], [3, 5], [0, 2], [1, 1]),
     "strided_to_the_end": ([2], [6], [1], [2]),
     "backwards_from_before_the_start": ([-9], [-BIG], [1], [-2]),
+    "every_other_end_to_end": ([0, 3], [5, -BIG], [2, 0], [2, -3]),
 }
 SLICE_INPUT = [4, 6, 5]
 
@@ -692,6 +792,31 @@ def _torch_slice(name):
     return fn
 
 
+def _slice_moves(name):
+    """The moves the module docstring lists, per axis the slice reads with a step: reversed (a
+    Slice) if the step is negative and it reads more than one position, interleaved with zeros
+    (Unsqueeze, Pad, Reshape, Slice) if |step| > 1 and more than one, zero-padded (a Pad) unless
+    the positions read reach both ends. Worked out from the positions ONNX Runtime reads."""
+    node, constants = _slice_node(name)
+    _, _, axes, steps = SLICE_CASES[name]
+    axes = list(range(len(steps))) if axes is None else [a % 3 for a in axes]
+    iota = np.arange(np.prod(SLICE_INPUT), dtype=np.float32).reshape(SLICE_INPUT)
+    flat = _run(_model([node], {"x": iota}, [None] * 3, constants), {"x": iota})["y"].astype(np.int64)
+    read = np.unravel_index(flat.reshape(-1), SLICE_INPUT)
+    moves = {"Slice": 1, "Pad": 0, "Reshape": 0}   # the forward's Slice
+    for axis, step in zip(axes, steps):
+        positions = set(read[axis].tolist())
+        if step < 0 and len(positions) > 1:
+            moves["Slice"] += 1
+        if abs(step) > 1 and len(positions) > 1:
+            moves["Slice"] += 1
+            moves["Pad"] += 1
+            moves["Reshape"] += 1
+        if min(positions) > 0 or max(positions) < SLICE_INPUT[axis] - 1:
+            moves["Pad"] += 1
+    return moves
+
+
 @pytest.mark.parametrize("name", list(SLICE_CASES))
 def test_slice_against_torch(name):
     node, constants = _slice_node(name)
@@ -699,6 +824,26 @@ def test_slice_against_torch(name):
     gradient_graph = _check([node], arrays, ["x"], _torch_slice(name), constants=constants)
     assert all(n.op_type in {"Slice", "Pad", "Unsqueeze", "Reshape", "Expand", "Identity"}
                for n in gradient_graph.graph.node), "data movement only"
+    if name != "unit_steps":   # steps of 1: onnx-ad's rule, one Pad
+        ops = [n.op_type for n in gradient_graph.graph.node]
+        assert {op: ops.count(op) for op in ("Slice", "Pad", "Reshape")} == _slice_moves(name)
+
+
+@pytest.mark.parametrize("name", ["swin_patches", "three_axes", "no_axes", "mixed"])
+def test_slice_with_two_seeds(name):
+    """Two adjoints at once (onnx-ad's trailing seed axis of 2): each is the gradient of its own
+    seed (the rule moves data only, the seed axis along)."""
+    node, constants = _slice_node(name)
+    arrays = {"x": _random(*SLICE_INPUT, rng=np.random.default_rng(4))}
+    fn = _torch_slice(name)
+    output_shape = tuple(fn(torch.zeros(SLICE_INPUT)).shape)
+    seeds = np.random.default_rng(7).standard_normal(output_shape + (2,)).astype(np.float32)
+    gradient_graph = _reverse(_model([node], arrays, output_shape, constants), ["x"])
+    got = _run(gradient_graph, {**arrays, "adj_y": seeds})["adj_x"]
+    assert got.shape == tuple(SLICE_INPUT) + (2,)
+    for k in range(2):
+        _, expected = _torch_reference(fn, arrays, ["x"], seeds[..., k])
+        _assert_close(got[..., k], expected["x"], f"dx, seed {k}")
 
 
 def test_slice_reading_nothing_has_a_zero_gradient():
@@ -782,6 +927,20 @@ def test_gather_against_torch(name):
                             constants={"index": np.array(index, np.int64)})
     ops = _added_ops(gradient_graph)
     assert ("ScatterND" not in ops) is as_pad, ops
+
+
+def test_gather_of_unknown_shape_is_onnx_ads():
+    """Data of unknown batch: onnx-ad's scatter (graphopt's Pad needs the extent)."""
+    arrays = {"x": _random(3, 4, 5)}
+    node = helper.make_node("Gather", ["x", "index"], ["y"], axis=1)
+    seed = _random(3, 5)
+    for dynamic in ({"x": 0}, {"x": 1}):
+        model = _model([node], arrays, ["n", 5], {"index": np.array(2, np.int64)}, dynamic=dynamic)
+        gradient_graph = _reverse(model, ["x"])
+        assert "ScatterND" in _added_ops(gradient_graph)
+        got = _run(gradient_graph, {**arrays, "adj_y": seed[..., None]})["adj_x"][..., 0]
+        _, expected = _torch_reference(lambda x: x[:, 2], arrays, ["x"], seed)
+        _assert_close(got, expected["x"], "dx")
 
 
 def test_gather_of_a_fed_index_is_onnx_ads():
