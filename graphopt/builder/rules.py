@@ -12,6 +12,10 @@
   output ones): the adjoint convolved
   with the weight transposed (and flipped in space), not onnx-ad's ConvTranspose
   (conv_input_gradient_applies).
+* The input of a Conv whose pads onnx-ad's ConvTranspose would lose (transposed_pads_lost:
+  given the input's shape as output_shape, ONNX splits the padding itself, the larger half
+  first; asymmetric pads such as TF's SAME at stride 2, or strides of 3 and more leaving a
+  remainder): a ConvTranspose with the Conv's pads and the remainder as output_padding.
 * MatMul of a sequence by a weight matrix: the weight's gradient as one Gemm over the
   flattened rows instead of a product per batch row summed afterwards.
 * BatchNormalization in training mode: onnx-ad differentiates only the inference form (an
@@ -201,6 +205,9 @@ def _with_seed_axis(ctx, value):
 
 def _without_seed_axis(ctx, seeded, primal):
     static = ctx.shapes.static(primal)
+    if static is None:   # a grouped Conv over an unknown batch: its weight gradient cannot be written
+        raise UnsupportedOperator(f"a grouped or transposed convolution's weight gradient needs static shapes "
+                                  f"(the shape of {primal!r} is not known)")
     return ctx.b.op("Reshape", [seeded, ctx.b.ints(list(static))], stem="unseeded")
 
 
@@ -276,6 +283,28 @@ def conv_input_gradient_applies(attrs, kernel, input_shape, fed: bool = False) -
             and all(0 <= pads[i] <= reach[i] and 0 <= pads[spatial + i] <= reach[i] for i in range(spatial)))
 
 
+def transposed_pads_lost(attrs, kernel, input_shape, output_shape) -> bool:
+    """Whether onnx-ad's input gradient of a Conv pads differently from the Conv: onnx-ad writes
+    a ConvTranspose given the input's shape (`output_shape`), and with `output_shape` ONNX (and
+    ONNX Runtime) ignore its pads and split the total padding, stride * (out - 1) + (kernel - 1)
+    * dilation + 1 - in (at least 0), the larger half first. That is the Conv's own only where its
+    first pad is that larger half: not for asymmetric pads (TF's SAME at stride 2: [0, 1]) nor
+    for strides that leave a remainder beside pads ([2, 2] at stride 3 over 5): the gradient
+    would come out shifted. Shapes not all known: False (onnx-ad's rule, nothing better)."""
+    if kernel is None or input_shape is None or output_shape is None:
+        return False
+    if None in kernel or None in input_shape or None in output_shape:
+        return False
+    spatial = len(kernel) - 2
+    pads, strides, dilations = attrs["pads"], attrs["strides"], attrs["dilations"]
+    for i in range(spatial):
+        total = max(0, strides[i] * (output_shape[2 + i] - 1) + (kernel[2 + i] - 1) * dilations[i] + 1
+                    - input_shape[2 + i])
+        if pads[i] != total - total // 2:
+            return True
+    return False
+
+
 def _conv_reverse(ctx, node, grads):
     attrs, spatial = _conv_attributes(ctx, node)
     x, w, y = node.input[0], node.input[1], node.output[0]
@@ -285,10 +314,20 @@ def _conv_reverse(ctx, node, grads):
     weight_here = ctx.asked_for(w) and (attrs["group"] != 1 or (
         kernel is not None and per_tap_applies(x_shape, y_shape, kernel[2:], 1)))
     input_here = ctx.asked_for(x) and conv_input_gradient_applies(attrs, kernel, x_shape, w in FED_WEIGHTS)
-    if not weight_here and not input_here:
+    # else a ConvTranspose here where onnx-ad's would lose the pads (transposed_pads_lost)
+    input_transposed = ctx.asked_for(x) and not input_here and transposed_pads_lost(attrs, kernel, x_shape, y_shape)
+    if not weight_here and not input_here and not input_transposed:
         return _CONV(ctx, node, grads)
-    contributions = _all_but(_CONV, ctx, node, grads, {n for n, here in ((x, input_here), (w, weight_here)) if here})
+    contributions = _all_but(_CONV, ctx, node, grads, {n for n, here in ((x, input_here or input_transposed),
+                                                                         (w, weight_here)) if here})
     adjoint = _without_seed_axis(ctx, ctx.full(grads[0], y), y)
+    if input_transposed:   # the pads given, what the strides left over as output_padding
+        pads, strides, dilations = attrs["pads"], attrs["strides"], attrs["dilations"]
+        left_over = [x_shape[2 + i] - (strides[i] * (y_shape[2 + i] - 1) + (k - 1) * dilations[i] + 1 - pads[i]
+                                       - pads[spatial + i]) for i, k in enumerate(kernel[2:])]
+        contributions[0] = _with_seed_axis(ctx, ctx.b.op(
+            "ConvTranspose", [adjoint, w], strides=list(strides), dilations=list(dilations), pads=list(pads),
+            group=attrs["group"], output_padding=left_over, stem="x_grad_t"))
     if weight_here:
         contributions[1] = _with_seed_axis(ctx, weight_gradient(
             ctx, x, x_shape, adjoint, y_shape, kernel[2:], attrs["strides"], attrs["dilations"], attrs["pads"],
