@@ -1,5 +1,6 @@
-"""`graphopt batch`: a zoo of real models, in worker processes and on three real servers
-(one killed mid-batch), resumable, with its summary files."""
+"""`graphopt batch`: a zoo of real models, in worker processes, on three real servers (one
+killed mid-batch) and on a two-node Ray cluster (one node killed mid-model), resumable, with
+its summary files."""
 from __future__ import annotations
 
 import csv
@@ -11,41 +12,19 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import onnx
 import pytest
-from onnx import helper, numpy_helper
 
-from graphopt.examples import EXAMPLES, training_example
+from graphopt.examples import training_example
 from graphopt.optimize import save_model
+from graphopt_zoo.batch_zoo import forward_classifier, write_batch_zoo
 from service_process import ServerProcess
-
-
-def _classifier(seed: int) -> onnx.ModelProto:
-    """A forward model (logits, no loss): the batch builds its training graph."""
-    r = np.random.RandomState(seed)
-    weights = [numpy_helper.from_array((r.randn(64, 128) * 0.2).astype(np.float32), "fc1.weight"),
-               numpy_helper.from_array((r.randn(128, 10) * 0.2).astype(np.float32), "fc2.weight")]
-    nodes = [helper.make_node("MatMul", ["x", "fc1.weight"], ["h"], name="fc1"),
-             helper.make_node("Relu", ["h"], ["a"], name="relu"),
-             helper.make_node("MatMul", ["a", "fc2.weight"], ["logits"], name="fc2")]
-    graph = helper.make_graph(nodes, f"classifier{seed}", [helper.make_tensor_value_info("x", 1, [256, 64])],
-                              [helper.make_tensor_value_info("logits", 1, [256, 10])], weights)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
 @pytest.fixture(scope="module")
 def zoo(tmp_path_factory) -> Path:
     """Ten models: the six example training graphs and four forward classifiers."""
-    folder = tmp_path_factory.mktemp("zoo")
-    (folder / "training").mkdir()
-    (folder / "forward").mkdir()
-    for name in EXAMPLES:
-        model, _ = training_example(name, small=True)
-        save_model(model, folder / "training" / f"{name}.onnx")
-    for seed in range(4):
-        onnx.save(_classifier(seed), folder / "forward" / f"classifier{seed}.onnx")
-    return folder
+    return write_batch_zoo(tmp_path_factory.mktemp("zoo"))
 
 
 def _batch(*args, check=True, timeout=600):
@@ -175,7 +154,7 @@ def test_batch_passes_objective_and_max_overhead_to_each_model(tmp_path):
     zoo.mkdir()
     model, _ = training_example("mlp", small=True)
     save_model(model, zoo / "mlp.onnx")
-    onnx.save(_classifier(0), zoo / "classifier.onnx")
+    onnx.save(forward_classifier(0), zoo / "classifier.onnx")
 
     out = tmp_path / "local"
     _batch(zoo, "-o", out, "--no-measure", "--max-overhead", "0.3")
