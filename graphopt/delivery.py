@@ -152,6 +152,11 @@ class Delivery:
         """`model` (of `candidate`) measured (`pipeline.measure_plan`), the prediction and the
         measurement recorded in the report."""
         m, ratio = measure_plan(self.prepared, model, self.options)
+        return self.record(candidate, model, m, ratio)
+
+    def record(self, candidate: Candidate, model: onnx.ModelProto, m: Measurement, ratio: float) -> Attempt:
+        """`candidate`'s measurement `m` (its step `ratio` times the original's) recorded: an
+        Attempt, in `attempts` and the report's `plans_measured` (the decisions read only these)."""
         chosen = candidate.plan
         entry = PlanMeasured(**_summary(chosen), measured_peak_bytes=m.peak_bytes, why=candidate.why,
                              predicted_step_seconds=chosen.simulation.compute_seconds,
