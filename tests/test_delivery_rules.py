@@ -662,22 +662,28 @@ def _plans_measured_say_why(report):
         assert returned == []
 
 
-def test_optimize_delivers_a_plan_measured_below_both_originals(tiny):
-    model, inputs = tiny
+def test_optimize_delivers_a_plan_measured_below_both_originals():
+    """A deeper MLP at twice the batch, where the least-peak plan measured a third of the original's
+    peak in its default session (0.33-0.36 MB against 1.12-1.19 MB, four runs): far from the noise
+    of a measured peak this small (the smaller MLP's original measured 0.23-0.41 MB in five runs)."""
+    model, inputs = training_example("mlp", **dict(SIZE, batch=512, depth=16))
     result = optimize(model, OptimizeOptions(inputs=inputs, objective="least-peak"))
     report = result.report
     originals = report.measured
     bar = min(originals.original_default_session.peak_bytes, originals.original_optimizations_off.peak_bytes)
-    assert report.outcome == "optimized" and report.measured.optimized.peak_bytes < bar
+    assert report.outcome == "optimized" and report.measured.optimized.peak_bytes < bar, (
+        report.outcome_reason, report.plans_measured)
     _plans_measured_say_why(report)
     assert report.checkpoints == sorted(result.plan.checkpoints) and report.solver_exact is result.plan.exact
     assert report.recompute_nodes == result.plan.recompute_ops == sum("__rc" in n.name for n in result.model.graph.node)
     assert report.outcome_reason.startswith(f"the optimized model measured {_mib(report.measured.optimized.peak_bytes)}")
 
 
-def test_optimize_returns_the_original_where_no_plan_measures_below_it():
-    model, inputs = training_example("mlp", small=True)
-    result = optimize(model, OptimizeOptions(inputs=inputs, objective="least-peak"))
+def test_optimize_returns_the_original_where_no_plan_measures_below_it(tiny):
+    """Store-all in graphopt's session (predicted 0.52 MB, measured 0.52-0.59 MB in five runs)
+    against the original (0.23-0.41 MB in its default session): the original is returned."""
+    model, inputs = tiny
+    result = optimize(model, OptimizeOptions(inputs=inputs, objective="least-peak", strategy="store-all"))
     report = result.report
     assert report.outcome == "original" and "not below the original's" in report.outcome_reason
     _plans_measured_say_why(report)
