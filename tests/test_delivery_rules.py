@@ -481,8 +481,17 @@ def test_a_plan_not_below_the_original_gives_the_original_under_its_lower_sessio
     assert [n.op_type for n in model.graph.node] == [n.op_type for n in prepared.original.graph.node]
     assert report.measured.optimized.peak_bytes == 380_000 and report.ratios.peak_vs_default_session == 0.95
     assert report.budget_met is True
+    from graphopt.annotate import read_annotations
     from graphopt.runtime.session import read_settings
     assert read_settings(model) == ORIGINAL_SESSIONS[OFF]
+    # the default session lower: its settings written over the ones the model came with, and the
+    # original's annotations beside them (its own nodes: ORT's offline optimizations planned another graph)
+    state = state_for(prepared, middle, OptimizeOptions(budget_bytes=10**9), originals=(380_000, 400_000))
+    given(state, middle, 380_000)
+    _, model = _conclude(state, True)
+    assert read_settings(prepared.original) != DEFAULT_SETTINGS == read_settings(model) == state.report.session
+    assert set(read_annotations(model).execution_order) == {
+        n.name for n in prepared.original.graph.node if n.op_type != "Constant"}
 
 
 def test_the_original_over_the_budget_is_refused_naming_the_least_original(prepared, plans):
@@ -841,15 +850,16 @@ def corrupting(monkeypatch):
 
     def corrupt(training, graph, chosen, settings):
         model = real(training, graph, chosen, settings)
-        if chosen.recompute_ops:
+        if corrupt.when(chosen):
             name = model.graph.output[1].name
             producer = next(n for n in model.graph.node if name in n.output)
             producer.output[list(producer.output).index(name)] = name + "__raw"
             model.graph.initializer.append(numpy_helper.from_array(np.array(1.5, np.float32), "corrupt_by"))
             model.graph.node.append(helper.make_node("Mul", [name + "__raw", "corrupt_by"], [name], name="corrupt"))
         return model
+    corrupt.when = lambda chosen: chosen.recompute_ops > 0
     monkeypatch.setattr(pipeline, "rewrite", corrupt)
-    return real
+    return corrupt
 
 
 def test_a_plan_is_checked_in_onnx_runtime_when_verifying_and_only_rewritten_when_not(prepared, plans, corrupting):
@@ -987,3 +997,109 @@ def test_a_budget_retry_is_judged_by_the_measured_peak_over_the_budget_and_the_s
     without_limit = state_for(prepared, stored, dataclasses.replace(options, max_overhead=None))
     given(without_limit, stored, options.budget_bytes + 1)
     assert _budget_retry(without_limit, 1).plan.peak_bytes <= options.budget_bytes
+
+
+# -- the report delivery starts from ---------------------------------------------------------------------
+def test_the_new_report_states_the_prepared_model_and_the_plan(prepared, plans):
+    middle = plans["middle"]
+    chosen = dataclasses.replace(middle, notes=dict(middle.notes, search_seconds=1.5, search_cpu_seconds=1.25))
+    options = OptimizeOptions(budget_bytes=123_456, threads=2)
+    model = rewrite_plan(prepared, chosen)
+    report = delivery._new_report(prepared, chosen, model, options)
+    training, annotations = prepared.training, prepared.annotations
+    assert (report.loss, report.strategy, report.budget_bytes, report.threads) == (
+        training.loss, chosen.strategy, 123_456, 2)
+    assert (report.nodes.original, report.nodes.optimized, report.nodes.forward, report.nodes.backward) == (
+        len(prepared.original.graph.node), len(model.graph.node), len(training.forward), len(training.backward))
+    assert report.stashed_tensors == len(training.stashed) > 0
+    assert (report.search_seconds, report.search_cpu_seconds) == (1.5, 1.25)
+    assert report.functions_expanded == prepared.functions_expanded
+    assert report.functions_expanded is not prepared.functions_expanded
+    assert report.graph_optimizations is prepared.graph_optimizations
+    original = report.predicted.original_optimizations_off
+    assert (original.peak_bytes, original.step_seconds) == (prepared.predicted_original.peak_bytes,
+                                                            prepared.timing.predicted_original_seconds)
+    assert (report.annotations.provider, report.annotations.tensors, report.annotations.nodes_timed) == (
+        annotations.provider, len(annotations.tensor_bytes), len(annotations.node_seconds))
+    assert report.provider == annotations.provider and report.session == delivery.PLANNED_SETTINGS
+    assert report.base_order.chosen == chosen.notes["base_order"] != ""
+    assert report.base_order.store_all_peak_bytes == prepared.base_order_peaks
+    assert report.base_order.plan_peak_bytes == chosen.notes["base_order_peak_bytes"]
+    # described as the plan (`_describe`)
+    assert report.checkpoints == sorted(chosen.checkpoints) and report.recompute_nodes == chosen.recompute_ops
+    # without the notes: no search seconds, the prepared model's base order
+    bare = dataclasses.replace(middle, notes={})
+    report = delivery._new_report(prepared, bare, model, options)
+    assert (report.search_seconds, report.search_cpu_seconds) == (0.0, None)
+    assert report.base_order.chosen == prepared.base_order and report.base_order.plan_peak_bytes == {}
+
+
+def test_the_objective_states_the_baseline_and_the_limit(prepared, plans):
+    middle = plans["middle"]
+    timing = prepared.timing
+    objective = delivery._objective(prepared, middle, OptimizeOptions(max_overhead=0.25))
+    assert (objective.name, objective.max_overhead) == ("bounded-overhead", 0.25)
+    assert objective.baseline_step_seconds == timing.default_session_seconds
+    assert objective.baseline == "the original, ONNX Runtime's default session, measured"
+    assert objective.step_seconds_limit == pytest.approx(1.25 * timing.default_session_seconds)
+    assert objective.predicted_step_seconds == middle.simulation.compute_seconds
+    assert objective.store_all_vs_faster_original == timing.store_all_seconds / timing.default_session_seconds
+    # the step with optimizations off timed, and faster: the ratio is over it
+    faster = dataclasses.replace(prepared, timing=dataclasses.replace(
+        timing, optimizations_off_seconds=timing.default_session_seconds / 2))
+    objective = delivery._objective(faster, middle, OptimizeOptions(objective="least-peak"))
+    assert objective.name == "least-peak" and objective.step_seconds_limit is None
+    assert objective.store_all_vs_faster_original == timing.store_all_seconds / (timing.default_session_seconds / 2)
+    # measurement off: the predicted baseline, no ratio
+    unmeasured = dataclasses.replace(prepared, timing=None)
+    objective = delivery._objective(unmeasured, middle, OptimizeOptions(budget_bytes=10**6))
+    assert objective.name == "least-time-under-budget" and objective.store_all_vs_faster_original is None
+    assert objective.baseline == "the original, optimizations off, predicted (measurement off)"
+    assert objective.baseline_step_seconds == prepared.predicted_original.compute_seconds
+
+
+def test_the_checks_are_recorded_in_the_report(prepared, plans, corrupting):
+    from graphopt.pipeline import check_plan
+    middle, stored = plans["middle"], plans["store-all"]
+    options = OptimizeOptions()
+    tried = [check_plan(prepared, middle, options), check_plan(prepared, stored, options)]
+    report = state_for(prepared, middle, options).report
+    delivery._record_checks(report, tried)
+    assert report.outputs_match is True and report.order_followed is tried[1].entry.order.followed is True
+    assert report.max_relative_difference == tried[1].comparison.max_relative_difference < 1e-5
+    assert report.order.followed is True and report.order.plans_tried == [t.entry for t in tried]
+    (rejected,) = report.rejected_for_outputs
+    differ = tried[0].entry.outputs_differ
+    assert (rejected.strategy, rejected.checkpoints, rejected.recompute_nodes, rejected.predicted_peak_bytes) == (
+        middle.strategy, len(middle.checkpoints), middle.recompute_ops, middle.peak_bytes)
+    assert (rejected.output, rejected.relative_difference, rejected.reason) == (
+        differ.output, differ.relative_difference, differ.reason)
+    # nothing matched: the difference is the last plan's
+    report = state_for(prepared, middle, options).report
+    delivery._record_checks(report, tried[:1])
+    assert report.outputs_match is False and report.order_followed is False
+    assert report.max_relative_difference == tried[0].comparison.max_relative_difference > 0.3
+
+
+def test_optimize_replaces_a_plan_whose_outputs_differ_and_says_so(tiny, corrupting):
+    model, inputs = tiny
+    calls = []
+    result = optimize(model, OptimizeOptions(inputs=inputs, objective="least-peak", measure=False,
+                                             progress=lambda stage, fraction: calls.append((stage, fraction))))
+    report = result.report
+    (rejected,) = report.rejected_for_outputs
+    assert report.strategy == "store-all" and report.recompute_nodes == 0 and report.outcome == "unmeasured"
+    assert report.outcome_reason == (
+        "measurement was off: the optimized model is returned without checking that it needs less memory than "
+        f"the original; the {rejected.strategy} plan ({rejected.recompute_nodes} recomputed nodes) was rejected: "
+        f"its {rejected.reason}")
+    assert rejected.recompute_nodes > 0 and [t.outputs_match for t in report.order.plans_tried] == [False, True]
+    assert ("its outputs differ from the original's: trying the next plan", 0.62) in calls
+    # every plan differs: nothing is returned
+    corrupting.when = lambda chosen: True
+    from graphopt.errors import VerificationError
+    with pytest.raises(VerificationError) as raised:
+        optimize(model, OptimizeOptions(inputs=inputs, objective="least-peak", measure=False))
+    assert re.fullmatch(r"the rewritten model's output '.+' differs from the original's \(relative difference "
+                        r"[0-9.e+-]+ > 1e-05\) \(plans tried: \['\w[\w-]*', 'store-all'\]\); nothing was returned",
+                        str(raised.value)), str(raised.value)
