@@ -1103,3 +1103,26 @@ def test_optimize_replaces_a_plan_whose_outputs_differ_and_says_so(tiny, corrupt
     assert re.fullmatch(r"the rewritten model's output '.+' differs from the original's \(relative difference "
                         r"[0-9.e+-]+ > 1e-05\) \(plans tried: \['\w[\w-]*', 'store-all'\]\); nothing was returned",
                         str(raised.value)), str(raised.value)
+
+
+def test_under_a_limit_the_original_runs_under_in_no_session_an_undeliverable_plan_is_refused(tiny):
+    """The original runs under the limit in no session (`_reduced_delivery`) and no plan passed its
+    checks: nothing that runs under the limit is known, so nothing is returned."""
+    from graphopt.pipeline import _refusal
+    model, inputs = tiny
+    limit = initializer_bytes(model) + sum(v.nbytes for v in inputs.values()) + 400_000
+    options = OptimizeOptions(inputs=inputs, memory_limit_bytes=limit)
+    with prepare(model, options) as limited:
+        assert limited.reduced is not None
+        chosen = plan(limited, options)
+        rewritten = rewrite_plan(limited, chosen)
+        report = delivery._new_report(limited, chosen, rewritten, options)
+        state = Delivery(limited, options, report, [], False)
+        with pytest.raises(MemoryLimitError) as raised:
+            delivery._reduced_delivery(state, chosen, rewritten)
+        runs = limited.original_limit_runs
+    assert report.memory_limit.met is False and not any(run.fits for run in runs.values())
+    assert str(raised.value) == (
+        f"memory limit of {limit} bytes is not met: ONNX Runtime did not run the planned order of any plan tried, "
+        f"and the original does not run under it (default session: {_refusal(runs[DEFAULT].error)}; "
+        f"optimizations off: {_refusal(runs[OFF].error)})")
