@@ -652,8 +652,12 @@ def test_a_plan_refused_under_the_limit_gives_way_to_the_fastest_that_runs_betwe
     assert fitted.candidate.why == "memory limit" and limit_report.met is True
     assert fitted.plan.checkpoints == best.checkpoints
     assert limit_report.returned is [a for a in attempts if a.predicted_peak_bytes == best.peak_bytes][-1].run
-    assert state.attempts[0].rejected.startswith(
-        f"ONNX Runtime refused it under the memory limit of {_mib(limit_report.limit_bytes)} (")
+    from graphopt.pipeline import _refusal
+    assert state.attempts[0].rejected == (f"ONNX Runtime refused it under the memory limit of "
+                                          f"{_mib(limit_report.limit_bytes)} ({_refusal(attempts[0].run.error)})")
+    assert _refusal(attempts[0].run.error) != ""
+    # each plan run but the first (its model measured already) was checked first
+    assert [t.plan.peak_bytes for t in state.tried] == [a.predicted_peak_bytes for a in attempts[1:]]
     assert state.calls[:2] == [("memory limit", 0.72), ("ONNX Runtime refused the plan under the memory limit: "
                                                         "trying the leanest plan", 0.73)]
     assert all(fraction == 0.74 for _, fraction in state.calls[2:])
@@ -684,11 +688,14 @@ def test_a_limit_the_leanest_plan_is_refused_under_is_not_met_with_the_figures(p
 
 def test_an_undeliverable_plan_is_not_run_under_the_limit(prepared, plans):
     stored = plans["store-all"]
-    state = limited_state(prepared, stored, 350_000)
+    full_size = dataclasses.replace(prepared, full_size_because="a reason given")
+    state = limited_state(full_size, stored, 350_000)
     state.deliverable = False
     given(state, stored, stored.peak_bytes)
     delivery._meet_memory_limit(state)
     assert state.limit_report.attempts == [] and state.limit_report.met is None
+    assert state.report.memory_limit is state.limit_report
+    assert state.limit_report.full_size_because == "a reason given"
 
 
 # -- optimize, end to end ---------------------------------------------------------------------------------
@@ -717,6 +724,10 @@ def test_optimize_delivers_a_plan_measured_below_both_originals():
     bar = min(originals.original_default_session.peak_bytes, originals.original_optimizations_off.peak_bytes)
     assert report.outcome == "optimized" and report.measured.optimized.peak_bytes < bar, (
         report.outcome_reason, report.plans_measured)
+    assert [p.why for p in report.plans_measured] == ["planned"]
+    # the originals' steps: the default session's is the baseline, the other was not timed
+    assert originals.original_default_session.step_seconds == report.objective.baseline_step_seconds > 0
+    assert originals.original_optimizations_off.step_seconds is None
     _plans_measured_say_why(report)
     assert report.checkpoints == sorted(result.plan.checkpoints) and report.solver_exact is result.plan.exact
     assert report.recompute_nodes == result.plan.recompute_ops == sum("__rc" in n.name for n in result.model.graph.node)
