@@ -1137,3 +1137,17 @@ def test_under_a_limit_the_original_runs_under_in_no_session_an_undeliverable_pl
         f"memory limit of {limit} bytes is not met: ONNX Runtime did not run the planned order of any plan tried, "
         f"and the original does not run under it (default session: {_refusal(runs[DEFAULT].error)}; "
         f"optimizations off: {_refusal(runs[OFF].error)})")
+
+
+def test_deliver_alone_reports_its_seconds_and_the_plan_it_was_given(tiny):
+    model, inputs = tiny
+    calls = []
+    options = OptimizeOptions(inputs=inputs, objective="least-peak", measure=False, verify=False,
+                              progress=lambda stage, fraction: calls.append((stage, fraction)))
+    with prepare(model, options) as prepared_here:
+        chosen = plan(prepared_here, options)
+        result = delivery.deliver(prepared_here, chosen, options)
+    assert result.plan is chosen and result.report.outcome == "unmeasured" and result.report.total_seconds > 0
+    assert calls[calls.index(("rewrite", 0.5)):] == [("rewrite", 0.5), ("done", 1.0)]
+    assert result.report.outputs_match is None and result.report.order is None
+    assert len(result.model.graph.node) == len(rewrite_plan(prepared_here, chosen).graph.node)
