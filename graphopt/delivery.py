@@ -614,8 +614,13 @@ def _try_fallbacks(state: Delivery, bar: int) -> None:
 
 
 def _keep_fallback(state: Delivery, attempt: Attempt, bar: int) -> bool:
-    """A fallback measured: kept in place of the plan before it where it measured less, else
-    rejected; whether it is below the original's peak `bar` (no other is tried then)."""
+    """A fallback measured: kept in place of the plan before it where it measured less (and,
+    with a step-time limit, within it: the plan before it was), else rejected; whether it was kept
+    below the original's peak `bar` (no other is tried then)."""
+    allowed = state.options.overhead_limit
+    if allowed is not None and attempt.overhead > 1 + allowed:
+        attempt.reject(_over_time(attempt, allowed))
+        return False
     if attempt.peak_bytes < state.current.peak_bytes:
         state.replace(attempt, f"it measured {_mib(state.current.peak_bytes)}, not below the original's "
                                f"{_mib(bar)}, and {attempt.plan.strategy} measured less")

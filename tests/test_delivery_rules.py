@@ -605,6 +605,14 @@ def test_a_plan_onnx_runtime_runs_under_the_limit_is_kept(prepared, plans):
     assert chosen is stored and attempt.run.fits and state.limit_report.met is True
     assert attempt.planned_for_bytes == 4 * stored.peak_bytes and attempt.predicted_peak_bytes == stored.peak_bytes
     assert state.limit_report.returned is attempt.run
+    assert state.tried == []      # its model was given: run as it is, not checked again
+    # not planned for the limit (a step-time limit given): the plan's own predicted peak is what it was planned for
+    options = OptimizeOptions(memory_limit_bytes=state.options.memory_limit_bytes, max_overhead=0.5)
+    assert not options.plans_for_limit
+    state = state_for(prepared, stored, options)
+    state.limit_report = MemoryLimit(options.memory_limit_bytes)
+    delivery._fit_memory_limit(state, stored, rewrite_plan(prepared, stored))
+    assert state.limit_report.attempts[0].planned_for_bytes == stored.peak_bytes
 
 
 def test_a_plan_refused_under_the_limit_gives_way_to_the_fastest_that_runs_between_it_and_the_leanest(
@@ -1151,3 +1159,39 @@ def test_deliver_alone_reports_its_seconds_and_the_plan_it_was_given(tiny):
     assert calls[calls.index(("rewrite", 0.5)):] == [("rewrite", 0.5), ("done", 1.0)]
     assert result.report.outputs_match is None and result.report.order is None
     assert len(result.model.graph.node) == len(rewrite_plan(prepared_here, chosen).graph.node)
+
+
+def test_optimize_within_a_step_time_limit_keeps_the_least_peak_measured_within_it(tiny):
+    """The default objective (a step-time limit): each plan measured for it is recorded; the plan
+    returned is within the limit by measurement, else the original is (NEVER WORSE on the figures)."""
+    model, inputs = tiny
+    options = OptimizeOptions(inputs=inputs)
+    allowed = options.overhead_limit
+    report = optimize(model, options).report
+    attempts = report.overhead_attempts
+    assert attempts and [a.measured_peak_bytes for a in attempts] == [
+        p.measured_peak_bytes for p in report.plans_measured][:len(attempts)]
+    _plans_measured_say_why(report)
+    within = [a for a in attempts if a.measured_overhead <= allowed]
+    if report.outcome == "optimized":
+        (kept,) = [p for p in report.plans_measured if p.rejected_because is None]
+        if kept.why != "fallback store-all":   # (measured after the plans for the limit, not below the original)
+            assert report.measured.optimized.peak_bytes == min(a.measured_peak_bytes for a in within)
+        assert report.objective.met is True and report.outcome_reason.endswith(
+            f", at {1 + report.objective.measured_overhead:.2f}x the original's step time (at most "
+            f"{1 + allowed:.2f}x allowed)")
+    elif not within:
+        assert report.outcome_reason.startswith(f"no plan measured within {1 + allowed:.2f}x the original's step time")
+
+
+def test_a_fallback_over_the_step_time_limit_is_not_kept(prepared, plans):
+    """NEVER WORSE's fallback (store-all, after a plan not below the original) is held to the
+    step-time limit too: measured lower but over the limit, it is rejected for that."""
+    middle, stored = plans["middle"], plans["store-all"]
+    state = state_for(prepared, middle, OptimizeOptions(max_overhead=0.1))
+    first = given(state, middle, 300_000, overhead=1.05)
+    slow = given(state, stored, 200_000, overhead=1.5, why="fallback store-all")
+    assert delivery._keep_fallback(state, slow, 250_000) is False
+    assert state.current is first and first.rejected is None and slow.rejected == _over_time(slow, 0.1)
+    fast = given(state, stored, 200_000, overhead=1.1, why="fallback store-all")
+    assert delivery._keep_fallback(state, fast, 250_000) is True and state.current is fast
