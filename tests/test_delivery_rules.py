@@ -620,21 +620,41 @@ def test_a_plan_refused_under_the_limit_gives_way_to_the_fastest_that_runs_betwe
     """Store-all (predicted 0.52 MB) under a limit with room for 0.35 MB of step: ONNX Runtime
     refuses it; the leanest plan runs; the bisection between the two keeps the least predicted
     step time among the plans that ran."""
+    _bisected(prepared, plans, 350_000)
+
+
+def test_no_bisection_where_the_range_is_below_a_hundredth_of_the_limit(prepared, plans):
+    """Room for 1 KB of step more than the leanest plan's predicted peak: nothing between the two
+    is tried, and the leanest plan is returned."""
+    least = plans["least"]
+    assert _bisected(prepared, plans, least.peak_bytes + 1000) == []
+
+
+def test_a_bisection_under_a_step_time_limit_searches_within_it(prepared, plans):
+    """With the step no slower than the original's too (not planned for the limit: store-all's
+    own peak is the top of the range), plans over the step-time limit are not run."""
+    _bisected(prepared, plans, 350_000, max_overhead=0.0)
+
+
+def _bisected(prepared, plans, step_bytes, max_overhead=None):
     stored, least = plans["store-all"], plans["least"]
-    state = limited_state(prepared, stored, 350_000)
+    state = limited_state(prepared, stored, step_bytes)
+    state.options = dataclasses.replace(state.options, max_overhead=max_overhead)
     given(state, stored, stored.peak_bytes)
     delivery._meet_memory_limit(state)
     limit_report = state.limit_report
     attempts = limit_report.attempts
+    top = step_bytes if state.options.plans_for_limit else stored.peak_bytes
     assert not attempts[0].run.fits and attempts[0].predicted_peak_bytes == stored.peak_bytes
-    assert attempts[0].planned_for_bytes == 350_000
+    assert attempts[0].planned_for_bytes == top
     # the leanest next, planned for its own peak; then at most LIMIT_BISECTIONS plans
     assert attempts[1].run.fits and attempts[1].predicted_peak_bytes == least.peak_bytes
     assert attempts[1].planned_for_bytes == least.peak_bytes
     # the bisection replayed on ONNX Runtime's verdicts: each step peak tried is the middle of the
     # range left; a plan the search finds again is not run (the range moves up); a plan that runs
     # moves it up, one refused moves it down; the plan kept is the fastest that ran
-    low, high, best = least.peak_bytes, 350_000, least
+    low, high, best = least.peak_bytes, top, least
+    seconds_limit = prepared.step_seconds_limit(state.options)
     runs = iter(attempts[2:])
     steps = [stage for stage, _ in state.calls[2:]]
     limit = state.options.memory_limit_bytes
@@ -643,7 +663,11 @@ def test_a_plan_refused_under_the_limit_gives_way_to_the_fastest_that_runs_betwe
             break
         middle = (low + high) // 2
         assert steps[step] == f"the leanest plan runs under the memory limit: trying a step peak of {middle} bytes"
-        found = search_plan(prepared, state.options, state.options.strategy, middle, None)
+        try:
+            found = search_plan(prepared, state.options, state.options.strategy, middle, seconds_limit)
+        except BudgetInfeasibleError:
+            low = middle
+            continue
         if _same_recomputation(found, best):
             low = middle
             continue
@@ -669,6 +693,7 @@ def test_a_plan_refused_under_the_limit_gives_way_to_the_fastest_that_runs_betwe
     assert state.calls[:2] == [("memory limit", 0.72), ("ONNX Runtime refused the plan under the memory limit: "
                                                         "trying the leanest plan", 0.73)]
     assert all(fraction == 0.74 for _, fraction in state.calls[2:])
+    return steps
 
 
 def test_a_limit_the_leanest_plan_is_refused_under_is_not_met_with_the_figures(prepared, plans):
