@@ -1123,6 +1123,10 @@ def test_the_checks_are_recorded_in_the_report(prepared, plans, corrupting):
     delivery._record_checks(report, tried[:1])
     assert report.outputs_match is False and report.order_followed is False
     assert report.max_relative_difference == tried[0].comparison.max_relative_difference > 0.3
+    # the last plan differs, one before it matched: the difference is the one that matched
+    report = state_for(prepared, middle, options).report
+    delivery._record_checks(report, tried[::-1])
+    assert report.outputs_match is False and report.max_relative_difference == tried[1].comparison.max_relative_difference
 
 
 def test_optimize_replaces_a_plan_whose_outputs_differ_and_says_so(tiny, corrupting):
