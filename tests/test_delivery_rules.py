@@ -75,8 +75,8 @@ def state_for(prepared, chosen, options, *, deliverable=True, originals=(400_000
     """A delivery state as `_measured_delivery` leaves it before its rules run: the originals'
     peaks given (default session, optimizations off), nothing measured yet. `timing` replaces
     fields of the prepared model's measured step timing (e.g. the step with optimizations off)."""
-    if timing is not None:
-        prepared = dataclasses.replace(prepared, timing=dataclasses.replace(prepared.timing, **timing))
+    # (a copy of the timing: a state that times the step with optimizations off writes it there)
+    prepared = dataclasses.replace(prepared, timing=dataclasses.replace(prepared.timing, **(timing or {})))
     report = delivery._new_report(prepared, chosen, rewrite_plan(prepared, chosen), options)
     report.plans_measured = []
     state = Delivery(prepared, options, report, [], deliverable)
@@ -181,7 +181,7 @@ def test_the_original_session_with_the_lower_peak_within_the_limit_is_chosen(pre
     for peaks in ((400_000, 800_000), (400_000, 400_000)):
         state = state_for(prepared, least, OptimizeOptions(max_overhead=0.1), originals=peaks)
         assert state.best_original_label() == DEFAULT
-        assert prepared.timing.optimizations_off_seconds is None
+        assert state.prepared.timing.optimizations_off_seconds is None
     # optimizations off lower, no step-time limit: chosen
     state = state_for(prepared, least, OptimizeOptions(objective="least-peak"), originals=(800_000, 400_000))
     assert state.best_original_label() == OFF
