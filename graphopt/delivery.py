@@ -152,6 +152,11 @@ class Delivery:
         """`model` (of `candidate`) measured (`pipeline.measure_plan`), the prediction and the
         measurement recorded in the report."""
         m, ratio = measure_plan(self.prepared, model, self.options)
+        return self.record(candidate, model, m, ratio)
+
+    def record(self, candidate: Candidate, model: onnx.ModelProto, m: Measurement, ratio: float) -> Attempt:
+        """`candidate`'s measurement `m` (its step `ratio` times the original's) recorded: an
+        Attempt, in `attempts` and the report's `plans_measured` (the decisions read only these)."""
         chosen = candidate.plan
         entry = PlanMeasured(**_summary(chosen), measured_peak_bytes=m.peak_bytes, why=candidate.why,
                              predicted_step_seconds=chosen.simulation.compute_seconds,
@@ -418,31 +423,51 @@ def _budget_retry(state: Delivery, measured_for_budget: int) -> Candidate | None
 # -- TIME LIMIT ------------------------------------------------------------------------------------
 def _meet_step_time(state: Delivery) -> bool:
     """The step-time limit met by measurement: a plan measured over it is replaced by a retry
-    (`_time_retry`), then by store-all where every plan measured was over; the plan kept is the
-    least measured peak among those within it. Whether one was (with a budget too, none is a
-    BudgetInfeasibleError)."""
+    (`_time_retry`), then by store-all where every plan measured was over (`_store_all_after`);
+    the plan kept is the least measured peak among those within it (`_keep_within`). Whether one
+    was (with a budget too, none is a BudgetInfeasibleError)."""
     options, current = state.options, state.current
-    allowed = options.overhead_limit
     planned_for = float(current.plan.notes.get("seconds_limit", state.prepared.step_seconds_limit(options)))
     current.candidate.planned_for_seconds = planned_for
     measured = [current]
     while (candidate := _time_retry(state, len(measured))) is not None:
-        attempt = state.attempt(candidate)
-        if attempt is None:
+        if not _measure_for_time(state, candidate, measured):
             break
-        measured.append(attempt)
-        state.replace(attempt, _over_time(state.current, allowed))
-    if (all(a.overhead > 1 + allowed for a in measured) and options.budget_bytes is None
-            and state.limit_report is None and state.current.plan.recompute_ops):
-        # nothing recomputed costs least time, and often still less memory than the original
-        state.progress(f"no plan measured within {1 + allowed:.2f}x: trying store-all", 0.8)
-        attempt = state.attempt(Candidate(store_all(state.prepared.graph), "store-all"))
-        if attempt is not None:
-            measured.append(attempt)
-            state.replace(attempt, _over_time(state.current, allowed))
+    if (candidate := _store_all_after(state, measured)) is not None:
+        _measure_for_time(state, candidate, measured)
     state.report.overhead_attempts = [
         OverheadAttempt(a.candidate.planned_for_seconds, a.plan.simulation.compute_seconds, a.overhead - 1,
                         a.plan.peak_bytes, a.peak_bytes) for a in measured]
+    return _keep_within(state, measured)
+
+
+def _measure_for_time(state: Delivery, candidate: Candidate, measured: list[Attempt]) -> bool:
+    """`candidate` checked and measured for the step-time limit, in `measured` and kept in place of
+    the plan before it (over the limit); False where it failed its checks."""
+    attempt = state.attempt(candidate)
+    if attempt is None:
+        return False
+    measured.append(attempt)
+    state.replace(attempt, _over_time(state.current, state.options.overhead_limit))
+    return True
+
+
+def _store_all_after(state: Delivery, measured: list[Attempt]) -> Candidate | None:
+    """Store-all, where every plan `measured` for the step-time limit was over it and the last
+    recomputes (nothing recomputed costs least time, and often still less memory than the
+    original); None with a budget or a memory limit (another plan is not known to meet them)."""
+    options, allowed = state.options, state.options.overhead_limit
+    if (all(a.overhead > 1 + allowed for a in measured) and options.budget_bytes is None
+            and state.limit_report is None and state.current.plan.recompute_ops):
+        state.progress(f"no plan measured within {1 + allowed:.2f}x: trying store-all", 0.8)
+        return Candidate(store_all(state.prepared.graph), "store-all")
+    return None
+
+
+def _keep_within(state: Delivery, measured: list[Attempt]) -> bool:
+    """The least measured peak among the plans `measured` within the step-time limit kept (the
+    others rejected); whether there was one. None within it with a budget: BudgetInfeasibleError."""
+    options, allowed = state.options, state.options.overhead_limit
     fits = [a for a in measured if a.overhead <= 1 + allowed]
     if fits:
         best = min(fits, key=lambda a: a.peak_bytes)
@@ -584,15 +609,24 @@ def _try_fallbacks(state: Delivery, bar: int) -> None:
         state.progress(f"the plan measured {state.current.peak_bytes} bytes, not below the original's {bar}: "
                        f"trying {fallback.strategy}", 0.85)
         attempt = state.attempt(Candidate(fallback, f"fallback {fallback.strategy}"))
-        if attempt is None:
-            continue
-        if attempt.peak_bytes < state.current.peak_bytes:
-            state.replace(attempt, f"it measured {_mib(state.current.peak_bytes)}, not below the original's "
-                                   f"{_mib(bar)}, and {fallback.strategy} measured less")
-        else:
-            attempt.reject(f"it measured {_mib(attempt.peak_bytes)}, not below the plan before it")
-        if attempt.peak_bytes < bar:
+        if attempt is not None and _keep_fallback(state, attempt, bar):
             break
+
+
+def _keep_fallback(state: Delivery, attempt: Attempt, bar: int) -> bool:
+    """A fallback measured: kept in place of the plan before it where it measured less (and,
+    with a step-time limit, within it: the plan before it was), else rejected; whether it was kept
+    below the original's peak `bar` (no other is tried then)."""
+    allowed = state.options.overhead_limit
+    if allowed is not None and attempt.overhead > 1 + allowed:
+        attempt.reject(_over_time(attempt, allowed))
+        return False
+    if attempt.peak_bytes < state.current.peak_bytes:
+        state.replace(attempt, f"it measured {_mib(state.current.peak_bytes)}, not below the original's "
+                               f"{_mib(bar)}, and {attempt.plan.strategy} measured less")
+    else:
+        attempt.reject(f"it measured {_mib(attempt.peak_bytes)}, not below the plan before it")
+    return attempt.peak_bytes < bar
 
 
 # -- MEMORY LIMIT, the original running under it in no session -------------------------------------

@@ -46,6 +46,7 @@ MODULES = {
                            ["tests/test_file_order_rules.py", "tests/test_file_order.py"]),
     "builder.optimizer": ("graphopt/builder/optimizer.py", ["tests/test_optimizer_step.py"]),
     "builder.rules": ("graphopt/builder/rules.py", ["tests/test_builder_rules.py"]),
+    "delivery": ("graphopt/delivery.py", ["tests/test_delivery_rules.py"]),
 }
 # what CI runs (tests/test_mutation.py): the cost model against its own step-by-step references
 # and hand-worked small graphs alone (its whole selection), about two minutes on one core
