@@ -54,6 +54,7 @@ from graphopt.optimize import OptimizeOptions, optimize, save_model
 from graphopt_service._proto import graphopt_pb2 as pb
 from graphopt_service.client import Client, make_options, upload_messages
 from graphopt_service.transfer import FileReceiver
+from graphopt_service.workers import process_tree
 
 HERE = Path(__file__).resolve().parent
 SMALL = dict(batch=64, width=128, depth=8, d_in=64)
@@ -113,19 +114,6 @@ class Server:
         self._log.close()
 
 
-def _descendants(pid: int) -> list[int]:
-    found, todo = [], [pid]
-    while todo:
-        current = todo.pop()
-        found.append(current)
-        try:
-            for task in Path(f"/proc/{current}/task").iterdir():
-                todo.extend(int(p) for p in (task / "children").read_text().split())
-        except OSError:
-            pass
-    return found
-
-
 class CpuMeter:
     """CPU used on the whole machine against CPU used by this benchmark (this process and its
     waited children, the server, its workers and their waited children) over a stretch of time:
@@ -145,7 +133,7 @@ class CpuMeter:
         total = t.user + t.system + t.children_user + t.children_system
         # the server, its workers, their warm measuring parents (whose reaped children's CPU is
         # in their cutime and cstime) and whatever runs below them now
-        pids = _descendants(self.server.proc.pid) if self.server else []
+        pids = process_tree(self.server.proc.pid) if self.server else []
         for pid in pids:
             try:
                 with open(f"/proc/{pid}/stat") as f:

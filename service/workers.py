@@ -33,7 +33,7 @@ WORKER_START_SECONDS = 120.0   # a worker's imports and warm parent, on a loaded
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 
 
-def _descendants(pid: int) -> list[int]:
+def process_tree(pid: int) -> list[int]:
     """`pid` and every process below it (from /proc/PID/task/TID/children)."""
     found, todo = [], [pid]
     while todo:
@@ -73,7 +73,7 @@ def _process_bytes(pid: int) -> int:
 def resident_bytes(pid: int) -> int:
     """The resident memory of `pid` and all its descendants (a worker, its warm parent and its
     measuring processes), each page counted once (`_process_bytes`)."""
-    return sum(_process_bytes(process) for process in _descendants(pid))
+    return sum(_process_bytes(process) for process in process_tree(pid))
 
 
 class Worker:

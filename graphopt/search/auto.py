@@ -156,10 +156,13 @@ def _searched(searches: list[dict], start: str, plan: Plan) -> None:
     """One local search's (or value prefix's) record in the plan's notes["local_searches"] (where
     the work went): where it started, what it was handed and spent, by its own notes, and what it
     found."""
-    handed = ("seeds_given", "base_checkpoints", "budget_bytes", "seconds_limit", "min_evaluations",
-              "time_limit_seconds", "evaluated_steps", "evaluated_plans")
-    searches.append({"from": start, "refresh_gap": plan.refresh_gap, "max_steps": plan.notes.get("step_limit"),
-                     **{key: plan.notes.get(key) for key in handed},
+    handed = plan.notes.get("handed", {})
+    searches.append({"from": start, "refresh_gap": plan.refresh_gap,
+                     **{key: handed.get(key) for key in ("seeds_given", "base_checkpoints", "budget_bytes",
+                                                         "seconds_limit", "max_steps", "min_evaluations",
+                                                         "time_limit_seconds")},
+                     "evaluated_steps": plan.notes.get("evaluated_steps"),
+                     "evaluated_plans": plan.notes.get("evaluated_plans"),
                      "checkpoints": plan.checkpoints, "peak_bytes": plan.peak_bytes,
                      "recompute_seconds": plan.recompute_seconds})
 

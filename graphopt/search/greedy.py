@@ -70,8 +70,8 @@ def value_prefix(graph: CostGraph, budget_bytes: int, base=(), refresh_gap: int 
         else:
             hi = mid - 1
     # what it was handed and spent (auto's notes["local_searches"])
-    best.notes.update(seed="value-prefix", added=lo, base_checkpoints=len(base), budget_bytes=budget_bytes,
-                      step_limit=max_steps, evaluated_plans=evaluated, evaluated_steps=steps)
+    best.notes.update(seed="value-prefix", added=lo, evaluated_plans=evaluated, evaluated_steps=steps,
+                      handed={"base_checkpoints": len(base), "budget_bytes": budget_bytes, "max_steps": max_steps})
     return best
 
 
@@ -146,7 +146,8 @@ def greedy(graph: CostGraph, budget_bytes: int | None = None, *,
     best.strategy = "greedy"
     best.notes.update(evaluated_plans=evaluated, evaluated_steps=steps, search_seconds=time.perf_counter() - started,
                       stopped_by_time=time.perf_counter() - started >= time_limit_seconds,
-                      # what it was handed (auto's notes["local_searches"])
-                      seeds_given=len(given), budget_bytes=budget_bytes, seconds_limit=seconds_limit,
-                      step_limit=max_steps, min_evaluations=min_evaluations, time_limit_seconds=time_limit_seconds)
+                      # what it was handed (auto's notes["local_searches"]), apart from the plan's own notes
+                      handed={"seeds_given": len(given), "budget_bytes": budget_bytes, "seconds_limit": seconds_limit,
+                              "max_steps": max_steps, "min_evaluations": min_evaluations,
+                              "time_limit_seconds": time_limit_seconds})
     return best
