@@ -209,12 +209,18 @@ def test_budgetless_seeds_are_reused_with_their_own_notes():
     assert all("seed" not in p.notes for p in cached.values())
 
 
-@pytest.mark.parametrize("n,seed", [(8, 1), (12, 5)])
-def test_least_peak_local_within_seconds(n, seed):
+def _least_peak_local_between_store_all_and_chen(n, seed):
+    """least_peak_local from store-all and Chen's sqrt(n), its limit halfway between their steps."""
     graph = branching_cost_graph(n, seed=seed)
     sa, cs = store_all(graph), chen_sqrt(graph)
     limit = (sa.simulation.compute_seconds + cs.simulation.compute_seconds) / 2
     best = A.least_peak_local(graph, [sa, cs], limit)
+    return graph, sa, cs, limit, best
+
+
+@pytest.mark.parametrize("n,seed", [(8, 1), (12, 5)])
+def test_least_peak_local_within_seconds(n, seed):
+    graph, sa, cs, limit, best = _least_peak_local_between_store_all_and_chen(n, seed)
     fitting = [p for p in (sa, cs) if p.simulation.compute_seconds <= limit]
     assert best.simulation.compute_seconds <= limit + 1e-12
     assert best.peak_bytes <= min(p.peak_bytes for p in fitting)
@@ -457,10 +463,7 @@ def test_at_the_floor_the_search_keeps_the_best_seeds_peak(n, seed):
 
 @pytest.mark.parametrize("n,seed", [(8, 1), (12, 5)])
 def test_least_peak_local_searches_each_schedule_within_the_limit(n, seed):
-    graph = branching_cost_graph(n, seed=seed)
-    sa, cs = store_all(graph), chen_sqrt(graph)
-    limit = (sa.simulation.compute_seconds + cs.simulation.compute_seconds) / 2
-    best = A.least_peak_local(graph, [sa, cs], limit)
+    graph, sa, cs, limit, best = _least_peak_local_between_store_all_and_chen(n, seed)
     assert best.notes["refined_within_seconds"] is True
     searches = best.notes["local_searches"]
     work = _work(graph)
