@@ -3,7 +3,6 @@ killed mid-batch) and on a two-node Ray cluster (one node killed mid-model), res
 its summary files."""
 from __future__ import annotations
 
-import csv
 import json
 import os
 import signal
@@ -18,6 +17,7 @@ import pytest
 from graphopt.examples import training_example
 from graphopt.optimize import save_model
 from graphopt_zoo.batch_zoo import forward_classifier, write_batch_zoo
+from batch_checks import batch_models, check_batch_outputs, unmeasured_summary
 from service_process import ServerProcess
 
 
@@ -35,41 +35,6 @@ def _batch(*args, check=True, timeout=600):
     return proc
 
 
-def _models(zoo: Path) -> list[str]:
-    return sorted(p.relative_to(zoo).as_posix() for p in zoo.rglob("*.onnx"))
-
-
-def _check_outputs(zoo: Path, out: Path) -> dict[str, dict]:
-    """Every model optimized with identical outputs; the summary files agree with the reports."""
-    reports = {}
-    for name in _models(zoo):
-        folder = out / name[:-len(".onnx")]
-        report = json.loads((folder / "report.json").read_text())
-        assert report["graphopt_batch"]["status"] == "ok", report["graphopt_batch"]
-        assert report["outputs_match"] is True and (folder / "optimized.onnx").is_file()
-        onnx.checker.check_model(str(folder / "optimized.onnx"))
-        reports[name] = report
-    summary = json.loads((out / "summary.json").read_text())
-    by_model = {row["model"]: row for row in summary["models"]}
-    assert sorted(by_model) == _models(zoo) and summary["failed"] == []
-    with open(out / "summary.csv") as f:
-        csv_rows = {row["model"]: row for row in csv.DictReader(f)}
-    markdown = (out / "summary.md").read_text()
-    for name, report in reports.items():
-        row = by_model[name]
-        assert row["peak_after_bytes"] == report["measured"]["optimized"]["peak_bytes"]
-        assert row["peak_before_bytes"] == report["measured"]["original_default_session"]["peak_bytes"]
-        assert row["strategy"] == report["strategy"] and row["nodes"] == report["nodes"]["original"]
-        assert int(csv_rows[name]["peak_after_bytes"]) == row["peak_after_bytes"]
-        assert f"| {name} |" in markdown
-    kinds = {name: r["graphopt_batch"]["kind"] for name, r in reports.items()}
-    assert {kinds[n] for n in kinds if n.startswith("forward/")} == {"forward"}
-    assert {kinds[n] for n in kinds if n.startswith("training/")} == {"training"}
-    for png in ("peaks.png", "saving_vs_time.png"):
-        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    return reports
-
-
 def test_batch_in_worker_processes_is_resumable_and_survives_a_bad_model(zoo, tmp_path):
     zoo_with_bad = tmp_path / "zoo"
     subprocess.run(["cp", "-r", str(zoo), str(zoo_with_bad)], check=True)
@@ -81,11 +46,11 @@ def test_batch_in_worker_processes_is_resumable_and_survives_a_bad_model(zoo, tm
     summary = json.loads((out / "summary.json").read_text())
     assert summary["failed"] == ["broken.onnx"] and summary["ok"] == 10
     (zoo_with_bad / "broken.onnx").unlink()
-    stamps = {name: (out / name[:-5] / "report.json").stat().st_mtime_ns for name in _models(zoo_with_bad)}
+    stamps = {name: (out / name[:-5] / "report.json").stat().st_mtime_ns for name in batch_models(zoo_with_bad)}
     again = _batch(zoo_with_bad, "-o", out, "--jobs", "2")
     assert "0 optimized, 10 done before, 0 failed" in again.stdout
     assert {name: (out / name[:-5] / "report.json").stat().st_mtime_ns for name in stamps} == stamps
-    _check_outputs(zoo_with_bad, out)
+    check_batch_outputs(zoo_with_bad, out)
 
 
 def test_batch_on_three_servers_survives_one_dying(zoo, tmp_path):
@@ -103,7 +68,7 @@ def test_batch_on_three_servers_survives_one_dying(zoo, tmp_path):
         stdout, stderr = batch.communicate(timeout=600)
         assert batch.returncode == 0, stderr
         assert "10 optimized" in stdout
-        reports = _check_outputs(zoo, out)
+        reports = check_batch_outputs(zoo, out)
         assert len(reports) == 10
         # every model optimized exactly once: one successful Optimize call per model, in all logs
         # (each server logs a call's end on the call's thread: waited for, not read at once)
@@ -202,13 +167,6 @@ def _ray_optimize_processes(root_pid: int) -> list[tuple[int, str]]:
     return found
 
 
-# the summary's fields that no measurement decides (the measured peaks and step times, and the
-# outcome and strategy they decide, move between two runs on a loaded machine: small models' peaks by up to a
-# third, seen here)
-UNMEASURED_FIELDS = ("model", "kind", "status", "nodes", "objective", "max_overhead", "outputs_match",
-                     "error")
-
-
 def test_batch_on_a_two_node_ray_cluster_survives_losing_a_node(zoo, tmp_path):
     """The zoo on a local Ray cluster on this machine (a head and a second node, one CPU each), the
     second node killed while it runs a model: every model optimized once, the lost one again
@@ -234,7 +192,7 @@ def test_batch_on_a_two_node_ray_cluster_survives_losing_a_node(zoo, tmp_path):
         stdout, stderr = batch.communicate(timeout=900)
         assert batch.returncode == 0, stderr
         assert "10 optimized, 0 done before, 0 failed" in stdout
-        reports = _check_outputs(zoo, out)
+        reports = check_batch_outputs(zoo, out)
         nodes = {name: r["graphopt_batch"]["ray_node_id"] for name, r in reports.items()}
         assert set(nodes.values()) <= {head_id, second_id}
         from graphopt.batch_ray import TASK_FOLDER_PREFIX, task_folder_name
@@ -245,14 +203,10 @@ def test_batch_on_a_two_node_ray_cluster_survives_losing_a_node(zoo, tmp_path):
         # the same summary as the local batch's on the same zoo
         local = tmp_path / "local"
         _batch(zoo, "-o", local, "--jobs", "2")
-        ours = {r["model"]: r for r in json.loads((out / "summary.json").read_text())["models"]}
-        theirs = {r["model"]: r for r in json.loads((local / "summary.json").read_text())["models"]}
-        assert sorted(ours) == sorted(theirs) == _models(zoo)
-        for name in ours:
-            assert ({k: ours[name].get(k) for k in UNMEASURED_FIELDS}
-                    == {k: theirs[name].get(k) for k in UNMEASURED_FIELDS})
+        ours, theirs = unmeasured_summary(out), unmeasured_summary(local)
+        assert sorted(ours) == batch_models(zoo) and ours == theirs
         # resumable: a rerun on the cluster finds every model done
-        stamps = {n: (out / n[:-5] / "report.json").stat().st_mtime_ns for n in _models(zoo)}
+        stamps = {n: (out / n[:-5] / "report.json").stat().st_mtime_ns for n in batch_models(zoo)}
         again = _batch(zoo, "-o", out, "--ray", cluster.address)
         assert "0 optimized, 10 done before, 0 failed" in again.stdout
         assert {n: (out / n[:-5] / "report.json").stat().st_mtime_ns for n in stamps} == stamps

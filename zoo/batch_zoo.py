@@ -8,7 +8,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from graphopt.examples import EXAMPLES, training_example
+from graphopt.examples import EXAMPLES, IR_VERSION, training_example
 from graphopt.optimize import save_model
 
 
@@ -22,7 +22,9 @@ def forward_classifier(seed: int) -> onnx.ModelProto:
              helper.make_node("MatMul", ["a", "fc2.weight"], ["logits"], name="fc2")]
     graph = helper.make_graph(nodes, f"classifier{seed}", [helper.make_tensor_value_info("x", 1, [256, 64])],
                               [helper.make_tensor_value_info("logits", 1, [256, 10])], weights)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    # the IR version onnxruntime releases back to 1.20 load (onnx's default is newer: a server
+    # whose onnxruntime is one release behind the client's onnx refuses it)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=IR_VERSION)
 
 
 def write_batch_zoo(folder: Path, small: bool = True) -> Path:
