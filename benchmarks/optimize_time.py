@@ -21,6 +21,11 @@ runs each model's `graphopt optimize` N times with warm measuring processes (the
 graphopt/runtime/warm.py) and N times with a fresh interpreter per ONNX Runtime run
 (GRAPHOPT_WARM_PROCESSES=0), in turn, and prints the medians of the whole command's wall
 seconds and the median of the pairs' ratios.
+
+    git worktree add /tmp/before REV && python benchmarks/optimize_time.py --against-tree /tmp/before --runs 3
+
+does the same with this checkout's graphopt against another's (each side's packages first on
+PYTHONPATH): optimize's wall time now against an earlier revision, model by model.
 """
 from __future__ import annotations
 
@@ -47,7 +52,9 @@ def _optimize(path: str, inputs_path: str, tmp: str, args, env: dict | None = No
            "--report", report_path] + (["--threads", str(args.threads)] if args.threads else []) + (
                ["--provider", args.provider] if args.provider else [])
     start = time.perf_counter()
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    # run from the model's folder: `python -m` puts the working directory first on the path, and a
+    # checkout's own folder there would shadow the graphopt that PYTHONPATH names (--against-tree)
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp)
     wall = time.perf_counter() - start
     if done.returncode != 0:
         sys.stderr.write(f"graphopt optimize {path} failed ({done.returncode}):\n" + "\n".join(done.stderr.splitlines()[-25:]) + "\n")
@@ -91,25 +98,30 @@ def _ratio(value) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
 
-def against_fresh(kind: str, name: str, args) -> str:
-    """One table row: warm measuring processes against a fresh interpreter per run, in turn."""
+def side_by_side(kind: str, name: str, args, envs: dict[str, dict], runs: int) -> str:
+    """One table row: `graphopt optimize` under each environment, `runs` times each, in turn; the
+    medians of the command's wall seconds and the median of the pairs' ratios (first / second)."""
     from memory_limit import write_model
-    warm_env = dict(os.environ, GRAPHOPT_WARM_PROCESSES="1")
-    fresh_env = dict(os.environ, GRAPHOPT_WARM_PROCESSES="0")
-    walls: dict[str, list[float]] = {"warm": [], "fresh": []}
+    walls: dict[str, list[float]] = {which: [] for which in envs}
     steps = []
     with tempfile.TemporaryDirectory(prefix="graphopt-time-") as tmp:
         label, path, inputs_path = write_model(kind, name, args, tmp)
-        for _ in range(args.against_fresh):
-            for which, env in (("warm", warm_env), ("fresh", fresh_env)):
+        for _ in range(runs):
+            for which, env in envs.items():
                 report, wall = _optimize(path, inputs_path, tmp, args, env)
                 if "error" in report:
                     return f"| {label} | error ({which}): {report['error']} | | | |"
                 walls[which].append(wall)
                 steps.append(report["objective"]["baseline_step_seconds"])
-    ratio = statistics.median(w / f for w, f in zip(walls["warm"], walls["fresh"]))
-    return (f"| {label} | {statistics.median(steps):.3f} | {statistics.median(walls['warm']):.1f} | "
-            f"{statistics.median(walls['fresh']):.1f} | {ratio:.2f} |")
+    first, second = walls.values()
+    ratio = statistics.median(a / b for a, b in zip(first, second))
+    return (f"| {label} | {statistics.median(steps):.3f} | {statistics.median(first):.1f} | "
+            f"{statistics.median(second):.1f} | {ratio:.2f} |")
+
+
+def tree_env(tree: str) -> dict:
+    """The environment that runs graphopt from this checkout (its packages first on the path)."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([tree, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
 
 
 def main() -> None:
@@ -122,13 +134,27 @@ def main() -> None:
                         help="the training graphs with their optimizer step inside (parameters fed every step)")
     parser.add_argument("--against-fresh", type=int, default=0, metavar="N",
                         help="N runs each, in turn: warm measuring processes against a fresh interpreter per run")
+    parser.add_argument("--against-tree", metavar="PATH",
+                        help="another checkout of graphopt (say, `git worktree add PATH REV`): this tree's "
+                             "optimize against that one's, --runs N each, in turn")
+    parser.add_argument("--runs", type=int, default=3, help="runs of each side for --against-tree (default 3)")
     args = parser.parse_args()
     jobs = model_jobs(args)
     if args.against_fresh:
         print("| model | default-session step (s) | optimize, warm (s) | optimize, fresh (s) | warm / fresh |")
         print("|---|---|---|---|---|")
+        envs = {"warm": dict(os.environ, GRAPHOPT_WARM_PROCESSES="1"),
+                "fresh": dict(os.environ, GRAPHOPT_WARM_PROCESSES="0")}
         for kind, name in jobs:
-            print(against_fresh(kind, name, args), flush=True)
+            print(side_by_side(kind, name, args, envs, args.against_fresh), flush=True)
+        return
+    if args.against_tree:
+        other = os.path.abspath(args.against_tree)
+        print(f"| model | default-session step (s) | optimize, this tree (s) | optimize, {other} (s) | this / that |")
+        print("|---|---|---|---|---|")
+        envs = {"this": tree_env(ROOT), "that": tree_env(other)}
+        for kind, name in jobs:
+            print(side_by_side(kind, name, args, envs, args.runs), flush=True)
         return
     print("| model | threads | default-session step (s) | optimize (s) | optimize / step | search CPU (s) | "
           "stages (wall s) | step time predicted / measured - 1, each plan measured | outcome | "
