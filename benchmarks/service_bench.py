@@ -116,11 +116,9 @@ class Server:
 
 class CpuMeter:
     """CPU used on the whole machine against CPU used by this benchmark (this process and its
-    waited children, the server, its workers and their waited children) over a stretch of time:
-    other jobs on a shared machine show up as `others_cores`."""
-
-    def __init__(self, server: Server | None):
-        self.server = server
+    waited children; every process below it and their waited children: the server, its workers,
+    the in-process library's own warm measuring parent) over a stretch of time: other jobs on a
+    shared machine show up as `others_cores`."""
 
     @staticmethod
     def _machine_busy() -> float:
@@ -131,10 +129,9 @@ class CpuMeter:
     def _ours(self) -> float:
         t = os.times()
         total = t.user + t.system + t.children_user + t.children_system
-        # the server, its workers, their warm measuring parents (whose reaped children's CPU is
-        # in their cutime and cstime) and whatever runs below them now
-        pids = process_tree(self.server.proc.pid) if self.server else []
-        for pid in pids:
+        # the server, its workers, the warm measuring parents (ours in-process, and the workers':
+        # their reaped children's CPU is in their cutime and cstime) and whatever runs below now
+        for pid in process_tree(os.getpid())[1:]:
             try:
                 with open(f"/proc/{pid}/stat") as f:
                     fields = f.read().rsplit(")", 1)[1].split()
@@ -224,7 +221,7 @@ def run_level(server: Server, model_path: Path, out_dir: Path, clients: int, cal
     threads = [threading.Thread(target=client_thread, args=(i,), daemon=True) for i in range(clients)]
     for t in threads:
         t.start()
-    with CpuMeter(server) as meter:
+    with CpuMeter() as meter:
         barrier.wait()
         for t in threads:
             t.join()
@@ -468,7 +465,7 @@ def main() -> int:
                 for kind in ("in-process", "service"):
                     events: list = []
                     output = folder / f"big_out_{kind}.onnx"
-                    with CpuMeter(server) as meter:
+                    with CpuMeter() as meter:
                         if kind == "in-process":
                             seconds = in_process(big_path, output, events, verify=True, measure=measure)
                         else:
