@@ -288,12 +288,16 @@ def main() -> int:
         client_out, client_err = client.communicate(timeout=60)
         code = podman("inspect", survivor, "--format", "{{.State.ExitCode}}").strip()
         draining = calls(survivor, "draining")
-        assert code == "0", f"{survivor} exited {code} on SIGTERM"
+        if code != "0" or client.returncode != 0:
+            print(client_out, client_err, container_log(survivor, "--tail", "30"), sep="\n", file=sys.stderr)
+        assert code == "0", f"{survivor} exited {code} on SIGTERM, {stop_seconds:.1f} s after it (its log above)"
         assert client.returncode == 0 and (work / "drained.onnx").is_file(), client_err
         assert draining and draining[-1]["calls_in_flight"] == 1, draining
         assert calls(survivor, "call finished", method="Optimize")[-1]["status"] == "OK"
         say(f"SIGTERM to {survivor} with an Optimize call in flight: the call finished OK, the "
             f"server stopped {stop_seconds:.1f} s after the signal, exit code 0")
+        for warning in calls(survivor, "threads still in calls at exit"):
+            say(f"the server exited with threads still in calls (service/server.py exit_process): {warning['threads']}")
         podman("pod", "stop", pods[0])
         say(f"{time.monotonic() - started:.0f} s in all")
         return 0

@@ -23,6 +23,7 @@ import logging
 import os
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -316,8 +317,8 @@ class GraphoptServicer(pb_grpc.GraphoptServicer):
 
     @contextmanager
     def _admitted(self, fields: dict):
-        if self.draining.is_set():
-            raise ShuttingDownError("the server is shutting down and takes no new work")
+        # a call that began before the drain is in flight: its upload done, it is admitted (the
+        # drain waits for it); new calls were refused when they began (_call)
         with self.pool.admit():
             log.info("call admitted", extra={"fields": fields})
             yield
@@ -521,8 +522,44 @@ class RunningServer:
         log.info("stopped", extra={"fields": {"port": self.port}})
 
 
+STOP_EXTRA_SECONDS = 10.0   # beyond the drain: the stop's own grace (1 s), closing the workers, the work folder
+
+
+def threads_in_calls() -> list[dict]:
+    """The threads, this one aside, that are in this package's code (a call's handler that has
+    not returned, say), each with the innermost frames of its stack. Daemon threads (the workers'
+    output readers) and gRPC's idle pool threads are left out."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    by_ident = {t.ident: t for t in threading.enumerate()}
+    found = []
+    for ident, frame in sys._current_frames().items():
+        thread = by_ident.get(ident)
+        if ident == threading.get_ident() or thread is None or thread.daemon:
+            continue
+        stack = traceback.extract_stack(frame)
+        if any(os.path.abspath(f.filename).startswith(here + os.sep) for f in stack):
+            found.append({"thread": thread.name,
+                          "at": [f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in stack[-5:]]})
+    return found
+
+
+def exit_process(code: int, message: str | None = None) -> None:
+    """End the process now, with `code`, after the logs are written. Once the server has stopped,
+    nothing is left to do, but the interpreter's exit joins every thread of gRPC's pool, and one
+    still in a call (a handler that never returned) would keep a drained server alive until its
+    grace period's SIGKILL; such threads are logged, with where each one is."""
+    stuck = threads_in_calls()
+    if stuck or message:
+        log.warning(message or "threads still in calls at exit", extra={"fields": {"threads": stuck}})
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def serve(config: ServerConfig) -> int:
-    """Serve until SIGTERM or SIGINT, then drain. Returns the exit code."""
+    """Serve until SIGTERM or SIGINT, then drain and exit (the process ends here: exit_process).
+    A stop that overruns the drain by STOP_EXTRA_SECONDS ends the process with code 1."""
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stop.set())
@@ -530,5 +567,10 @@ def serve(config: ServerConfig) -> int:
     print(json.dumps({"listening": running.port}), flush=True)   # for supervisors and tests
     while not stop.wait(1.0):
         pass
+    overrun = threading.Timer(config.drain_seconds + STOP_EXTRA_SECONDS, exit_process,
+                              args=(1, "the stop overran the drain time; exiting"))
+    overrun.daemon = True
+    overrun.start()
     running.drain_and_stop()
+    exit_process(0)
     return 0

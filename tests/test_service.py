@@ -409,6 +409,54 @@ def test_a_full_queue_is_refused_and_sigterm_drains(tmp_path, models):
         server.kill()
 
 
+def test_an_upload_in_progress_at_sigterm_is_finished_and_served(tmp_path, models):
+    """A call whose upload began before SIGTERM is in flight: the drain waits for it, and it is
+    admitted and served, not refused as new work once its last byte arrives."""
+    from graphopt_service.client import upload_messages
+    server = ServerProcess(tmp_path / "work", "--workers", "1", "--drain-seconds", "60")
+    try:
+        def upload():     # the options and the model's header and first bytes, SIGTERM, the rest
+            for k, message in enumerate(upload_messages(models["mlp"], make_options(measure=False), 4096)):
+                if k == 3:
+                    server.wait_for_log("call started", method="Optimize")
+                    server.proc.send_signal(signal.SIGTERM)
+                    server.wait_for_log("draining")
+                yield message
+        with Client(server.target) as client:
+            responses = list(client.stub.Optimize(upload(), timeout=120))
+        assert responses[-1].WhichOneof("item") == "report", responses[-1]
+        assert json.loads(responses[-1].report.json)["outputs_match"] is True
+        assert server.proc.wait(60) == 0
+        assert server.entries("call finished", method="Optimize")[0]["status"] == "OK"
+    finally:
+        server.kill()
+
+
+def test_a_stopped_server_exits_though_a_thread_is_still_in_a_call():
+    """After its stop, the server's process ends although a (non-daemon) thread is blocked in
+    this package's code, as a call's handler that never returned would be: the interpreter's exit
+    would join it for ever, and Kubernetes would SIGKILL the pod at the end of its grace period.
+    The thread is named in the log, with where it is."""
+    script = "\n".join([
+        "import logging, threading",
+        "from graphopt_service import server",
+        "from graphopt_service.logs import configure",
+        "configure(logging.INFO)",
+        "namespace = {'threading': threading}",
+        # a function whose code counts as the server module's, blocked for ever
+        "exec(compile('def handler():\\n    threading.Event().wait()\\n', server.__file__, 'exec'), namespace)",
+        "threading.Thread(target=namespace['handler'], name='rpc_7').start()",
+        "threading.Thread(target=threading.Event().wait, name='elsewhere').start()",
+        "server.exit_process(0)",
+    ])
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    entries = [json.loads(line) for line in proc.stderr.splitlines() if line.startswith("{")]
+    (warning,) = [e for e in entries if e["message"] == "threads still in calls at exit"]
+    assert [t["thread"] for t in warning["threads"]] == ["rpc_7"], warning
+    assert "server.py:2 handler" in warning["threads"][0]["at"], warning
+
+
 # -- TLS and a bearer token ---------------------------------------------------------------------
 def test_tls_and_bearer_token(tmp_path, models):
     import trustme as tm   # in the test extra
