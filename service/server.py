@@ -33,6 +33,7 @@ from concurrent import futures
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -543,7 +544,7 @@ def threads_in_calls() -> list[dict]:
     return found
 
 
-def exit_process(code: int, message: str | None = None) -> None:
+def exit_process(code: int, message: str | None = None) -> NoReturn:
     """End the process now, with `code`, after the logs are written. Once the server has stopped,
     nothing is left to do, but the interpreter's exit joins every thread of gRPC's pool, and one
     still in a call (a handler that never returned) would keep a drained server alive until its
@@ -557,8 +558,8 @@ def exit_process(code: int, message: str | None = None) -> None:
     os._exit(code)
 
 
-def serve(config: ServerConfig) -> int:
-    """Serve until SIGTERM or SIGINT, then drain and exit (the process ends here: exit_process).
+def serve(config: ServerConfig) -> NoReturn:
+    """Serve until SIGTERM or SIGINT, then drain and exit 0 (the process ends here: exit_process).
     A stop that overruns the drain by STOP_EXTRA_SECONDS ends the process with code 1."""
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -573,4 +574,3 @@ def serve(config: ServerConfig) -> int:
     overrun.start()
     running.drain_and_stop()
     exit_process(0)
-    return 0
