@@ -653,7 +653,7 @@ def _bisected(prepared, plans, step_bytes, max_overhead=None):
     # the bisection replayed on ONNX Runtime's verdicts: each step peak tried is the middle of the
     # range left; a plan the search finds again is not run (the range moves up); a plan that runs
     # moves it up, one refused moves it down; the plan kept is the fastest that ran
-    low, high, best = least.peak_bytes, top, least
+    low, high, best, best_attempt = least.peak_bytes, top, least, attempts[1]
     seconds_limit = prepared.step_seconds_limit(state.options)
     runs = iter(attempts[2:])
     steps = [stage for stage, _ in state.calls[2:]]
@@ -678,12 +678,12 @@ def _bisected(prepared, plans, step_bytes, max_overhead=None):
             continue
         low = middle
         if found.simulation.compute_seconds < best.simulation.compute_seconds:
-            best = found
+            best, best_attempt = found, run
     assert len(steps) == step + (high - low >= max(limit // 100, 1)) and next(runs, None) is None
     fitted = state.current
     assert fitted.candidate.why == "memory limit" and limit_report.met is True
     assert fitted.plan.checkpoints == best.checkpoints
-    assert limit_report.returned is [a for a in attempts if a.predicted_peak_bytes == best.peak_bytes][-1].run
+    assert limit_report.returned is best_attempt.run     # two plans run may share a predicted peak
     from graphopt.pipeline import _refusal
     assert state.attempts[0].rejected == (f"ONNX Runtime refused it under the memory limit of "
                                           f"{_mib(limit_report.limit_bytes)} ({_refusal(attempts[0].run.error)})")
