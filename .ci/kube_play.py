@@ -26,7 +26,8 @@ The two changes, both for podman 4.3 (Debian 12's), neither for Kubernetes:
   host (Kubernetes never does, podman >= 4.8 only with --publish-all), so a second replica
   could not bind the host's port 50051. Clients reach each pod at its own address, as in a
   cluster.
-What podman does not do at all: the gRPC probes (podman 4.3 converts exec, HTTP and TCP
+Podman 4.3 also makes each emptyDir a named volume shared by both pods: the two servers share
+one work folder (each keeps its own locked root in it). What podman does not do at all: the gRPC probes (podman 4.3 converts exec, HTTP and TCP
 probes only; this script asks the readiness probe's question itself), the Service (no DNS
 name: the pods' addresses are given to the batch, as deploy/README.md describes for clients
 outside a cluster), the PodDisruptionBudget, and the restart of a killed pod by the
