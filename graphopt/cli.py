@@ -232,12 +232,15 @@ def _optimizer_spec(args):
 def cmd_train_graph(args) -> int:
     from .builder.train_graph import build_training_graph
     from .ingest import load_model
-    from .optimize import save_model
+    from .weights import Weights, save_model
     optimizer = _optimizer_spec(args)
-    forward = load_model(args.model)
+    # the weights stay where they are (read into the output one tensor at a time when it is
+    # written): the builder works on the graph alone, at any size
+    forward = load_model(args.model, weights_on_disk=True)
+    weights = Weights(folder=str(Path(args.model).parent))
     train = build_training_graph(forward, loss=args.loss, labels=args.labels, freeze=args.freeze or (),
-                                 class_axis=args.class_axis, optimizer=optimizer)
-    save_model(train, args.output)
+                                 class_axis=args.class_axis, optimizer=optimizer, weights=weights)
+    save_model(train, args.output, weights)
     rest = [o.name for o in train.graph.output][1:]
     if optimizer is None:
         what = f"{len(rest)} gradients"

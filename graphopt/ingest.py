@@ -60,8 +60,12 @@ def external_data_files(model_path: str | os.PathLike) -> list[str]:
     return locations
 
 
-def load_model(path: str | os.PathLike, *, max_bytes: int | None = None) -> onnx.ModelProto:
-    """Load an ONNX model file with its external data (checked to stay in its folder)."""
+def load_model(path: str | os.PathLike, *, max_bytes: int | None = None,
+               weights_on_disk: bool = False) -> onnx.ModelProto:
+    """Load an ONNX model file with its external data (checked to stay in its folder). With
+    `weights_on_disk`, initializers stored as external data stay references (relative to the
+    model's folder: graphopt.weights.Weights(folder=...) reads them), for work on the graph
+    alone at any size."""
     path = Path(path)
     if not path.is_file():
         raise InvalidModelError(f"model file {str(path)!r} does not exist")
@@ -75,6 +79,8 @@ def load_model(path: str | os.PathLike, *, max_bytes: int | None = None) -> onnx
     if not model.HasField("graph"):  # protobuf parses an empty file (and more) as a ModelProto
         raise InvalidModelError(f"{str(path)!r} is not an ONNX model: it has no graph")
     check_external_data(model, path.parent)
+    if weights_on_disk:
+        return model
     try:
         onnx.load_external_data_for_model(model, str(path.parent))
     except Exception as exc:

@@ -19,7 +19,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from graphopt.errors import InvalidModelError, InvalidOptionError
 
-from .graph_util import Names
+from .graph_util import Names, infer_shapes
 
 LOSS_KINDS = ("cross_entropy", "mse", "output:NAME")
 LOSS_NAME = "loss"
@@ -79,7 +79,7 @@ def attach_loss_parts(model: onnx.ModelProto, kind: str, labels: str = "labels",
         raise InvalidModelError(f"the model already has a tensor named {LOSS_NAME!r}; "
                                 f"if it is the loss, use --loss output:{LOSS_NAME}")
     taken.add(labels)
-    inferred = onnx.shape_inference.infer_shapes(result, strict_mode=False)
+    inferred = infer_shapes(result, strict_mode=False)     # on the skeleton: any size
     info = _value_info(inferred, prediction)
     if info is None or not info.HasField("shape"):
         raise InvalidModelError(f"the shape of the prediction {prediction!r} cannot be inferred")

@@ -36,6 +36,8 @@ from onnx import TensorProto, helper, numpy_helper
 from graphopt.runtime.step_state import UPDATED_SUFFIX
 from graphopt.errors import InvalidModelError, InvalidOptionError
 
+from graphopt.weights import DETACH_MIN_BYTES, zeros_stub
+
 from .graph_util import Names
 
 OPTIMIZERS = ("sgd", "adamw")
@@ -144,7 +146,10 @@ def fuse_optimizer(model: onnx.ModelProto, params: list[str], spec: OptimizerSpe
             new_inputs.append(helper.make_tensor_value_info(p, elem_type, dims))
         for s in states[p]:
             np_dtype = helper.tensor_dtype_to_np_dtype(elem_type)
-            new_initializers.append(numpy_helper.from_array(np.zeros(dims, np_dtype), s))
+            if int(np.prod(dims, dtype=np.int64)) * np_dtype.itemsize >= DETACH_MIN_BYTES:
+                new_initializers.append(zeros_stub(s, elem_type, dims))   # made when written (weights.py)
+            else:
+                new_initializers.append(numpy_helper.from_array(np.zeros(dims, np_dtype), s))
             new_inputs.append(helper.make_tensor_value_info(s, elem_type, dims))
             state_outputs.append(helper.make_tensor_value_info(s + UPDATED, elem_type, dims))
     # running statistics updated by the graph (BatchNormalization): inputs too, so that a trainer

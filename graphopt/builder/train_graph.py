@@ -33,6 +33,7 @@ from graphopt.errors import InvalidModelError, UnsupportedOpError
 from graphopt.analyze import implicit_inputs
 from graphopt.ingest import name_nodes
 from graphopt.runtime.session import UNOPTIMIZED_SETTINGS, write_settings
+from graphopt.weights import Weights, is_stub, skeleton_check
 
 from . import rules
 from .deterministic import scatter_nd_rows_to_elements, static_shapes
@@ -330,7 +331,8 @@ def build_training_graph(forward: onnx.ModelProto, loss: str | None = None,
                          parameters: list[str] | None = None,
                          freeze: list[str] = (), labels: str = "labels",
                          class_axis: int | None = None,
-                         optimizer: OptimizerSpec | None = None) -> onnx.ModelProto:
+                         optimizer: OptimizerSpec | None = None,
+                         weights: Weights | None = None) -> onnx.ModelProto:
     """The training graph of `forward`: outputs ``loss``, then ``<param>_grad`` per parameter,
     then the extra outputs of training-mode layers (updated BatchNormalization statistics
     ``<stat>_updated``, Dropout masks).
@@ -346,9 +348,25 @@ def build_training_graph(forward: onnx.ModelProto, loss: str | None = None,
     (graphopt/builder/optimizer.py): inputs the parameters and optimizer state, outputs ``loss``
     then every ``<input>_updated``.
 
+    `weights`: the builder works on the graph, never on the weights: each initializer of 1 MiB or
+    more is a stub (graphopt/weights.py) while it builds, so that no model is serialized or copied
+    with its weights, at any size. Without `weights`, the returned model holds its data (a copy of
+    the forward's weights; the optimizer's state made); with it, the returned model keeps its stubs
+    and `weights` their data, for `graphopt.weights.save_model` to write one tensor at a time (past
+    2 GB, as external data). A forward loaded without its external data keeps its references
+    either way (`weights.folder` is where they are read from when written).
+
     Raises UnsupportedOpError for an operator without a gradient rule and InvalidModelError
     when the loss is not found, is not scalar-like, or no parameter reaches it.
     """
+    held = weights if weights is not None else Weights()
+    model = _build(forward, loss, parameters, freeze, labels, class_axis, optimizer, held)
+    if weights is None:
+        held.attach(model)
+    return model
+
+
+def _build(forward, loss, parameters, freeze, labels, class_axis, optimizer, held):
     try:
         import onnx_ad
     except ImportError as exc:  # pragma: no cover
@@ -360,8 +378,7 @@ def build_training_graph(forward: onnx.ModelProto, loss: str | None = None,
         optimizer.check()
     rules.register()
     kind, loss = parse_loss(loss)
-    model = onnx.ModelProto()
-    model.CopyFrom(forward)
+    model = held.detach(forward)          # the graph copied, the weights stubs (not copied)
     sequence_splits_to_split(model)       # torch.split as the dynamo exporter writes it unoptimized
     extras = batchnorm_training(model) + dropout_training(model)
     parts = None    # cross entropy: the seed is its gradient at the prediction (losses.py)
@@ -413,8 +430,11 @@ def build_training_graph(forward: onnx.ModelProto, loss: str | None = None,
         graph.output.append(helper.make_tensor_value_info(seeded, parts.elem_type, parts.prediction_shape))
 
     # parameters become graph inputs for the reverse pass
+    # and the frozen stubs graph inputs too (onnx-ad reads every initializer's data; theirs is
+    # elsewhere): no derivative is taken for them, and _finish makes them initializers again
     param_set = set(params)
-    kept_inits = [t for t in graph.initializer if t.name not in param_set]
+    kept_inits = [t for t in graph.initializer if t.name not in param_set and not is_stub(t)]
+    frozen_stubs = [t for t in graph.initializer if t.name not in param_set and is_stub(t)]
     data_inputs = [v for v in graph.input if v.name not in param_set]
     graph.ClearField("initializer")
     graph.initializer.extend(kept_inits)
@@ -423,6 +443,10 @@ def build_training_graph(forward: onnx.ModelProto, loss: str | None = None,
     for p in params:
         t = initializers[p]
         graph.input.append(helper.make_tensor_value_info(p, t.data_type, list(t.dims)))
+    declared_inputs = {v.name for v in graph.input}
+    stub_inputs = {t.name for t in frozen_stubs if t.name not in declared_inputs}
+    graph.input.extend(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
+                       for t in frozen_stubs if t.name in stub_inputs)
     # shapes help onnx-ad place the seed axis statically
     graph.ClearField("value_info")
     graph.value_info.extend(v for v in inferred.graph.value_info)
@@ -457,7 +481,7 @@ def build_training_graph(forward: onnx.ModelProto, loss: str | None = None,
         raise InvalidModelError("onnx-ad rejected the model: %s" % exc) from exc
 
     model = _finish(reversed_model, loss, loss_shape, types.get(loss, TensorProto.FLOAT),
-                    params, initializers, extras, types, parts)
+                    params, initializers, extras, types, parts, frozen_stubs, stub_inputs)
     if optimizer is not None:
         # The fused graph runs in file order (PRIORITY_BASED), so that each update runs where it
         # is written. Three candidate orders; the cost model keeps the leanest: the training
@@ -474,7 +498,7 @@ def build_training_graph(forward: onnx.ModelProto, loss: str | None = None,
         leanest_file_order(model, [in_file, in_walk, constants + fused_walk])
         write_settings(model, dataclasses.replace(UNOPTIMIZED_SETTINGS, execution_order="PRIORITY_BASED"))
         try:
-            onnx.checker.check_model(model)
+            skeleton_check(model)
         except onnx.checker.ValidationError as exc:  # pragma: no cover - a bug if it happens
             raise InvalidModelError("the training graph with its optimizer fails onnx.checker: %s" % exc) from exc
     return model
@@ -501,7 +525,8 @@ def _downstream(model, params):
     return live
 
 
-def _finish(model, loss, loss_shape, loss_type, params, initializers, extras, types, parts=None):
+def _finish(model, loss, loss_shape, loss_type, params, initializers, extras, types, parts=None,
+            frozen_stubs=(), stub_inputs=frozenset()):
     graph = model.graph
     adj_names = {p: "adj_" + p for p in params}
 
@@ -519,10 +544,12 @@ def _finish(model, loss, loss_shape, loss_type, params, initializers, extras, ty
 
     # 2. parameters back to initializers; inputs = the forward's data inputs
     param_set = set(params)
-    inputs = [v for v in graph.input if v.name not in param_set and v.name != seed_name]
+    inputs = [v for v in graph.input if v.name not in param_set and v.name != seed_name
+              and v.name not in stub_inputs]
     graph.ClearField("input")
     graph.input.extend(inputs)
     graph.initializer.extend(initializers[p] for p in params)
+    graph.initializer.extend(frozen_stubs)
     if seed is not None:
         graph.initializer.append(seed)
 
@@ -622,7 +649,7 @@ def _finish(model, loss, loss_shape, loss_type, params, initializers, extras, ty
     name_nodes(model)
     write_settings(model, UNOPTIMIZED_SETTINGS)   # open_session(model) runs it lean
     try:
-        onnx.checker.check_model(model)
+        skeleton_check(model)
     except onnx.checker.ValidationError as exc:  # pragma: no cover - a bug if it happens
         raise InvalidModelError("the training graph fails onnx.checker: %s" % exc) from exc
     return model

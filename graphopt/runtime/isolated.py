@@ -42,25 +42,20 @@ def child_env() -> dict[str, str]:
 
 
 def save_model(model: onnx.ModelProto, path) -> None:
-    """Save a model, its initializers serialized one at a time (`write_in_pieces`); one over
-    protobuf's 2 GB limit gets its weights as external data."""
-    path = str(path)
-    if model.ByteSize() > PROTOBUF_LIMIT_BYTES:
-        onnx.save(model, path, save_as_external_data=True, all_tensors_to_one_file=True,
-                  location=os.path.basename(path) + ".data")
-    elif os.path.splitext(path)[1] in ("", ".onnx", ".pb"):
-        write_in_pieces(model, path)
-    else:                    # a text format onnx.save infers from the name
-        onnx.save(model, path)
+    """Save a model, its initializers serialized one at a time; one over protobuf's 2 GB limit
+    gets its weights as external data beside it (graphopt.weights.save_model)."""
+    from graphopt.weights import save_model as save
+    save(model, path)
 
 
-def write_in_pieces(model: onnx.ModelProto, path, weights_folder: str | None = None) -> None:
+def write_in_pieces(model: onnx.ModelProto, path, weights_folder: str | None = None, tensor_of=None) -> None:
     """The model file of `model`: the model without its initializers, then each initializer as a
     further occurrence of its graph, serialized one at a time (a protobuf parser merges repeated
     occurrences of a message field, appending to its repeated fields, so the file parses to the
     model, initializers in their order), so that no serialization of the whole model, a copy of
     all its weights, is ever held. With `weights_folder`, the data of initializers that reference
-    external data there is read into the file, one tensor at a time."""
+    external data there is read into the file, one tensor at a time; `tensor_of` (an initializer ->
+    the initializer to write) generalizes that (graphopt.weights.Weights.tensor)."""
     from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
     head = _copy_without(model, "graph")
     head.graph.CopyFrom(_copy_without(model.graph, "initializer"))
@@ -68,7 +63,9 @@ def write_in_pieces(model: onnx.ModelProto, path, weights_folder: str | None = N
         f.write(head.SerializeToString())
         del head
         for initializer in model.graph.initializer:
-            if weights_folder is not None and uses_external_data(initializer):
+            if tensor_of is not None:
+                data = tensor_of(initializer).SerializeToString()
+            elif weights_folder is not None and uses_external_data(initializer):
                 tensor = onnx.TensorProto()      # a message of its own, freed whole after the write
                 tensor.CopyFrom(initializer)
                 load_external_data_for_tensor(tensor, weights_folder)

@@ -31,7 +31,7 @@ _EXEC_ORDERS = ("DEFAULT", "PRIORITY_BASED")
 
 # Models at or above this serialized size cannot go through protobuf bytes
 # (2 GiB limit); they are handed to ORT as a file with external data.
-PROTOBUF_LIMIT_BYTES = 2**31 - 2**24
+from graphopt.weights import PROTOBUF_LIMIT_BYTES  # noqa: E402
 
 _FIELDS = (
     "graph_optimization_level",

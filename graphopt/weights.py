@@ -1,0 +1,335 @@
+"""Weights kept out of the graph: models past protobuf's 2 GB limit, and graph work that never
+touches (or copies) the weights.
+
+A ModelProto cannot be serialized past 2 GB (ONNX's checker, shape inference and
+``SerializeToString`` all serialize it), and every ``CopyFrom`` of a model copies its weights.
+Graph work (the builder's passes, onnx-ad, checks) needs each initializer's name, type and
+shape, never its data. So the builder works on a model whose large initializers are *stubs*:
+a TensorProto with the name, type and dims and ``data_location`` EXTERNAL, whose data lives in a
+`Weights`:
+
+* a reference into a file of the model's folder (``location`` a relative path, as ONNX writes
+  external data): `Weights.folder` is that folder;
+* a tensor this process holds (``location`` `HELD`): the original TensorProto, by name, never
+  copied;
+* zeros (``location`` `ZEROS`): an optimizer's state starts at zero, made when written.
+
+`save_model` writes a model and the data of its stubs one tensor at a time: inline under 2 GB,
+as external data beside the model over it. `attach` puts the data back into the ModelProto for
+callers that want a self-contained model in memory.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from graphopt.errors import InvalidModelError
+
+# protobuf's limit on one serialized message (2 GiB), less a margin for the graph around the weights
+PROTOBUF_LIMIT_BYTES = 2**31 - 2**24
+HELD = "graphopt:held"        # data held in this process (Weights.held)
+ZEROS = "graphopt:zeros"      # all zeros, made when written
+# the least data of an initializer the builder detaches (smaller ones, shapes and axes, stay inline)
+DETACH_MIN_BYTES = 1 << 20
+# over the limit, initializers of this size or more go to the external data file (as onnx.save does)
+EXTERNAL_MIN_BYTES = 1024
+# bytes of zeros written at a time
+_ZEROS_CHUNK_BYTES = 64 << 20
+
+
+def is_stub(tensor: TensorProto) -> bool:
+    """Whether `tensor`'s data is elsewhere (external data or a graphopt stub)."""
+    return tensor.data_location == TensorProto.EXTERNAL
+
+
+def stub_location(tensor: TensorProto) -> str | None:
+    for entry in tensor.external_data:
+        if entry.key == "location":
+            return entry.value
+    return None
+
+
+def _entry(tensor: TensorProto, key: str) -> str | None:
+    for entry in tensor.external_data:
+        if entry.key == key:
+            return entry.value
+    return None
+
+
+def data_bytes(tensor: TensorProto) -> int:
+    """The bytes of `tensor`'s data, wherever it is."""
+    if is_stub(tensor):
+        length = _entry(tensor, "length")
+        if length is not None:
+            return int(length)
+        return int(np.prod(tensor.dims, dtype=np.int64)) * helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+    if tensor.HasField("raw_data"):
+        return len(tensor.raw_data)
+    return tensor.ByteSize()
+
+
+def make_stub(name: str, data_type: int, dims, location: str) -> TensorProto:
+    """A TensorProto with `name`, type and dims whose data is at `location` (`HELD`, `ZEROS`)."""
+    tensor = TensorProto(name=name, data_type=data_type, dims=[int(d) for d in dims],
+                         data_location=TensorProto.EXTERNAL)
+    itemsize = helper.tensor_dtype_to_np_dtype(data_type).itemsize
+    for key, value in (("location", location),
+                       ("length", str(int(np.prod(dims, dtype=np.int64)) * itemsize))):
+        entry = tensor.external_data.add()
+        entry.key, entry.value = key, value
+    return tensor
+
+
+def zeros_stub(name: str, data_type: int, dims) -> TensorProto:
+    """An initializer of zeros that holds no data until it is written."""
+    return make_stub(name, data_type, dims, ZEROS)
+
+
+@dataclasses.dataclass
+class Weights:
+    """Where the data of a model's stubs is: `folder` for references into files, `held` for the
+    tensors this process holds (by name)."""
+    folder: str | None = None
+    held: dict[str, TensorProto] = dataclasses.field(default_factory=dict)
+
+    def detach(self, model: onnx.ModelProto, min_bytes: int = DETACH_MIN_BYTES) -> onnx.ModelProto:
+        """A copy of `model` whose initializers of `min_bytes` or more (of data held inline) are
+        `HELD` stubs, their TensorProtos kept here by reference (not copied): a copy of the graph,
+        not of the weights. References to external data stay as they are."""
+        light = _copy_without(model, "graph")
+        light.graph.CopyFrom(_copy_without(model.graph, "initializer"))
+        for tensor in model.graph.initializer:
+            if not is_stub(tensor) and data_bytes(tensor) >= min_bytes:
+                self.held[tensor.name] = tensor
+                light.graph.initializer.append(make_stub(tensor.name, tensor.data_type, tensor.dims, HELD))
+            else:
+                light.graph.initializer.append(tensor)
+        return light
+
+    def tensor(self, stub: TensorProto) -> TensorProto:
+        """The initializer `stub` stands for, with its data inline (a new message)."""
+        location = stub_location(stub)
+        if location == HELD:
+            if stub.name not in self.held:
+                raise InvalidModelError(f"initializer {stub.name!r}: its data is no longer held")
+            return self.held[stub.name]
+        if location == ZEROS:
+            dtype = helper.tensor_dtype_to_np_dtype(stub.data_type)
+            full = TensorProto(name=stub.name, data_type=stub.data_type, dims=stub.dims)
+            full.raw_data = np.zeros(tuple(stub.dims), dtype).tobytes()
+            return full
+        from onnx.external_data_helper import load_external_data_for_tensor
+        if self.folder is None:      # a reference that stays one (relative to where it is written)
+            return stub
+        full = TensorProto()
+        full.CopyFrom(stub)
+        load_external_data_for_tensor(full, self.folder)
+        del full.external_data[:]
+        full.data_location = TensorProto.DEFAULT
+        return full
+
+    def write_data(self, stub: TensorProto, out) -> int:
+        """Write the data of `stub` to the binary file `out`, in pieces for zeros and references;
+        the bytes written."""
+        location = stub_location(stub)
+        if location == ZEROS:
+            remaining = data_bytes(stub)
+            chunk = bytes(min(remaining, _ZEROS_CHUNK_BYTES))
+            while remaining:
+                n = min(remaining, len(chunk))
+                out.write(chunk[:n] if n < len(chunk) else chunk)
+                remaining -= n
+            return data_bytes(stub)
+        if location == HELD:
+            tensor = self.held[stub.name]
+            if not tensor.HasField("raw_data"):      # typed fields: the tensor as raw bytes once
+                from onnx import numpy_helper
+                data = numpy_helper.to_array(tensor).astype(
+                    numpy_helper.to_array(tensor).dtype.newbyteorder("<")).tobytes()
+            else:
+                data = tensor.raw_data
+            out.write(data)
+            return len(data)
+        if self.folder is None:
+            raise InvalidModelError(f"initializer {stub.name!r}: external data {location!r} without the "
+                                    "model's folder to read it from")
+        offset = int(_entry(stub, "offset") or 0)
+        length = _entry(stub, "length")
+        with open(os.path.join(self.folder, location), "rb") as source:
+            source.seek(offset)
+            remaining = int(length) if length is not None else None
+            written = 0
+            while remaining is None or remaining > 0:
+                piece = source.read(_ZEROS_CHUNK_BYTES if remaining is None else min(remaining, _ZEROS_CHUNK_BYTES))
+                if not piece:
+                    break
+                out.write(piece)
+                written += len(piece)
+                if remaining is not None:
+                    remaining -= len(piece)
+            if remaining:
+                raise InvalidModelError(f"initializer {stub.name!r}: external data file {location!r} ends "
+                                        f"before its {length} bytes")
+        return written
+
+    def attach(self, model: onnx.ModelProto) -> onnx.ModelProto:
+        """In place: every stub of `model` (graphopt's and references under `folder`) replaced by
+        its initializer with the data inline; returns `model`. Past 2 GB the result cannot be
+        serialized whole: write it with `save_model`."""
+        tensors = list(model.graph.initializer)
+        if not any(is_stub(t) and self._resolvable(t) for t in tensors):
+            return model
+        model.graph.ClearField("initializer")
+        for tensor in tensors:
+            if is_stub(tensor) and self._resolvable(tensor):
+                full = self.tensor(tensor)
+                if full is self.held.get(tensor.name):
+                    copied = TensorProto()
+                    copied.CopyFrom(full)
+                    full = copied
+                model.graph.initializer.append(full)
+            else:
+                model.graph.initializer.append(tensor)
+        return model
+
+    def owns(self, tensor: TensorProto) -> bool:
+        """Whether this Weights has the data of stub `tensor` (else it is a reference kept as is)."""
+        return self._resolvable(tensor)
+
+    def _resolvable(self, tensor: TensorProto) -> bool:
+        location = stub_location(tensor)
+        return location in (HELD, ZEROS) or self.folder is not None
+
+
+def model_bytes(model: onnx.ModelProto) -> int:
+    """The serialized size of `model` with the data of its stubs counted (top-level initializers)."""
+    head = _copy_without(model, "graph")
+    head.graph.CopyFrom(_copy_without(model.graph, "initializer"))
+    # ByteSize of a message past 2 GB raises: count the initializers one at a time (each field's
+    # tag and length prefix: a few bytes each, within the limit's margin)
+    return head.ByteSize() + sum(data_bytes(t) if is_stub(t) else t.ByteSize() + 8
+                                 for t in model.graph.initializer)
+
+
+def skeleton_check(model: onnx.ModelProto) -> None:
+    """onnx.checker on `model` without its large initializers' data (each declared as a graph
+    input of its type and shape instead): the checks of the graph that hold at any size, where
+    ``check_model`` on the model itself fails past 2 GB and on stubs (their data is not in a file
+    of its folder). Raises onnx.checker.ValidationError."""
+    from graphopt.builder.graph_util import shape_skeleton
+    onnx.checker.check_model(shape_skeleton(model))
+
+
+def has_graphopt_stubs(model: onnx.ModelProto) -> bool:
+    return any(is_stub(t) and stub_location(t) in (HELD, ZEROS) for t in model.graph.initializer)
+
+
+def save_model(model: onnx.ModelProto, path, weights: Weights | None = None) -> None:
+    """Write `model` to `path`, the data of its stubs from `weights`, one tensor at a time: no
+    serialization of the whole model, nor a second copy of all its weights, is ever held.
+
+    Up to protobuf's 2 GB limit the file holds everything (external data references under
+    `weights.folder` read into it). Past it, every initializer of EXTERNAL_MIN_BYTES or more goes
+    to ``<path>.data`` beside the model, the model referencing it. Both files are written under
+    temporary names and renamed when complete: a model is never left half written, and one
+    read from the same path (weights under `weights.folder`) is read whole before it is replaced."""
+    from graphopt.runtime.isolated import _copy_without, write_in_pieces
+    path = Path(path)
+    weights = weights if weights is not None else Weights()
+    if path.suffix not in ("", ".onnx", ".pb"):      # a text format onnx.save infers from the name
+        if has_graphopt_stubs(model) or model_bytes(model) > PROTOBUF_LIMIT_BYTES:
+            raise InvalidModelError(f"{path.name}: a model past 2 GB or with weights held apart is written "
+                                    "as binary ONNX (.onnx), not as text")
+        onnx.save(weights.attach(_copied(model)) if weights.folder else model, str(path))
+        return
+    folder = path.parent
+    folder.mkdir(parents=True, exist_ok=True)
+    data_name = path.name + ".data"
+    data_path = folder / data_name
+    fd, model_tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=folder)
+    os.close(fd)
+    _readable(model_tmp)
+    try:
+        if model_bytes(model) <= PROTOBUF_LIMIT_BYTES and not _subgraphs_reference(model):
+            write_in_pieces(model, model_tmp, tensor_of=lambda t: weights.tensor(t) if is_stub(t) else t)
+            os.replace(model_tmp, path)
+            if data_path.exists() and data_path.resolve() != path.resolve():
+                data_path.unlink()       # a stale data file of an earlier, larger model of that name
+            return
+        fd, data_tmp = tempfile.mkstemp(prefix=f".{data_name}.", dir=folder)
+        os.close(fd)
+        _readable(data_tmp)
+        try:
+            head = _copy_without(model, "graph")
+            head.graph.CopyFrom(_copy_without(model.graph, "initializer"))
+            offset = 0
+            with open(data_tmp, "wb") as data:
+                for tensor in model.graph.initializer:
+                    if (not is_stub(tensor) and data_bytes(tensor) < EXTERNAL_MIN_BYTES) \
+                            or (is_stub(tensor) and not weights.owns(tensor)):
+                        head.graph.initializer.append(tensor)    # inline, or a reference kept as it is
+                        continue
+                    if offset % 4096:            # aligned for mmap, as onnx's writer does
+                        pad = 4096 - offset % 4096
+                        data.write(bytes(pad))
+                        offset += pad
+                    if is_stub(tensor):
+                        length = weights.write_data(tensor, data)
+                    else:
+                        raw = tensor.raw_data if tensor.HasField("raw_data") else _raw(tensor)
+                        data.write(raw)
+                        length = len(raw)
+                    ref = TensorProto(name=tensor.name, data_type=tensor.data_type, dims=tensor.dims,
+                                      data_location=TensorProto.EXTERNAL)
+                    if tensor.doc_string:
+                        ref.doc_string = tensor.doc_string
+                    for key, value in (("location", data_name), ("offset", str(offset)), ("length", str(length))):
+                        entry = ref.external_data.add()
+                        entry.key, entry.value = key, value
+                    head.graph.initializer.append(ref)
+                    offset += length
+            with open(model_tmp, "wb") as f:
+                f.write(head.SerializeToString())
+            os.replace(data_tmp, data_path)
+            os.replace(model_tmp, path)
+        finally:
+            if os.path.exists(data_tmp):
+                os.remove(data_tmp)
+    finally:
+        if os.path.exists(model_tmp):
+            os.remove(model_tmp)
+
+
+def _readable(path: str) -> None:
+    """The permissions a file written with open() would have (mkstemp makes it owner-only)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
+
+
+def _raw(tensor: TensorProto) -> bytes:
+    from onnx import numpy_helper
+    array = numpy_helper.to_array(tensor)
+    return array.astype(array.dtype.newbyteorder("<")).tobytes()
+
+
+def _copied(model: onnx.ModelProto) -> onnx.ModelProto:
+    copied = onnx.ModelProto()
+    copied.CopyFrom(model)
+    return copied
+
+
+def _subgraphs_reference(model: onnx.ModelProto) -> bool:
+    from graphopt.runtime.isolated import _subgraph_references
+    return _subgraph_references(model.graph)
+
+
+def _copy_without(message, field):
+    from graphopt.runtime.isolated import _copy_without as copy_without
+    return copy_without(message, field)
