@@ -130,8 +130,9 @@ def options_from_args(args, **extra):
 
 def cmd_optimize(args) -> int:
     from .ingest import load_model
-    from .optimize import optimize, restate_own_memory, save_model
+    from .optimize import optimize, restate_own_memory
     from .report import summary_text
+    from .weights import save_model
     if args.sweep is not None:
         return cmd_sweep(args)
     if args.server:
@@ -140,11 +141,14 @@ def cmd_optimize(args) -> int:
             raise GraphoptError("--inputs is not sent to a server; give --input-dims (the server "
                                 "synthesizes inputs) or run in-process")
         return commands.optimize(args, options_from_args(args), StageProgress())
-    model = load_model(args.model)
+    from .weights import Weights
+    # the weights stay on disk: read by the children that run the model, written into the
+    # returned model's file one tensor at a time (at any size: past 2 GB, as external data)
+    model = load_model(args.model, weights_on_disk=True)
     options = options_from_args(args, inputs=_load_inputs(args, model), progress=StageProgress())
-    result = optimize(model, options)
-    del model, options       # the model as read: its weights go before the returned model is written
-    save_model(result.model, args.output)
+    with optimize(model, options, weights=Weights(folder=str(Path(args.model).parent))) as result:
+        del model, options
+        save_model(result.model, args.output, result.weights)
     report = result.report
     restate_own_memory(report)   # the writing counts as graphopt's own memory too
     if args.report:

@@ -137,9 +137,9 @@ def _resolve_shapes(model: onnx.ModelProto, input_dims: dict[str, list[int]]) ->
 
 def _inferred_shapes(model: onnx.ModelProto, input_shapes: dict[str, list[int]]) -> dict[str, list]:
     """Static shapes of every value we can find (initializers, inputs, inferred)."""
+    from .builder.graph_util import shape_skeleton
     out: dict[str, list] = {}
-    m = onnx.ModelProto()
-    m.CopyFrom(model)
+    m = shape_skeleton(model)      # the graph without its weights' data: any size, no copy of them
     for inp in m.graph.input:
         if inp.name in input_shapes and inp.type.HasField("tensor_type"):
             shp = inp.type.tensor_type.shape
@@ -154,7 +154,7 @@ def _inferred_shapes(model: onnx.ModelProto, input_shapes: dict[str, list[int]])
         s = _static_shape(vi.type)
         if s is not None:
             out[vi.name] = s
-    for t in m.graph.initializer:
+    for t in model.graph.initializer:
         out[t.name] = list(t.dims)
     for n in m.graph.node:
         if n.op_type == "Constant" and n.output:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 import onnx
-from onnx import defs, shape_inference
+from onnx import defs
 
 from .analyze import TrainingGraph, fed_back_outputs, implicit_inputs
 from .costgraph import CostGraph, Op
@@ -73,8 +73,9 @@ def _numel(shape) -> int | None:
 
 def static_shapes(model: onnx.ModelProto) -> dict[str, list[int | None]]:
     """Tensor shapes as ONNX shape inference sees them (None for an unknown dimension)."""
+    from .builder.graph_util import infer_shapes
     try:
-        inferred = shape_inference.infer_shapes(model, data_prop=True)
+        inferred = infer_shapes(model, data_prop=True)   # on the graph without its weights: any size
     except Exception:
         inferred = model
     g = inferred.graph
@@ -83,7 +84,7 @@ def static_shapes(model: onnx.ModelProto) -> dict[str, list[int | None]]:
         tt = vi.type.tensor_type
         if tt.HasField("shape"):
             shapes[vi.name] = [d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim]
-    for t in g.initializer:
+    for t in model.graph.initializer:
         shapes[t.name] = list(t.dims)
     return shapes
 

@@ -24,11 +24,16 @@ from .report import (OUTCOME_OPTIMIZED, OUTCOME_ORIGINAL, OUTCOME_UNMEASURED, OW
 from .runtime.rss import ChildPeaks, peak_rss_bytes, process_peak_bytes, reset_peak_rss, rss_bytes, tracking_children
 from .runtime.isolated import save_model as save_model
 from .runtime.warm import children_cpu_seconds
+from .weights import Weights
 
 
-def optimize(model: onnx.ModelProto, options: OptimizeOptions | None = None) -> OptimizeResult:
+def optimize(model: onnx.ModelProto, options: OptimizeOptions | None = None, weights: Weights | None = None
+             ) -> OptimizeResult:
     """Annotate, plan, rewrite, verify and measure `model` (left untouched); deliver under the
-    contracts of graphopt/pipeline.py."""
+    contracts of graphopt/pipeline.py. `weights`: the caller keeps the weights on disk (a model
+    loaded with `ingest.load_model(path, weights_on_disk=True)`, `Weights(folder=its folder)`): no
+    process of graphopt's holds them whole, at any size, and the result's model references them
+    (write it with `graphopt.weights.save_model(result.model, path, result.weights)`)."""
     options = options or OptimizeOptions()
     clock = StageClock(options.progress)
     options = dataclasses.replace(options, progress=clock)
@@ -36,7 +41,7 @@ def optimize(model: onnx.ModelProto, options: OptimizeOptions | None = None) -> 
     reset_peak_rss()
     main_start_bytes = rss_bytes()
     # every ONNX Runtime run in a fresh process, one at a time, models and outputs on disk
-    with tracking_children() as children, prepare(model, options, early_peaks=True) as prepared:
+    with tracking_children() as children, prepare(model, options, early_peaks=True, weights=weights) as prepared:
         clock("plan", 0.3)
         chosen = plan(prepared, options)
         result = deliver(prepared, chosen, options)

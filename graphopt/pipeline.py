@@ -77,6 +77,7 @@ from .search import DEFAULT_STRATEGY, STRATEGIES, Plan, least_peak_within, store
 from .search.auto import least_peak_local
 from .search.plan import peak_floor_bytes
 from .verify import OutputComparison, compare_order
+from .weights import Weights
 
 log = logging.getLogger(__name__)
 
@@ -118,9 +119,24 @@ class StepTiming:
 
 @dataclass
 class OptimizeResult:
+    """The returned model, its plan and report. Where the caller kept the weights on disk
+    (`optimize(..., weights=...)`), `model` holds references to files of `weights.folder`, a
+    folder of its own: write it with `graphopt.weights.save_model(model, path, weights)`, then
+    `close` the result (or use it as a context manager) to remove that folder."""
     model: onnx.ModelProto
     plan: Plan
     report: Report
+    weights: Weights | None = None
+
+    def close(self) -> None:
+        if self.weights is not None:
+            self.weights.close()
+
+    def __enter__(self) -> "OptimizeResult":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 # -- prepare ---------------------------------------------------------------------------------------
@@ -158,6 +174,9 @@ class Prepared:
     # child runs that time nothing, started in the background while planning and verifying go on
     # (`runtime.overlap`; at once where a memory limit is given: two processes at once might not fit)
     overlap: Overlap = field(default_factory=Overlap)
+    # the caller keeps the weights on disk (`prepare(weights=...)`): the model delivered references
+    # the workspace's weights, handed over to the result (`Workspace.hand_over`), not loaded back
+    weights_on_disk: bool = False
     # the originals' peaks under ORIGINAL_SESSIONS (`start_original_peaks`): label -> Future[Measurement]
     original_peaks: dict = field(default_factory=dict)
     # peaks of rewritten models started before they were needed (`start_peak`): [(model, Future)]
@@ -207,6 +226,13 @@ class Prepared:
         """The original's outputs on disk (computed once), or None when not computed."""
         return self.workspace.reference_path
 
+    def delivered(self, model: onnx.ModelProto, plan: Plan, report: Report) -> OptimizeResult:
+        """The result returning `model`: its weights loaded back into it, or, where the caller
+        keeps them on disk, handed over with it (`Workspace.hand_over`)."""
+        if self.weights_on_disk:
+            return OptimizeResult(model, plan, report, self.workspace.hand_over(model))
+        return OptimizeResult(self.workspace.with_weights(model), plan, report)
+
     def close(self) -> None:
         try:
             self.overlap.close()   # (its children read the workspace's files)
@@ -221,13 +247,15 @@ class Prepared:
 
 
 def prepare(model: onnx.ModelProto, options: OptimizeOptions, *, reference: bool | None = None,
-            expand: bool = True, early_peaks: bool = False) -> Prepared:
+            expand: bool = True, early_peaks: bool = False, weights: Weights | None = None) -> Prepared:
     """Check `options`; name, analyze and annotate `model` (left untouched) in a child; build
     the cost graph; the original's outputs once when `reference` (default: `options.verify`).
     `expand=False` keeps function ops ORT inlines at load as they are (the plan's order then
     cannot cover their bodies: for tests of the order check). `early_peaks`: the originals'
     peaks, which `deliver` compares against, measured from the start in the background (for a
-    caller that delivers: `optimize`)."""
+    caller that delivers: `optimize`). `weights`: where the data of `model`'s stubs is
+    (graphopt/weights.py: external data under `weights.folder`, tensors it holds); given, the
+    weights are never loaded into this process, and the delivered model references them."""
     options.check()
     progress = options.progress or (lambda stage, fraction: None)
     progress("analyze", 0.0)
@@ -236,7 +264,7 @@ def prepare(model: onnx.ModelProto, options: OptimizeOptions, *, reference: bool
     try:
         # the weights stay in the workspace's file: this process holds the graph, the children
         # read the weights (`deliver` loads them back into the model it returns)
-        working = workspace.copy_keeping_weights_on_disk(model)
+        working = workspace.copy_keeping_weights_on_disk(model, weights)
         name_nodes(working)
         training = analyze(working, options.loss)
         inputs = options.inputs if options.inputs is not None else synthesize_inputs(working, options.input_dims)
@@ -297,7 +325,8 @@ def prepare(model: onnx.ModelProto, options: OptimizeOptions, *, reference: bool
         prepared = Prepared(working, training, annotations, first, graph, expanded, predicted, inputs, workspace,
                             graph_optimizations=graph_optimized, original_limit_runs=original_runs,
                             reduced=reduced, full_size_because=full_size_because,
-                            overlap=overlap, original_peaks=original_peaks)
+                            overlap=overlap, original_peaks=original_peaks,
+                            weights_on_disk=weights is not None)
         prepared.set_graphs(graph)
         if options.measure and reduced is None:
             progress("time", 0.2)

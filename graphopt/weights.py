@@ -97,6 +97,20 @@ class Weights:
     tensors this process holds (by name)."""
     folder: str | None = None
     held: dict[str, TensorProto] = dataclasses.field(default_factory=dict)
+    owned: bool = False       # `folder` is graphopt's own (a result's), removed by `close`
+
+    def close(self) -> None:
+        """Remove `folder` when it is graphopt's own (the weights of a returned model)."""
+        if self.owned and self.folder is not None:
+            import shutil
+            shutil.rmtree(self.folder, ignore_errors=True)
+            self.folder = None
+
+    def __enter__(self) -> "Weights":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def detach(self, model: onnx.ModelProto, min_bytes: int = DETACH_MIN_BYTES) -> onnx.ModelProto:
         """A copy of `model` whose initializers of `min_bytes` or more (of data held inline) are

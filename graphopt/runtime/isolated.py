@@ -156,30 +156,71 @@ class Workspace:
         self._saved[label] = path
         return path
 
-    def copy_keeping_weights_on_disk(self, model: onnx.ModelProto) -> onnx.ModelProto:
+    def copy_keeping_weights_on_disk(self, model: onnx.ModelProto, weights=None) -> onnx.ModelProto:
         """A copy of `model` (left untouched) whose initializers of WEIGHTS_ON_DISK_MIN_BYTES or
         more are in the workspace's weights file (`WEIGHTS_FILE`), the copy holding references:
         every model derived from it and saved here carries references, not copies, and the
         children that load them from this folder read the weights from the file. This process
         then holds the graph, not the weights (a 5x-weights parent on the MLP example: 229 MiB
         for 15.6 MiB of weights). Made one initializer at a time: the graph is copied without
-        its initializers, and each is copied, its data written to the file and dropped, before
-        the next, so that no second copy of all the weights is ever held."""
-        import sys
-        from onnx.external_data_helper import save_external_data, set_external_data
+        its initializers, and each tensor's data is written to the file before the next, so that
+        no second copy of all the weights is ever held. The stubs of `model` (graphopt.weights:
+        external data under `weights.folder`, data `weights` holds) are copied into the file in
+        pieces, never whole in this process: a model loaded with its weights on disk is
+        optimized without them ever being in memory."""
+        from graphopt.weights import Weights, data_bytes, is_stub, make_stub
+        weights = weights if weights is not None else Weights()
         working = _copy_without(model, "graph")
         working.graph.CopyFrom(_copy_without(model.graph, "initializer"))
-        for tensor in model.graph.initializer:
-            # a message of its own (protobuf's arena of `working` would keep the data cleared in it)
-            kept = onnx.TensorProto()
-            kept.CopyFrom(tensor)
-            # the rule of onnx's convert_model_to_external_data (onnx.save with external data)
-            if kept.HasField("raw_data") and sys.getsizeof(kept.raw_data) >= WEIGHTS_ON_DISK_MIN_BYTES:
-                set_external_data(kept, WEIGHTS_FILE)
-                save_external_data(kept, self.folder)
-                kept.ClearField("raw_data")
-            working.graph.initializer.append(kept)
+        path = os.path.join(self.folder, WEIGHTS_FILE)
+        with open(path, "ab") as out:
+            offset = out.tell()
+            for tensor in model.graph.initializer:
+                if is_stub(tensor):
+                    if not weights.owns(tensor):
+                        raise GraphoptError(f"initializer {tensor.name!r} references external data, and graphopt "
+                                            "was not told the folder to read it from")
+                elif data_bytes(tensor) < WEIGHTS_ON_DISK_MIN_BYTES or not tensor.HasField("raw_data"):
+                    working.graph.initializer.append(tensor)    # small ones (and typed fields) inline
+                    continue
+                if offset % 4096:            # each tensor page-aligned: ONNX Runtime maps it from the file
+                    out.write(bytes(4096 - offset % 4096))
+                    offset += 4096 - offset % 4096
+                if is_stub(tensor):
+                    length = weights.write_data(tensor, out)
+                else:
+                    data = tensor.raw_data      # one copy of one tensor at a time
+                    out.write(data)
+                    length = len(data)
+                    del data
+                kept = make_stub(tensor.name, tensor.data_type, tensor.dims, WEIGHTS_FILE)
+                for entry in kept.external_data:
+                    if entry.key == "length":
+                        entry.value = str(length)
+                entry = kept.external_data.add()
+                entry.key, entry.value = "offset", str(offset)
+                if tensor.doc_string:
+                    kept.doc_string = tensor.doc_string
+                working.graph.initializer.append(kept)
+                offset += length
         return working
+
+    def hand_over(self, model: onnx.ModelProto):
+        """The files of this workspace that `model` references, moved to a folder of their own
+        that outlives the workspace: a `graphopt.weights.Weights` over it (removed by its
+        `close`), for `graphopt.weights.save_model` to write `model` one tensor at a time."""
+        from graphopt.weights import Weights, is_stub, stub_location
+        folder = tempfile.mkdtemp(prefix="graphopt-weights-")
+        for location in {stub_location(t) for t in model.graph.initializer if is_stub(t)}:
+            source = os.path.join(self.folder, location)
+            target = os.path.join(folder, location)
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            if os.path.exists(source):
+                os.replace(source, target)
+            elif not os.path.exists(target):
+                shutil.rmtree(folder, ignore_errors=True)
+                raise GraphoptError(f"the returned model references {location!r}, which is not in the workspace")
+        return Weights(folder=folder, owned=True)
 
     def save_with_weights(self, model: onnx.ModelProto, label: str) -> str:
         """`model` saved as ``label`` with the weights it references in this workspace written
