@@ -190,7 +190,7 @@ def cmd_measure(args) -> int:
     from .optimize import ORIGINAL_UNOPTIMIZED
     from .runtime.measure import measure
     from .runtime.session import DEFAULT_SETTINGS, read_settings
-    model = load_model(args.model)
+    model = load_model(args.model, weights_on_disk=True)     # the graph; the run reads the weights from disk
     settings = {"model": read_settings(model) or DEFAULT_SETTINGS, "default": DEFAULT_SETTINGS,
                 "off": ORIGINAL_UNOPTIMIZED}[args.session]
     inputs = _load_inputs(args, model)
@@ -257,8 +257,8 @@ def cmd_train_graph(args) -> int:
 def cmd_train(args) -> int:
     from .ingest import load_model
     from .inputs import load_inputs
-    from .optimize import save_model
     from .train import train, with_state
+    from .weights import Weights, save_model
     data = load_inputs(args.data)
     providers = [args.provider] if args.provider else None
     result = train(str(args.model), data, args.steps, batch_size=args.batch_size, log=args.log,
@@ -268,7 +268,10 @@ def cmd_train(args) -> int:
         print(f"{result.steps} steps of batch {result.batch_size}: loss {result.losses[0]:.6g} -> "
               f"{result.losses[-1]:.6g}")
     if args.out:
-        save_model(with_state(load_model(args.model), result.state), args.out)
+        # the graph read alone, the trained state written into the new file, and the other weights
+        # copied over from the model's folder, one tensor at a time (at any size)
+        weights = Weights(folder=str(Path(args.model).parent))
+        save_model(with_state(load_model(args.model, weights_on_disk=True), result.state, weights), args.out, weights)
         print(f"wrote {args.out}: the training graph with the trained parameters and state as its defaults")
     return 0
 

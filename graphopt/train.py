@@ -21,6 +21,7 @@ from onnx import numpy_helper
 
 from .analyze import fed_back_outputs
 from .errors import InvalidModelError, InvalidOptionError, MemoryLimitError
+from .weights import Weights
 
 
 @dataclass
@@ -109,7 +110,9 @@ def train(model: onnx.ModelProto | str | os.PathLike, data: dict[str, np.ndarray
 
     if steps < 0:
         raise InvalidOptionError(f"steps must be >= 0, got {steps}")
-    proto = model if isinstance(model, onnx.ModelProto) else onnx.load(os.fspath(model))
+    # a path: the graph read without its weights (ONNX Runtime reads them from the model's folder)
+    folder = None if isinstance(model, onnx.ModelProto) else os.path.dirname(os.path.abspath(os.fspath(model)))
+    proto = model if folder is None else onnx.load(os.fspath(model), load_external_data=False)
     data_inputs, feedback = plan_inputs(proto)
     _check_data(proto, data_inputs, data)
     batch = _batch_size(proto, data_inputs, data, batch_size)
@@ -126,13 +129,14 @@ def train(model: onnx.ModelProto | str | os.PathLike, data: dict[str, np.ndarray
             raise MemoryLimitError(f"memory limit of {memory_limit_bytes} bytes: the weights, the state and the "
                                    f"batch alone take {outside} bytes")
     session = open_session(_without_state_defaults(proto, fed_back, model), None,
-                           providers=providers or default_providers(), threads=threads, cap_bytes=cap)
+                           providers=providers or default_providers(), threads=threads, cap_bytes=cap,
+                           weights_folder=folder)
     provider = session.get_providers()[0]
     device = "cuda" if provider == "CUDAExecutionProvider" else "cpu"
     current, spare = {}, {}     # this step's state, and the buffers its outputs are written into
     for t in proto.graph.initializer:
         if t.name in fed_back:
-            value = numpy_helper.to_array(t)
+            value = numpy_helper.to_array(t, base_dir=folder or "")
             current[t.name] = ort.OrtValue.ortvalue_from_numpy(value, device, 0)
             spare[t.name] = ort.OrtValue.ortvalue_from_shape_and_type(list(value.shape), value.dtype, device, 0)
     binding = session.io_binding()
@@ -209,24 +213,43 @@ def _without_state_defaults(model: onnx.ModelProto, fed_back: set[str], path):
     copy of the parameters and optimizer state); `path` (the file as given) when there are none."""
     if not fed_back:
         return path
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    kept = [t for t in out.graph.initializer if t.name not in fed_back]
-    del out.graph.initializer[:]
-    out.graph.initializer.extend(kept)
+    from .weights import _copy_without
+    out = _copy_without(model, "graph")         # the graph copied, and the weights kept: not copied
+    out.graph.CopyFrom(_copy_without(model.graph, "initializer"))
+    out.graph.initializer.extend(t for t in model.graph.initializer if t.name not in fed_back)
     return out
 
 
-def with_state(model: onnx.ModelProto, state: dict[str, np.ndarray]) -> onnx.ModelProto:
+def with_state(model: onnx.ModelProto, state: dict[str, np.ndarray], weights: Weights | None = None
+               ) -> onnx.ModelProto:
     """A copy of `model` whose initializers named in `state` hold those values (the defaults a
-    resumed training starts from)."""
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
+    resumed training starts from). With `weights`, each large one is a stub whose tensor
+    `weights` holds (write the model with `graphopt.weights.save_model(out, path, weights)`),
+    and the other initializers are kept as they are (references to external data stay so)."""
+    from .weights import DETACH_MIN_BYTES, HELD, _copy_without, make_stub
+    if weights is None:
+        out = onnx.ModelProto()
+        out.CopyFrom(model)
+    else:                  # the graph copied, each initializer kept as it is (one at a time)
+        out = _copy_without(model, "graph")
+        out.graph.CopyFrom(_copy_without(model.graph, "initializer"))
+        out.graph.initializer.extend(t if t.name not in state else onnx.TensorProto(name=t.name)
+                                     for t in model.graph.initializer)
+        # (each state's slot holds only its name until it is set below: the old values are not copied)
+        dims = {t.name: (list(t.dims), t.data_type) for t in model.graph.initializer if t.name in state}
+        for t in out.graph.initializer:
+            if t.name in dims:
+                t.dims.extend(dims[t.name][0])
+                t.data_type = dims[t.name][1]
     for k, t in enumerate(out.graph.initializer):
         if t.name in state:
             value = state[t.name]
             if tuple(value.shape) != tuple(t.dims):
                 raise InvalidModelError(f"state {t.name!r} has shape {value.shape}, its initializer {tuple(t.dims)}")
-            out.graph.initializer[k].CopyFrom(numpy_helper.from_array(value.astype(
-                onnx.helper.tensor_dtype_to_np_dtype(t.data_type), copy=False), t.name))
+            tensor = numpy_helper.from_array(value.astype(onnx.helper.tensor_dtype_to_np_dtype(t.data_type),
+                                                          copy=False), t.name)
+            if weights is not None and value.nbytes >= DETACH_MIN_BYTES:
+                weights.held[t.name] = tensor
+                tensor = make_stub(t.name, t.data_type, t.dims, HELD)
+            out.graph.initializer[k].CopyFrom(tensor)
     return out

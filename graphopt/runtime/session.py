@@ -260,6 +260,7 @@ def open_session(
     deterministic: bool = False,
     cap_bytes: int | None = None,
     spinning: bool = True,
+    weights_folder: str | os.PathLike | None = None,
 ) -> ort.InferenceSession:
     """Open an ORT session as the plan needs.
 
@@ -268,7 +269,8 @@ def open_session(
     on its provider's device (graphopt/runtime/limit.py: a capped arena, prepacking off);
     a ``run`` that needs more fails with ONNX Runtime's "Available memory of ..." error. ``model`` may be a ModelProto or a path (use a path,
     with external data, for models over 2 GB; a ModelProto that big is written to a
-    temporary directory with external data first).
+    temporary directory with external data first). ``weights_folder``: where the external data a
+    ModelProto references is (a model loaded without it, from that folder).
     """
     is_path = isinstance(model, (str, os.PathLike))
     if settings is None:
@@ -289,18 +291,21 @@ def open_session(
     if cap_bytes is not None:
         so.log_severity_level = 4   # an allocation refused under the cap is the caller's to report
     kwargs: dict[str, Any] = {}
+    if weights_folder is not None and not is_path:
+        so.add_session_config_entry("session.model_external_initializers_file_folder_path", os.fspath(weights_folder))
     if settings.disabled_optimizers:
         kwargs["disabled_optimizers"] = list(settings.disabled_optimizers)
     try:
         if is_path:
             return ort.InferenceSession(os.fspath(model), so, providers=providers, **kwargs)
-        if model.ByteSize() < PROTOBUF_LIMIT_BYTES:
+        from graphopt.weights import Weights, model_bytes, save_model
+        if model_bytes(model) < PROTOBUF_LIMIT_BYTES:
             return ort.InferenceSession(model.SerializeToString(), so, providers=providers, **kwargs)
         tmp = tempfile.mkdtemp(prefix="graphopt-model-")
         try:
             path = os.path.join(tmp, "model.onnx")
-            onnx.save_model(model, path, save_as_external_data=True, all_tensors_to_one_file=True,
-                            location="model.onnx.data")
+            # (references under weights_folder copied beside it: the file is read from its own folder)
+            save_model(model, path, Weights(folder=os.fspath(weights_folder) if weights_folder else None))
             return ort.InferenceSession(path, so, providers=providers, **kwargs)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
