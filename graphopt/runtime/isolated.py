@@ -226,13 +226,22 @@ class Workspace:
         """`model` saved as ``label`` with the weights it references in this workspace written
         into the file, as `with_weights` then `save` would, one tensor at a time
         (`write_in_pieces`): this process holds one tensor's data at a time, not two copies of all
-        of them (the loaded model and its serialization). Over protobuf's 2 GB limit, or with
-        references in subgraphs: `save` (external data beside it). Its path."""
+        of them (the loaded model and its serialization). Over protobuf's 2 GB limit: its weights
+        in ``<label>.onnx.data`` beside it, copied there one tensor at a time; with references in
+        subgraphs: `save` of the model loaded whole. Its path."""
         from onnx.external_data_helper import uses_external_data
         referenced = sum(int(e.value) for t in model.graph.initializer if uses_external_data(t)
                          for e in t.external_data if e.key == "length")
-        if model.ByteSize() + referenced > PROTOBUF_LIMIT_BYTES or _subgraph_references(model.graph):
+        if _subgraph_references(model.graph):
             return self.save(self.with_weights(model, copy=True), label)
+        if model.ByteSize() + referenced > PROTOBUF_LIMIT_BYTES:
+            # as it leaves graphopt past 2 GB: its weights in a file of their own beside it, copied
+            # there one tensor at a time
+            from graphopt.weights import Weights, save_model as save
+            path = os.path.join(self.folder, f"{label}.onnx")
+            save(model, path, Weights(folder=self.folder))
+            self._saved[label] = path
+            return path
         path = os.path.join(self.folder, f"{label}.onnx")
         for stale in (path, path + ".data"):
             if os.path.exists(stale):
