@@ -157,8 +157,9 @@ def prepare(job: BatchJob, options: BatchOptions) -> None:
     from .analyze import analyze
     from .builder.train_graph import build_training_graph
     from .ingest import load_model, name_nodes
-    from .optimize import save_model
-    model = load_model(job.source)
+    from .weights import Weights, save_model
+    # the graph alone: the weights stay on disk, copied into the training graph's file in pieces
+    model = load_model(job.source, weights_on_disk=True)
     try:
         probe = onnx_copy(model)
         analyze(name_nodes(probe))
@@ -167,7 +168,8 @@ def prepare(job: BatchJob, options: BatchOptions) -> None:
         job.kind = "forward"
         job.out_dir.mkdir(parents=True, exist_ok=True)
         job.training_path = job.out_dir / TRAINING_NAME
-        save_model(build_training_graph(model, loss=options.loss), job.training_path)
+        weights = Weights(folder=str(job.source.parent))
+        save_model(build_training_graph(model, loss=options.loss, weights=weights), job.training_path, weights)
 
 
 def onnx_copy(model):
@@ -207,7 +209,9 @@ class LocalRunner:
     def _budget(job: BatchJob, options: BatchOptions) -> int:
         from .ingest import load_model
         from .optimize import analyze_model
-        analysis = analyze_model(load_model(job.training_path), OptimizeOptions())
+        from .weights import Weights
+        analysis = analyze_model(load_model(job.training_path, weights_on_disk=True), OptimizeOptions(),
+                                 weights=Weights(folder=str(job.training_path.parent)))
         return int(options.budget_fraction * analysis.predicted_peak_bytes.original_optimizations_off)
 
 

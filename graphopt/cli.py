@@ -282,9 +282,11 @@ def cmd_analyze(args) -> int:
         return commands.analyze(args, options_from_args(args))
     from .ingest import load_model
     from .optimize import analyze_model
-    model = load_model(args.model)
+    from .weights import Weights
+    model = load_model(args.model, weights_on_disk=True)
     options = options_from_args(args)
-    print(json.dumps(analyze_model(model, options, plan=args.plan).to_dict(), indent=2))
+    analysis = analyze_model(model, options, plan=args.plan, weights=Weights(folder=str(Path(args.model).parent)))
+    print(json.dumps(analysis.to_dict(), indent=2))
     return 0
 
 

@@ -118,15 +118,17 @@ def restate_own_memory(report: Report) -> None:
         _judge_bound(own)
 
 
-def analyze_model(model: onnx.ModelProto, options: OptimizeOptions | None = None, plan: bool = False) -> Analysis:
+def analyze_model(model: onnx.ModelProto, options: OptimizeOptions | None = None, plan: bool = False,
+                  weights: Weights | None = None) -> Analysis:
     """Annotate `model` in ONNX Runtime and predict its peak; with `plan`, also run the search
-    and predict the plan's peak. Rewrites nothing. Returns an `Analysis` (`to_dict()`: its JSON)."""
+    and predict the plan's peak. Rewrites nothing. Returns an `Analysis` (`to_dict()`: its JSON).
+    `weights`: as for `optimize` (the weights kept on disk)."""
     options = options or OptimizeOptions()
     with_plan = plan
     progress = options.progress or _no_progress
     # the step times (the time model's seconds, the baseline of max_overhead) only for a plan
     timed = dataclasses.replace(options, measure=options.measure and with_plan)
-    with prepare(model, timed, reference=False) as prepared:
+    with prepare(model, timed, reference=False, weights=weights) as prepared:
         training, annotations = prepared.training, prepared.annotations
         result = Analysis(
             loss=training.loss,

@@ -32,16 +32,21 @@ OPTIMIZED_MODEL_NAME = "optimized.onnx"
 def run_job(job: dict, progress) -> dict:
     """`job["options"]` is `OptimizeOptions.to_dict()`'s form; `job["service"]` the service's own."""
     from graphopt.ingest import external_data_files, load_model
-    from graphopt.optimize import OptimizeOptions, analyze_model, optimize, save_model
+    from graphopt.optimize import OptimizeOptions, analyze_model, optimize
+    from graphopt.weights import Weights, save_model
     tempfile.tempdir = job["tmp_dir"]  # whatever the library writes is inside the call's folder
     try:
         options = OptimizeOptions.from_dict(job["options"], progress=progress)
-        model = load_model(job["model_path"])
+        # the graph alone: the weights stay in the uploaded files (at any size)
+        model = load_model(job["model_path"], weights_on_disk=True)
+        weights = Weights(folder=str(Path(job["model_path"]).parent))
         if job["kind"] == "analyze":
-            return {"analysis": analyze_model(model, options, plan=job["service"].get("plan", False)).to_dict()}
-        result = optimize(model, options)
+            return {"analysis": analyze_model(model, options, plan=job["service"].get("plan", False),
+                                              weights=weights).to_dict()}
         output = Path(job["output_dir"]) / OPTIMIZED_MODEL_NAME
-        save_model(result.model, output)
+        with optimize(model, options, weights=weights) as result:
+            del model
+            save_model(result.model, output, result.weights)
         return {"report": result.report.to_dict(), "files": [OPTIMIZED_MODEL_NAME, *external_data_files(output)]}
     finally:
         tempfile.tempdir = None
