@@ -575,8 +575,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
+    from google.protobuf.message import EncodeError
     try:
-        return args.func(args)
+        try:
+            return args.func(args)
+        except EncodeError as exc:     # a model serialized whole past 2 GB: what to do, not a traceback
+            from .weights import past_limit_error
+            raise past_limit_error(exc, f"graphopt {args.command}") from exc
     except GraphoptError as exc:
         print(f"graphopt: error: {exc}", file=sys.stderr)
         return 2

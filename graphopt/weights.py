@@ -221,6 +221,19 @@ class Weights:
         return location in (HELD, ZEROS) or self.folder is not None
 
 
+def past_limit_error(exc: BaseException, what: str = "this command") -> InvalidModelError:
+    """The error to raise for protobuf's refusal to serialize a message past 2 GB (EncodeError)
+    where graphopt did not keep the weights apart: it names the limit and what to do."""
+    from graphopt.errors import LimitExceededError
+    return LimitExceededError(
+        f"{what} tried to serialize a model whole past protobuf's 2 GB limit ({exc}). Keep its weights as "
+        "external data beside the model file (onnx.save(model, path, save_as_external_data=True)) and run the "
+        "graphopt command on that file: train-graph, optimize, analyze, measure, train, batch and the service "
+        "keep the weights on disk; from Python, load it with graphopt.ingest.load_model(path, "
+        "weights_on_disk=True), pass weights=graphopt.weights.Weights(folder=its folder), and write models with "
+        "graphopt.weights.save_model")
+
+
 def model_bytes(model: onnx.ModelProto) -> int:
     """The serialized size of `model` with the data of its stubs counted (top-level initializers)."""
     head = _copy_without(model, "graph")
@@ -244,7 +257,8 @@ def has_graphopt_stubs(model: onnx.ModelProto) -> bool:
     return any(is_stub(t) and stub_location(t) in (HELD, ZEROS) for t in model.graph.initializer)
 
 
-def save_model(model: onnx.ModelProto, path, weights: Weights | None = None) -> None:
+def save_model(model: onnx.ModelProto, path, weights: Weights | None = None, *,
+               limit_bytes: int = PROTOBUF_LIMIT_BYTES) -> None:
     """Write `model` to `path`, the data of its stubs from `weights`, one tensor at a time: no
     serialization of the whole model, nor a second copy of all its weights, is ever held.
 
@@ -252,15 +266,21 @@ def save_model(model: onnx.ModelProto, path, weights: Weights | None = None) -> 
     `weights.folder` read into it). Past it, every initializer of EXTERNAL_MIN_BYTES or more goes
     to ``<path>.data`` beside the model, the model referencing it. Both files are written under
     temporary names and renamed when complete: a model is never left half written, and one
-    read from the same path (weights under `weights.folder`) is read whole before it is replaced."""
+    read from the same path (weights under `weights.folder`) is read whole before it is replaced.
+    `limit_bytes`: where external data begins (protobuf's limit; lower only to test that form)."""
     from graphopt.runtime.isolated import _copy_without, write_in_pieces
     path = Path(path)
     weights = weights if weights is not None else Weights()
     if path.suffix not in ("", ".onnx", ".pb"):      # a text format onnx.save infers from the name
-        if has_graphopt_stubs(model) or model_bytes(model) > PROTOBUF_LIMIT_BYTES:
-            raise InvalidModelError(f"{path.name}: a model past 2 GB or with weights held apart is written "
-                                    "as binary ONNX (.onnx), not as text")
-        onnx.save(weights.attach(_copied(model)) if weights.folder else model, str(path))
+        size = model_bytes(model)
+        if size > PROTOBUF_LIMIT_BYTES:
+            from graphopt.errors import LimitExceededError
+            raise LimitExceededError(
+                f"{path.name}: the model is {size} bytes, past protobuf's 2 GB limit, and a text format holds "
+                "every weight inline: write it as binary ONNX (a .onnx path), which keeps the weights as "
+                "external data beside it")
+        stubbed = any(is_stub(t) and weights.owns(t) for t in model.graph.initializer)
+        onnx.save(weights.attach(_copied(model)) if stubbed else model, str(path))
         return
     folder = path.parent
     folder.mkdir(parents=True, exist_ok=True)
@@ -270,7 +290,7 @@ def save_model(model: onnx.ModelProto, path, weights: Weights | None = None) -> 
     os.close(fd)
     _readable(model_tmp)
     try:
-        if model_bytes(model) <= PROTOBUF_LIMIT_BYTES and not _subgraphs_reference(model):
+        if model_bytes(model) <= limit_bytes and not _subgraphs_reference(model):
             write_in_pieces(model, model_tmp, tensor_of=lambda t: weights.tensor(t) if is_stub(t) else t)
             os.replace(model_tmp, path)
             if data_path.exists() and data_path.resolve() != path.resolve():

@@ -34,6 +34,7 @@ def run_job(job: dict, progress) -> dict:
     from graphopt.ingest import external_data_files, load_model
     from graphopt.optimize import OptimizeOptions, analyze_model, optimize
     from graphopt.weights import Weights, save_model
+    from google.protobuf.message import EncodeError
     tempfile.tempdir = job["tmp_dir"]  # whatever the library writes is inside the call's folder
     try:
         options = OptimizeOptions.from_dict(job["options"], progress=progress)
@@ -48,6 +49,9 @@ def run_job(job: dict, progress) -> dict:
             del model
             save_model(result.model, output, result.weights)
         return {"report": result.report.to_dict(), "files": [OPTIMIZED_MODEL_NAME, *external_data_files(output)]}
+    except EncodeError as exc:         # a model serialized whole past 2 GB: the limit named, and what to do
+        from graphopt.weights import past_limit_error
+        raise past_limit_error(exc, f"the service's {job['kind']}") from exc
     finally:
         tempfile.tempdir = None
 

@@ -179,3 +179,16 @@ def test_the_service_round_trip_past_2_gb(built, tmp_path):
     finally:
         server.kill()
     assert os.path.exists(built["train"])        # the caller's files are left as they were
+
+
+def test_what_is_not_supported_past_2_gb_is_a_clear_error_not_a_traceback(built, tmp_path):
+    """A text format holds every weight inline: past 2 GB it cannot be written, and the error says
+    so and what to do (a .onnx path), with no traceback and no file left behind."""
+    out = tmp_path / "train.json"
+    done = subprocess.run([sys.executable, "-m", "graphopt.cli", "train-graph", str(built["forward"]), "-o", str(out),
+                           "--loss", "cross_entropy", "--class-axis", "-1", "--freeze", "table"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    assert "2 GB" in done.stderr and ".onnx" in done.stderr, done.stderr
+    assert not out.exists()
