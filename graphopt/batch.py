@@ -157,7 +157,7 @@ def prepare(job: BatchJob, options: BatchOptions) -> None:
     from .analyze import analyze
     from .builder.train_graph import build_training_graph
     from .ingest import load_model, name_nodes
-    from .weights import Weights, save_model
+    from .runtime.weights import Weights, save_model
     # the graph alone: the weights stay on disk, copied into the training graph's file in pieces
     model = load_model(job.source, weights_on_disk=True)
     try:
@@ -209,7 +209,7 @@ class LocalRunner:
     def _budget(job: BatchJob, options: BatchOptions) -> int:
         from .ingest import load_model
         from .optimize import analyze_model
-        from .weights import Weights
+        from .runtime.weights import Weights
         analysis = analyze_model(load_model(job.training_path, weights_on_disk=True), OptimizeOptions(),
                                  weights=Weights(folder=str(job.training_path.parent)))
         return int(options.budget_fraction * analysis.predicted_peak_bytes.original_optimizations_off)

@@ -5,7 +5,8 @@ prepare, run, summarize: graphopt/batch.py); `RayRunner` is its `Runner`, beside
 (worker processes here) and `RemoteRunner` (graphopt servers):
 
 * Each model is one Ray task that runs the local runner on whichever node Ray picks: the
-  model's files go to the task as bytes (nodes need not share a disk), the task runs
+  model's files go to the task in pieces of CHUNK_BYTES (nodes need not share a disk; a model
+  past 2 GB travels as any other), the task runs
   `graphopt optimize` in a process of its own there, as the local batch does, and returns the
   report and the produced files, which the driver writes into OUT. So a model's result is
   written once, by the driver, only when a task returned it.
@@ -39,20 +40,34 @@ def task_folder_name(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", name)
 
 
-def _optimize_task(name: str, files: dict[str, bytes], options: BatchOptions, threads: int) -> tuple[dict, dict]:
+# files travel in pieces of at most this many bytes: no single object, message or buffer of a
+# model past protobuf's 2 GB (or msgpack's 4 GB) limit, and the driver reads one piece at a time
+CHUNK_BYTES = 256 << 20
+
+
+def _chunks(path: Path):
+    with open(path, "rb") as f:
+        while piece := f.read(CHUNK_BYTES):
+            yield piece
+
+
+def _optimize_task(name: str, files: dict[str, list], options: BatchOptions, threads: int) -> tuple[dict, dict]:
     """In a Ray worker, on some node: the local runner on the model written to a folder of
-    this node. Returns (report, {produced file name: bytes})."""
+    this node, each file from its pieces (object refs the driver put, fetched one at a time).
+    Returns (report, {produced file name: [its pieces as bytes]})."""
+    import ray
     with tempfile.TemporaryDirectory(prefix=f"{TASK_FOLDER_PREFIX}{task_folder_name(name)}-") as folder:
         model_dir, out_dir = Path(folder) / "model", Path(folder) / "out"
-        for relative, data in files.items():
+        for relative, pieces in files.items():
             target = model_dir / relative
             target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(data)
+            with open(target, "wb") as f:
+                for piece in pieces:
+                    f.write(ray.get(piece))
         model = model_dir / next(iter(files))
         job = BatchJob(name=name, source=model, out_dir=out_dir, key="", kind="training", training_path=model)
         report = LocalRunner(threads=threads).optimize(job, options)
-        produced = {p.name: p.read_bytes() for p in out_dir.iterdir() if p.is_file()}
-    import ray
+        produced = {p.name: list(_chunks(p)) for p in out_dir.iterdir() if p.is_file()}
     context = ray.get_runtime_context()
     report["graphopt_batch"] = {"ray_node_id": context.get_node_id(), "ray_task_id": context.get_task_id()}
     return report, produced
@@ -91,7 +106,8 @@ class RayRunner:
 
     def optimize(self, job: BatchJob, options: BatchOptions) -> dict:
         folder = job.training_path.parent
-        files = {p.relative_to(folder).as_posix(): p.read_bytes() for p in model_files(job.training_path)}
+        files = {p.relative_to(folder).as_posix(): [self._ray.put(piece) for piece in _chunks(p)]
+                 for p in model_files(job.training_path)}
         ref = self._remote.options(**self.resources(options)).remote(job.name, files, options, self.cpus_per_job)
         try:
             report, produced = self._ray.get(ref)
@@ -99,15 +115,17 @@ class RayRunner:
             cause = exc.cause if getattr(exc, "cause", None) is not None else exc
             raise GraphoptError(str(cause).strip().splitlines()[-1] if str(cause).strip() else repr(cause)) from None
         job.out_dir.mkdir(parents=True, exist_ok=True)
-        for name, data in produced.items():
-            _write(job.out_dir / name, data)
+        for name, pieces in produced.items():
+            _write(job.out_dir / name, pieces)
         return report
 
     def close(self) -> None:
         self._ray.shutdown()
 
 
-def _write(path: Path, data: bytes) -> None:
+def _write(path: Path, pieces: list[bytes]) -> None:
     tmp = path.with_name(f".{path.name}.ray-tmp")
-    tmp.write_bytes(data)
+    with open(tmp, "wb") as f:
+        for piece in pieces:
+            f.write(piece)
     os.replace(tmp, path)

@@ -132,7 +132,7 @@ def cmd_optimize(args) -> int:
     from .ingest import load_model
     from .optimize import optimize, restate_own_memory
     from .report import summary_text
-    from .weights import save_model
+    from .runtime.weights import save_model
     if args.sweep is not None:
         return cmd_sweep(args)
     if args.server:
@@ -141,7 +141,7 @@ def cmd_optimize(args) -> int:
             raise GraphoptError("--inputs is not sent to a server; give --input-dims (the server "
                                 "synthesizes inputs) or run in-process")
         return commands.optimize(args, options_from_args(args), StageProgress())
-    from .weights import Weights
+    from .runtime.weights import Weights
     # the weights stay on disk: read by the children that run the model, written into the
     # returned model's file one tensor at a time (at any size: past 2 GB, as external data)
     model = load_model(args.model, weights_on_disk=True)
@@ -236,7 +236,7 @@ def _optimizer_spec(args):
 def cmd_train_graph(args) -> int:
     from .builder.train_graph import build_training_graph
     from .ingest import load_model
-    from .weights import Weights, save_model
+    from .runtime.weights import Weights, save_model
     optimizer = _optimizer_spec(args)
     # the weights stay where they are (read into the output one tensor at a time when it is
     # written): the builder works on the graph alone, at any size
@@ -258,7 +258,7 @@ def cmd_train(args) -> int:
     from .ingest import load_model
     from .inputs import load_inputs
     from .train import train, with_state
-    from .weights import Weights, save_model
+    from .runtime.weights import Weights, save_model
     data = load_inputs(args.data)
     providers = [args.provider] if args.provider else None
     result = train(str(args.model), data, args.steps, batch_size=args.batch_size, log=args.log,
@@ -282,7 +282,7 @@ def cmd_analyze(args) -> int:
         return commands.analyze(args, options_from_args(args))
     from .ingest import load_model
     from .optimize import analyze_model
-    from .weights import Weights
+    from .runtime.weights import Weights
     model = load_model(args.model, weights_on_disk=True)
     options = options_from_args(args)
     analysis = analyze_model(model, options, plan=args.plan, weights=Weights(folder=str(Path(args.model).parent)))
@@ -580,7 +580,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return args.func(args)
         except EncodeError as exc:     # a model serialized whole past 2 GB: what to do, not a traceback
-            from .weights import past_limit_error
+            from .runtime.weights import past_limit_error
             raise past_limit_error(exc, f"graphopt {args.command}") from exc
     except GraphoptError as exc:
         print(f"graphopt: error: {exc}", file=sys.stderr)

@@ -64,7 +64,7 @@ def load_model(path: str | os.PathLike, *, max_bytes: int | None = None,
                weights_on_disk: bool = False) -> onnx.ModelProto:
     """Load an ONNX model file with its external data (checked to stay in its folder). With
     `weights_on_disk`, initializers stored as external data stay references (relative to the
-    model's folder: graphopt.weights.Weights(folder=...) reads them), for work on the graph
+    model's folder: graphopt.runtime.weights.Weights(folder=...) reads them), for work on the graph
     alone at any size."""
     path = Path(path)
     if not path.is_file():

@@ -24,7 +24,7 @@ from .report import (OUTCOME_OPTIMIZED, OUTCOME_ORIGINAL, OUTCOME_UNMEASURED, OW
 from .runtime.rss import ChildPeaks, peak_rss_bytes, process_peak_bytes, reset_peak_rss, rss_bytes, tracking_children
 from .runtime.isolated import save_model as save_model
 from .runtime.warm import children_cpu_seconds
-from .weights import Weights
+from .runtime.weights import Weights
 
 
 def optimize(model: onnx.ModelProto, options: OptimizeOptions | None = None, weights: Weights | None = None
@@ -33,7 +33,7 @@ def optimize(model: onnx.ModelProto, options: OptimizeOptions | None = None, wei
     contracts of graphopt/pipeline.py. `weights`: the caller keeps the weights on disk (a model
     loaded with `ingest.load_model(path, weights_on_disk=True)`, `Weights(folder=its folder)`): no
     process of graphopt's holds them whole, at any size, and the result's model references them
-    (write it with `graphopt.weights.save_model(result.model, path, result.weights)`)."""
+    (write it with `graphopt.runtime.weights.save_model(result.model, path, result.weights)`)."""
     options = options or OptimizeOptions()
     clock = StageClock(options.progress)
     options = dataclasses.replace(options, progress=clock)

@@ -77,7 +77,7 @@ from .search import DEFAULT_STRATEGY, STRATEGIES, Plan, least_peak_within, store
 from .search.auto import least_peak_local
 from .search.plan import peak_floor_bytes
 from .verify import OutputComparison, compare_order
-from .weights import Weights
+from .runtime.weights import Weights
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ class StepTiming:
 class OptimizeResult:
     """The returned model, its plan and report. Where the caller kept the weights on disk
     (`optimize(..., weights=...)`), `model` holds references to files of `weights.folder`, a
-    folder of its own: write it with `graphopt.weights.save_model(model, path, weights)`, then
+    folder of its own: write it with `graphopt.runtime.weights.save_model(model, path, weights)`, then
     `close` the result (or use it as a context manager) to remove that folder."""
     model: onnx.ModelProto
     plan: Plan

@@ -21,7 +21,7 @@ from onnx import numpy_helper
 
 from .analyze import fed_back_outputs
 from .errors import InvalidModelError, InvalidOptionError, MemoryLimitError
-from .weights import Weights
+from .runtime.weights import Weights
 
 
 @dataclass
@@ -213,7 +213,7 @@ def _without_state_defaults(model: onnx.ModelProto, fed_back: set[str], path):
     copy of the parameters and optimizer state); `path` (the file as given) when there are none."""
     if not fed_back:
         return path
-    from .weights import _copy_without
+    from .runtime.weights import _copy_without
     out = _copy_without(model, "graph")         # the graph copied, and the weights kept: not copied
     out.graph.CopyFrom(_copy_without(model.graph, "initializer"))
     out.graph.initializer.extend(t for t in model.graph.initializer if t.name not in fed_back)
@@ -224,9 +224,9 @@ def with_state(model: onnx.ModelProto, state: dict[str, np.ndarray], weights: We
                ) -> onnx.ModelProto:
     """A copy of `model` whose initializers named in `state` hold those values (the defaults a
     resumed training starts from). With `weights`, each large one is a stub whose tensor
-    `weights` holds (write the model with `graphopt.weights.save_model(out, path, weights)`),
+    `weights` holds (write the model with `graphopt.runtime.weights.save_model(out, path, weights)`),
     and the other initializers are kept as they are (references to external data stay so)."""
-    from .weights import DETACH_MIN_BYTES, HELD, _copy_without, make_stub
+    from .runtime.weights import DETACH_MIN_BYTES, HELD, _copy_without, make_stub
     if weights is None:
         out = onnx.ModelProto()
         out.CopyFrom(model)

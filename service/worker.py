@@ -33,7 +33,7 @@ def run_job(job: dict, progress) -> dict:
     """`job["options"]` is `OptimizeOptions.to_dict()`'s form; `job["service"]` the service's own."""
     from graphopt.ingest import external_data_files, load_model
     from graphopt.optimize import OptimizeOptions, analyze_model, optimize
-    from graphopt.weights import Weights, save_model
+    from graphopt.runtime.weights import Weights, save_model
     from google.protobuf.message import EncodeError
     tempfile.tempdir = job["tmp_dir"]  # whatever the library writes is inside the call's folder
     try:
@@ -50,7 +50,7 @@ def run_job(job: dict, progress) -> dict:
             save_model(result.model, output, result.weights)
         return {"report": result.report.to_dict(), "files": [OPTIMIZED_MODEL_NAME, *external_data_files(output)]}
     except EncodeError as exc:         # a model serialized whole past 2 GB: the limit named, and what to do
-        from graphopt.weights import past_limit_error
+        from graphopt.runtime.weights import past_limit_error
         raise past_limit_error(exc, f"the service's {job['kind']}") from exc
     finally:
         tempfile.tempdir = None

@@ -24,7 +24,7 @@ import onnxruntime as ort
 import pytest
 
 from graphopt_zoo.large import DEFAULT_SIZES, large_forward_bytes, large_inputs, write_large_forward
-from graphopt.weights import PROTOBUF_LIMIT_BYTES
+from graphopt.runtime.weights import PROTOBUF_LIMIT_BYTES
 
 LR = 0.01
 

@@ -14,7 +14,7 @@ from graphopt.builder.optimizer import OptimizerSpec
 from graphopt.builder.train_graph import build_training_graph
 from graphopt.examples import example_inputs, forward_example
 from graphopt.ingest import load_model
-from graphopt.weights import HELD, ZEROS, Weights, is_stub, save_model, stub_location, zeros_stub
+from graphopt.runtime.weights import HELD, ZEROS, Weights, is_stub, save_model, stub_location, zeros_stub
 
 
 def _arrays(path):

@@ -157,3 +157,11 @@ def sequence_splits_to_split(model: onnx.ModelProto) -> int:
     graph.ClearField("node")
     graph.node.extend(nodes)
     return sum(1 for n in splits if id(n) in replace)
+
+
+def skeleton_check(model: onnx.ModelProto) -> None:
+    """onnx.checker on `model` without its large initializers' data (each declared as a graph
+    input of its type and shape instead): the checks of the graph that hold at any size, where
+    ``check_model`` on the model itself fails past 2 GB and on stubs (their data is not in a file
+    of its folder). Raises onnx.checker.ValidationError."""
+    onnx.checker.check_model(shape_skeleton(model))

@@ -36,7 +36,7 @@ from onnx import TensorProto, helper, numpy_helper
 from graphopt.runtime.step_state import UPDATED_SUFFIX
 from graphopt.errors import InvalidModelError, InvalidOptionError
 
-from graphopt.weights import DETACH_MIN_BYTES, zeros_stub
+from graphopt.runtime.weights import DETACH_MIN_BYTES, zeros_stub
 
 from .graph_util import Names
 

@@ -33,11 +33,11 @@ from graphopt.errors import InvalidModelError, UnsupportedOpError
 from graphopt.analyze import implicit_inputs
 from graphopt.ingest import name_nodes
 from graphopt.runtime.session import UNOPTIMIZED_SETTINGS, write_settings
-from graphopt.weights import Weights, is_stub, skeleton_check
+from graphopt.runtime.weights import Weights, is_stub
 
 from . import rules
 from .deterministic import scatter_nd_rows_to_elements, static_shapes
-from .graph_util import Names, infer_shapes, sequence_splits_to_split, small_constants
+from .graph_util import Names, infer_shapes, sequence_splits_to_split, skeleton_check, small_constants
 from .embedding_grad import lean_embedding_gradients
 from .lean import (gradients_early, loss_first, masks_as_products, outputs_written_in_place, pads_sum_to_concat,
                    recompute_gelu_intermediates, transposed_products,
@@ -352,7 +352,7 @@ def build_training_graph(forward: onnx.ModelProto, loss: str | None = None,
     more is a stub (graphopt/weights.py) while it builds, so that no model is serialized or copied
     with its weights, at any size. Without `weights`, the returned model holds its data (a copy of
     the forward's weights; the optimizer's state made); with it, the returned model keeps its stubs
-    and `weights` their data, for `graphopt.weights.save_model` to write one tensor at a time (past
+    and `weights` their data, for `graphopt.runtime.weights.save_model` to write one tensor at a time (past
     2 GB, as external data). A forward loaded without its external data keeps its references
     either way (`weights.folder` is where they are read from when written).
 

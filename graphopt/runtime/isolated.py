@@ -21,6 +21,7 @@ import onnx
 
 from graphopt.errors import GraphoptError
 from graphopt.runtime.session import PROTOBUF_LIMIT_BYTES
+from graphopt.runtime.weights import _copy_without, _subgraph_references, write_in_pieces  # noqa: F401
 
 
 class IsolatedTaskError(GraphoptError):
@@ -43,84 +44,9 @@ def child_env() -> dict[str, str]:
 
 def save_model(model: onnx.ModelProto, path) -> None:
     """Save a model, its initializers serialized one at a time; one over protobuf's 2 GB limit
-    gets its weights as external data beside it (graphopt.weights.save_model)."""
-    from graphopt.weights import save_model as save
+    gets its weights as external data beside it (graphopt.runtime.weights.save_model)."""
+    from graphopt.runtime.weights import save_model as save
     save(model, path)
-
-
-def write_in_pieces(model: onnx.ModelProto, path, weights_folder: str | None = None, tensor_of=None) -> None:
-    """The model file of `model`: the model without its initializers, then each initializer as a
-    further occurrence of its graph, serialized one at a time (a protobuf parser merges repeated
-    occurrences of a message field, appending to its repeated fields, so the file parses to the
-    model, initializers in their order), so that no serialization of the whole model, a copy of
-    all its weights, is ever held. With `weights_folder`, the data of initializers that reference
-    external data there is read into the file, one tensor at a time; `tensor_of` (an initializer ->
-    the initializer to write) generalizes that (graphopt.weights.Weights.tensor)."""
-    from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
-    head = _copy_without(model, "graph")
-    head.graph.CopyFrom(_copy_without(model.graph, "initializer"))
-    with open(path, "wb") as f:
-        f.write(head.SerializeToString())
-        del head
-        for initializer in model.graph.initializer:
-            if tensor_of is not None:
-                data = tensor_of(initializer).SerializeToString()
-            elif weights_folder is not None and uses_external_data(initializer):
-                tensor = onnx.TensorProto()      # a message of its own, freed whole after the write
-                tensor.CopyFrom(initializer)
-                load_external_data_for_tensor(tensor, weights_folder)
-                del tensor.external_data[:]
-                tensor.data_location = onnx.TensorProto.DEFAULT
-                data = tensor.SerializeToString()
-                del tensor
-            else:
-                data = initializer.SerializeToString()
-            f.write(_length_delimited(_MODEL_GRAPH_TAG, _length_delimited(_GRAPH_INITIALIZER_TAG, data)))
-
-
-# protobuf's wire tags of ModelProto.graph (field 7) and GraphProto.initializer (field 5), both
-# length-delimited (wire type 2): `write_in_pieces` writes them itself
-_MODEL_GRAPH_TAG = bytes([7 << 3 | 2])
-_GRAPH_INITIALIZER_TAG = bytes([5 << 3 | 2])
-
-
-def _length_delimited(tag: bytes, payload: bytes) -> bytes:
-    """One length-delimited protobuf field: its tag, the payload's length as a varint, the payload."""
-    size, varint = len(payload), bytearray()
-    while True:
-        byte = size & 0x7F
-        size >>= 7
-        if size:
-            varint.append(byte | 0x80)
-        else:
-            varint.append(byte)
-            return tag + bytes(varint) + payload
-
-
-def _copy_without(message, field: str):
-    """A copy of a protobuf message without one of its fields (the others copied as they are)."""
-    copied = type(message)()
-    for descriptor, value in message.ListFields():
-        if descriptor.name == field:
-            continue
-        if descriptor.is_repeated:
-            getattr(copied, descriptor.name).extend(value)
-        elif descriptor.type == descriptor.TYPE_MESSAGE:
-            getattr(copied, descriptor.name).CopyFrom(value)
-        else:
-            setattr(copied, descriptor.name, value)
-    return copied
-
-
-def _subgraph_references(graph: onnx.GraphProto) -> bool:
-    """Whether a subgraph of `graph` (If, Loop, Scan bodies) has an initializer with external data."""
-    from onnx.external_data_helper import uses_external_data
-    for node in graph.node:
-        for attr in node.attribute:
-            for sub in list(attr.graphs) + ([attr.g] if attr.HasField("g") else []):
-                if any(uses_external_data(t) for t in sub.initializer) or _subgraph_references(sub):
-                    return True
-    return False
 
 
 # The file of a workspace that holds the weights of the models in it (`copy_keeping_weights_on_disk`),
@@ -164,11 +90,11 @@ class Workspace:
         then holds the graph, not the weights (a 5x-weights parent on the MLP example: 229 MiB
         for 15.6 MiB of weights). Made one initializer at a time: the graph is copied without
         its initializers, and each tensor's data is written to the file before the next, so that
-        no second copy of all the weights is ever held. The stubs of `model` (graphopt.weights:
+        no second copy of all the weights is ever held. The stubs of `model` (graphopt.runtime.weights:
         external data under `weights.folder`, data `weights` holds) are copied into the file in
         pieces, never whole in this process: a model loaded with its weights on disk is
         optimized without them ever being in memory."""
-        from graphopt.weights import Weights, data_bytes, is_stub, make_stub
+        from graphopt.runtime.weights import Weights, data_bytes, is_stub, make_stub
         weights = weights if weights is not None else Weights()
         working = _copy_without(model, "graph")
         working.graph.CopyFrom(_copy_without(model.graph, "initializer"))
@@ -207,9 +133,9 @@ class Workspace:
 
     def hand_over(self, model: onnx.ModelProto):
         """The files of this workspace that `model` references, moved to a folder of their own
-        that outlives the workspace: a `graphopt.weights.Weights` over it (removed by its
-        `close`), for `graphopt.weights.save_model` to write `model` one tensor at a time."""
-        from graphopt.weights import Weights, is_stub, stub_location
+        that outlives the workspace: a `graphopt.runtime.weights.Weights` over it (removed by its
+        `close`), for `graphopt.runtime.weights.save_model` to write `model` one tensor at a time."""
+        from graphopt.runtime.weights import Weights, is_stub, stub_location
         folder = tempfile.mkdtemp(prefix="graphopt-weights-")
         for location in {stub_location(t) for t in model.graph.initializer if is_stub(t)}:
             source = os.path.join(self.folder, location)
@@ -237,7 +163,7 @@ class Workspace:
         if model.ByteSize() + referenced > PROTOBUF_LIMIT_BYTES:
             # as it leaves graphopt past 2 GB: its weights in a file of their own beside it, copied
             # there one tensor at a time
-            from graphopt.weights import Weights, save_model as save
+            from graphopt.runtime.weights import Weights, save_model as save
             path = os.path.join(self.folder, f"{label}.onnx")
             save(model, path, Weights(folder=self.folder))
             self._saved[label] = path

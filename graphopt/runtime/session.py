@@ -31,7 +31,7 @@ _EXEC_ORDERS = ("DEFAULT", "PRIORITY_BASED")
 
 # Models at or above this serialized size cannot go through protobuf bytes
 # (2 GiB limit); they are handed to ORT as a file with external data.
-from graphopt.weights import PROTOBUF_LIMIT_BYTES  # noqa: E402
+from graphopt.runtime.weights import PROTOBUF_LIMIT_BYTES  # noqa: E402
 
 _FIELDS = (
     "graph_optimization_level",
@@ -298,7 +298,7 @@ def open_session(
     try:
         if is_path:
             return ort.InferenceSession(os.fspath(model), so, providers=providers, **kwargs)
-        from graphopt.weights import Weights, model_bytes, save_model
+        from graphopt.runtime.weights import Weights, model_bytes, save_model
         if model_bytes(model) < PROTOBUF_LIMIT_BYTES:
             return ort.InferenceSession(model.SerializeToString(), so, providers=providers, **kwargs)
         tmp = tempfile.mkdtemp(prefix="graphopt-model-")

@@ -230,8 +230,8 @@ def past_limit_error(exc: BaseException, what: str = "this command") -> InvalidM
         "external data beside the model file (onnx.save(model, path, save_as_external_data=True)) and run the "
         "graphopt command on that file: train-graph, optimize, analyze, measure, train, batch and the service "
         "keep the weights on disk; from Python, load it with graphopt.ingest.load_model(path, "
-        "weights_on_disk=True), pass weights=graphopt.weights.Weights(folder=its folder), and write models with "
-        "graphopt.weights.save_model")
+        "weights_on_disk=True), pass weights=graphopt.runtime.weights.Weights(folder=its folder), and write models with "
+        "graphopt.runtime.weights.save_model")
 
 
 def model_bytes(model: onnx.ModelProto) -> int:
@@ -242,15 +242,6 @@ def model_bytes(model: onnx.ModelProto) -> int:
     # tag and length prefix: a few bytes each, within the limit's margin)
     return head.ByteSize() + sum(data_bytes(t) if is_stub(t) else t.ByteSize() + 8
                                  for t in model.graph.initializer)
-
-
-def skeleton_check(model: onnx.ModelProto) -> None:
-    """onnx.checker on `model` without its large initializers' data (each declared as a graph
-    input of its type and shape instead): the checks of the graph that hold at any size, where
-    ``check_model`` on the model itself fails past 2 GB and on stubs (their data is not in a file
-    of its folder). Raises onnx.checker.ValidationError."""
-    from graphopt.builder.graph_util import shape_skeleton
-    onnx.checker.check_model(shape_skeleton(model))
 
 
 def has_graphopt_stubs(model: onnx.ModelProto) -> bool:
@@ -268,7 +259,6 @@ def save_model(model: onnx.ModelProto, path, weights: Weights | None = None, *,
     temporary names and renamed when complete: a model is never left half written, and one
     read from the same path (weights under `weights.folder`) is read whole before it is replaced.
     `limit_bytes`: where external data begins (protobuf's limit; lower only to test that form)."""
-    from graphopt.runtime.isolated import _copy_without, write_in_pieces
     path = Path(path)
     weights = weights if weights is not None else Weights()
     if path.suffix not in ("", ".onnx", ".pb"):      # a text format onnx.save infers from the name
@@ -290,7 +280,7 @@ def save_model(model: onnx.ModelProto, path, weights: Weights | None = None, *,
     os.close(fd)
     _readable(model_tmp)
     try:
-        if model_bytes(model) <= limit_bytes and not _subgraphs_reference(model):
+        if model_bytes(model) <= limit_bytes and not _subgraph_references(model.graph):
             write_in_pieces(model, model_tmp, tensor_of=lambda t: weights.tensor(t) if is_stub(t) else t)
             os.replace(model_tmp, path)
             if data_path.exists() and data_path.resolve() != path.resolve():
@@ -359,11 +349,76 @@ def _copied(model: onnx.ModelProto) -> onnx.ModelProto:
     return copied
 
 
-def _subgraphs_reference(model: onnx.ModelProto) -> bool:
-    from graphopt.runtime.isolated import _subgraph_references
-    return _subgraph_references(model.graph)
+def write_in_pieces(model: onnx.ModelProto, path, weights_folder: str | None = None, tensor_of=None) -> None:
+    """The model file of `model`: the model without its initializers, then each initializer as a
+    further occurrence of its graph, serialized one at a time (a protobuf parser merges repeated
+    occurrences of a message field, appending to its repeated fields, so the file parses to the
+    model, initializers in their order), so that no serialization of the whole model, a copy of
+    all its weights, is ever held. With `weights_folder`, the data of initializers that reference
+    external data there is read into the file, one tensor at a time; `tensor_of` (an initializer ->
+    the initializer to write) generalizes that (graphopt.runtime.weights.Weights.tensor)."""
+    from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
+    head = _copy_without(model, "graph")
+    head.graph.CopyFrom(_copy_without(model.graph, "initializer"))
+    with open(path, "wb") as f:
+        f.write(head.SerializeToString())
+        del head
+        for initializer in model.graph.initializer:
+            if tensor_of is not None:
+                data = tensor_of(initializer).SerializeToString()
+            elif weights_folder is not None and uses_external_data(initializer):
+                tensor = onnx.TensorProto()      # a message of its own, freed whole after the write
+                tensor.CopyFrom(initializer)
+                load_external_data_for_tensor(tensor, weights_folder)
+                del tensor.external_data[:]
+                tensor.data_location = onnx.TensorProto.DEFAULT
+                data = tensor.SerializeToString()
+                del tensor
+            else:
+                data = initializer.SerializeToString()
+            f.write(_length_delimited(_MODEL_GRAPH_TAG, _length_delimited(_GRAPH_INITIALIZER_TAG, data)))
 
 
-def _copy_without(message, field):
-    from graphopt.runtime.isolated import _copy_without as copy_without
-    return copy_without(message, field)
+# protobuf's wire tags of ModelProto.graph (field 7) and GraphProto.initializer (field 5), both
+# length-delimited (wire type 2): `write_in_pieces` writes them itself
+_MODEL_GRAPH_TAG = bytes([7 << 3 | 2])
+_GRAPH_INITIALIZER_TAG = bytes([5 << 3 | 2])
+
+
+def _length_delimited(tag: bytes, payload: bytes) -> bytes:
+    """One length-delimited protobuf field: its tag, the payload's length as a varint, the payload."""
+    size, varint = len(payload), bytearray()
+    while True:
+        byte = size & 0x7F
+        size >>= 7
+        if size:
+            varint.append(byte | 0x80)
+        else:
+            varint.append(byte)
+            return tag + bytes(varint) + payload
+
+
+def _copy_without(message, field: str):
+    """A copy of a protobuf message without one of its fields (the others copied as they are)."""
+    copied = type(message)()
+    for descriptor, value in message.ListFields():
+        if descriptor.name == field:
+            continue
+        if descriptor.is_repeated:
+            getattr(copied, descriptor.name).extend(value)
+        elif descriptor.type == descriptor.TYPE_MESSAGE:
+            getattr(copied, descriptor.name).CopyFrom(value)
+        else:
+            setattr(copied, descriptor.name, value)
+    return copied
+
+
+def _subgraph_references(graph: onnx.GraphProto) -> bool:
+    """Whether a subgraph of `graph` (If, Loop, Scan bodies) has an initializer with external data."""
+    from onnx.external_data_helper import uses_external_data
+    for node in graph.node:
+        for attr in node.attribute:
+            for sub in list(attr.graphs) + ([attr.g] if attr.HasField("g") else []):
+                if any(uses_external_data(t) for t in sub.initializer) or _subgraph_references(sub):
+                    return True
+    return False
