@@ -105,6 +105,8 @@ def main() -> int:
     parser.add_argument("--fraction", type=float, default=0.6)
     parser.add_argument("--batch", type=int, default=None)
     parser.add_argument("--seq", type=int, default=None)
+    parser.add_argument("--reuse", action="store_true",
+                        help="keep the stages an earlier run in --out finished (its figures.json) and run the rest")
     parser.add_argument("--json", default=None, help="write the figures here")
     args = parser.parse_args()
     if args.batch:
@@ -115,37 +117,53 @@ def main() -> int:
     folder = args.out or tempfile.mkdtemp(prefix=f"graphopt-past2gb-{args.model}-")
     os.makedirs(folder, exist_ok=True)
     graphopt = [sys.executable, "-m", "graphopt.cli"]
-    log: list[dict] = []
-    figures: dict = {"model": args.model, "sizes": SIZES[args.model], "folder": folder}
+    figures_path = os.path.join(folder, "figures.json")
+    figures: dict = {}
+    if args.reuse and os.path.exists(figures_path):
+        with open(figures_path) as f:
+            figures = json.load(f)
+    figures.update({"model": args.model, "sizes": SIZES[args.model], "folder": folder})
+    log: list[dict] = figures.setdefault("stages", [])
 
-    # the export in a process of its own (torch's memory is not graphopt's)
-    started = time.perf_counter()
-    exported = subprocess.run([sys.executable, "-c", (
-        "import json, sys; sys.path.insert(0, %r); sys.path.insert(0, %r); import past_2gb; "
-        "print(json.dumps(past_2gb.export(%r, %r)))") % (ROOT, HERE, args.model, folder)],
-        capture_output=True, text=True)
-    if exported.returncode != 0:
-        print(exported.stderr[-3000:], file=sys.stderr)
-        return 1
-    figures["export"] = json.loads(exported.stdout.strip().splitlines()[-1])
-    figures["export"]["seconds"] = round(time.perf_counter() - started, 1)
+    def save() -> None:
+        with open(figures_path, "w") as f:
+            json.dump(figures, f, indent=1)
+
+    if "export" not in figures:
+        # the export in a process of its own (torch's memory is not graphopt's)
+        started = time.perf_counter()
+        exported = subprocess.run([sys.executable, "-c", (
+            "import json, sys; sys.path.insert(0, %r); sys.path.insert(0, %r); import past_2gb; "
+            "print(json.dumps(past_2gb.export(%r, %r)))") % (ROOT, HERE, args.model, folder)],
+            capture_output=True, text=True)
+        if exported.returncode != 0:
+            print(exported.stderr[-3000:], file=sys.stderr)
+            return 1
+        figures["export"] = json.loads(exported.stdout.strip().splitlines()[-1])
+        figures["export"]["seconds"] = round(time.perf_counter() - started, 1)
+        forward_folder = os.path.dirname(figures["export"]["path"])
+        figures["export"]["bytes"] = sum(os.path.getsize(os.path.join(forward_folder, f))
+                                         for f in figures["export"]["files"])
+        save()
     forward = figures["export"]["path"]
-    weights = sum(os.path.getsize(os.path.join(os.path.dirname(forward), f)) for f in figures["export"]["files"])
-    figures["export"]["bytes"] = weights
-    print(f"exported {figures['export']['parameters'] / 1e6:.0f}M parameters, {weights / GiB:.2f} GiB in "
-          f"{figures['export']['files']}", flush=True)
+    print(f"exported {figures['export']['parameters'] / 1e6:.0f}M parameters, "
+          f"{figures['export']['bytes'] / GiB:.2f} GiB in {figures['export']['files']}", flush=True)
 
     data = os.path.join(folder, "data.npz")
     optimizer = ["--optimizer", "adamw", "--lr", "0.001"] if args.model == "medium" else []
     train = os.path.join(folder, "train", "train.onnx")
-    run(graphopt + ["train-graph", forward, "-o", train, "--loss", "cross_entropy", "--class-axis", "-1",
-                    *optimizer], log, "train-graph")
-    if log[-1]["returncode"] != 0:
-        return _finish(figures, log, args)
-    figures["training_graph_bytes"] = sum(os.path.getsize(os.path.join(os.path.dirname(train), f))
-                                          for f in os.listdir(os.path.dirname(train)))
+    if "training_graph_bytes" not in figures:
+        run(graphopt + ["train-graph", forward, "-o", train, "--loss", "cross_entropy", "--class-axis", "-1",
+                        *optimizer], log, "train-graph")
+        if log[-1]["returncode"] != 0:
+            return _finish(figures, log, args)
+        figures["training_graph_bytes"] = sum(os.path.getsize(os.path.join(os.path.dirname(train), f))
+                                              for f in os.listdir(os.path.dirname(train)))
+        save()
 
     def optimize(label: str, *extra: str) -> dict | None:
+        if label in figures.get("optimize", {}):
+            return figures["optimize"][label]
         out = os.path.join(folder, label, "opt.onnx")
         report_path = os.path.join(folder, label, "report.json")
         os.makedirs(os.path.dirname(out), exist_ok=True)
@@ -165,42 +183,51 @@ def main() -> int:
                                     if isinstance(v, dict)},
                    "memory_limit": report.get("memory_limit"), "graphopt_memory": own,
                    "stages": report.get("stages"), "total_seconds": report.get("total_seconds"),
-                   "search_seconds": report.get("search_seconds"), "path": out}
+                   "search_seconds": report.get("search_seconds"), "path": out,
+                   "largest_process_bytes_outside": log[-1]["largest_process_bytes"]}
         figures.setdefault("optimize", {})[label] = summary
+        save()
         return summary
 
     default = optimize("default")
     if args.model == "medium" and default is not None:
-        # what the original needs: held outside the arena (weights, state, inputs) + its step's peak
+        # what the original needs: what `graphopt train` holds outside ONNX Runtime's arena (the
+        # weights, two buffers of each fed-back state tensor, one batch: graphopt/train.py) + the
+        # step's peak under the default session; the step's share capped at the fraction
         from graphopt.ingest import load_model
-        from graphopt.runtime.limit import initializer_bytes
-        import numpy as np
+        from graphopt.inputs import load_inputs
+        from graphopt.train import outside_session_bytes, plan_inputs
         model = load_model(train, weights_on_disk=True)
-        held = initializer_bytes(model) + sum(v.nbytes for v in np.load(data).values())
+        batch = load_inputs(data)
+        data_inputs, feedback = plan_inputs(model)
+        held = outside_session_bytes(model, batch, data_inputs, SIZES[args.model]["batch"], set(feedback.values()))
         step = default["peaks_bytes"].get("original_default_session") or 0
         limit = int(held + args.fraction * step)
         figures["memory_limit"] = {"held_outside_bytes": held, "original_step_peak_bytes": step,
                                    "fraction": args.fraction, "limit_bytes": limit}
+        save()
         optimize("limited", "--memory-limit", str(limit))
         # train: the un-optimized graph, then each returned model, the same steps on the same batch
-        trained = {}
+        trained = figures.setdefault("losses", {})
         for label, path in [("original", train)] + [(k, v["path"]) for k, v in figures["optimize"].items()]:
+            if label in trained:
+                continue
             csv = os.path.join(folder, f"losses-{label}.csv")
             extra = ["--memory-limit", str(limit)] if label == "limited" else []
             run(graphopt + ["train", path, "--data", data, "--steps", str(args.steps), "--log", csv, "-q", *extra],
                 log, f"train {label}")
             if log[-1]["returncode"] == 0:
                 trained[label] = losses(csv)
-        figures["losses"] = trained
+                save()
         base = trained.get("original")
         if base:
             figures["losses_max_relative_difference"] = {
                 k: max(abs(a - b) / abs(b) for a, b in zip(v, base)) for k, v in trained.items() if k != "original"}
+    save()
     return _finish(figures, log, args)
 
 
 def _finish(figures: dict, log: list[dict], args) -> int:
-    figures["stages"] = log
     print(json.dumps({k: v for k, v in figures.items() if k != "stages"}, indent=1))
     print("\n| stage | wall s | largest process |\n|---|---|---|")
     for entry in log:

@@ -41,8 +41,20 @@ def _cli(*args, timeout=900):
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("past2gb")
+def built():
+    # a folder of its own, removed at the end: pytest keeps its last three runs' tmp_path folders,
+    # and each run of this module writes about 20 GB
+    import shutil
+    import tempfile
+    from pathlib import Path
+    folder = Path(tempfile.mkdtemp(prefix="graphopt-past2gb-"))
+    try:
+        yield _build(folder)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _build(folder):
     forward = write_large_forward(folder / "forward")
     assert large_forward_bytes(**DEFAULT_SIZES) > PROTOBUF_LIMIT_BYTES
     train = folder / "train" / "train.onnx"
@@ -132,7 +144,9 @@ def test_optimize_returns_a_model_past_2_gb_that_computes_the_same_step(built):
     built["optimized"] = out
 
 
-def test_measure_and_train_with_out_and_a_resume_past_2_gb(built, tmp_path):
+def test_measure_and_train_with_out_and_a_resume_past_2_gb(built):
+    tmp_path = built["folder"] / "train-run"
+    tmp_path.mkdir()
     model = built.get("optimized", built["train"])
     done, _ = _cli("measure", model, "--json")
     import json
@@ -162,7 +176,8 @@ def test_measure_and_train_with_out_and_a_resume_past_2_gb(built, tmp_path):
     assert resumed < logged
 
 
-def test_the_service_round_trip_past_2_gb(built, tmp_path):
+def test_the_service_round_trip_past_2_gb(built):
+    tmp_path = built["folder"] / "service"
     from graphopt_service.client import Client
     from service_process import ServerProcess
     server = ServerProcess(tmp_path / "work", "--workers", "1", "--max-model-bytes", str(3 << 30))
@@ -181,7 +196,8 @@ def test_the_service_round_trip_past_2_gb(built, tmp_path):
     assert os.path.exists(built["train"])        # the caller's files are left as they were
 
 
-def test_what_is_not_supported_past_2_gb_is_a_clear_error_not_a_traceback(built, tmp_path):
+def test_what_is_not_supported_past_2_gb_is_a_clear_error_not_a_traceback(built):
+    tmp_path = built["folder"]
     """A text format holds every weight inline: past 2 GB it cannot be written, and the error says
     so and what to do (a .onnx path), with no traceback and no file left behind."""
     out = tmp_path / "train.json"

@@ -244,10 +244,6 @@ def model_bytes(model: onnx.ModelProto) -> int:
                                  for t in model.graph.initializer)
 
 
-def has_graphopt_stubs(model: onnx.ModelProto) -> bool:
-    return any(is_stub(t) and stub_location(t) in (HELD, ZEROS) for t in model.graph.initializer)
-
-
 def save_model(model: onnx.ModelProto, path, weights: Weights | None = None, *,
                limit_bytes: int = PROTOBUF_LIMIT_BYTES) -> None:
     """Write `model` to `path`, the data of its stubs from `weights`, one tensor at a time: no
