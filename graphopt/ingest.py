@@ -80,6 +80,18 @@ def load_model(path: str | os.PathLike, *, max_bytes: int | None = None,
         raise InvalidModelError(f"{str(path)!r} is not an ONNX model: it has no graph")
     check_external_data(model, path.parent)
     if weights_on_disk:
+        # the small ones inline all the same: shapes and axes are what graph work reads (and what
+        # ONNX Runtime's shape inference needs inline)
+        from onnx.external_data_helper import load_external_data_for_tensor
+        from .runtime.weights import DETACH_MIN_BYTES, data_bytes, is_stub
+        try:
+            for tensor in model.graph.initializer:
+                if is_stub(tensor) and data_bytes(tensor) < DETACH_MIN_BYTES:
+                    load_external_data_for_tensor(tensor, str(path.parent))
+                    del tensor.external_data[:]
+                    tensor.data_location = onnx.TensorProto.DEFAULT
+        except Exception as exc:
+            raise InvalidModelError(f"cannot read external data of {str(path)!r}: {exc}") from exc
         return model
     try:
         onnx.load_external_data_for_model(model, str(path.parent))

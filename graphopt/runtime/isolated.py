@@ -106,6 +106,9 @@ class Workspace:
                     if not weights.owns(tensor):
                         raise GraphoptError(f"initializer {tensor.name!r} references external data, and graphopt "
                                             "was not told the folder to read it from")
+                    if data_bytes(tensor) < WEIGHTS_ON_DISK_MIN_BYTES:    # small ones inline, as below
+                        working.graph.initializer.append(weights.tensor(tensor))
+                        continue
                 elif data_bytes(tensor) < WEIGHTS_ON_DISK_MIN_BYTES or not tensor.HasField("raw_data"):
                     working.graph.initializer.append(tensor)    # small ones (and typed fields) inline
                     continue

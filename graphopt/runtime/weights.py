@@ -291,9 +291,11 @@ def save_model(model: onnx.ModelProto, path, weights: Weights | None = None, *,
             offset = 0
             with open(data_tmp, "wb") as data:
                 for tensor in model.graph.initializer:
-                    if (not is_stub(tensor) and data_bytes(tensor) < EXTERNAL_MIN_BYTES) \
-                            or (is_stub(tensor) and not weights.owns(tensor)):
-                        head.graph.initializer.append(tensor)    # inline, or a reference kept as it is
+                    if is_stub(tensor) and not weights.owns(tensor):
+                        head.graph.initializer.append(tensor)    # a reference kept as it is
+                        continue
+                    if data_bytes(tensor) < EXTERNAL_MIN_BYTES:  # small ones inline (shapes, axes)
+                        head.graph.initializer.append(weights.tensor(tensor) if is_stub(tensor) else tensor)
                         continue
                     if offset % 4096:            # aligned for mmap, as onnx's writer does
                         pad = 4096 - offset % 4096
