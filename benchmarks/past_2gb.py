@@ -147,7 +147,7 @@ def main() -> int:
         save()
     forward = figures["export"]["path"]
     print(f"exported {figures['export']['parameters'] / 1e6:.0f}M parameters, "
-          f"{figures['export']['bytes'] / GiB:.2f} GiB in {figures['export']['files']}", flush=True)
+          f"{figures['export']['bytes'] / GiB:.2f} GiB in {len(figures['export']['files'])} file(s)", flush=True)
 
     data = os.path.join(folder, "data.npz")
     optimizer = ["--optimizer", "adamw", "--lr", "0.001"] if args.model == "medium" else []
