@@ -39,8 +39,8 @@ ZEROS = "graphopt:zeros"      # all zeros, made when written
 DETACH_MIN_BYTES = 1 << 20
 # over the limit, initializers of this size or more go to the external data file (as onnx.save does)
 EXTERNAL_MIN_BYTES = 1024
-# bytes of zeros written at a time
-_ZEROS_CHUNK_BYTES = 64 << 20
+# the bytes of zeros, or of a file's data, written at a time
+_PIECE_BYTES = 64 << 20
 
 
 def is_stub(tensor: TensorProto) -> bool:
@@ -127,7 +127,9 @@ class Weights:
         return light
 
     def tensor(self, stub: TensorProto) -> TensorProto:
-        """The initializer `stub` stands for, with its data inline (a new message)."""
+        """The initializer `stub` stands for, with its data inline: the tensor held (not a copy),
+        zeros made, or a reference under `folder` read (a new message); a reference with no
+        `folder` is returned as it is (it stays a reference where it is written)."""
         location = stub_location(stub)
         if location == HELD:
             if stub.name not in self.held:
@@ -154,7 +156,7 @@ class Weights:
         location = stub_location(stub)
         if location == ZEROS:
             remaining = data_bytes(stub)
-            chunk = bytes(min(remaining, _ZEROS_CHUNK_BYTES))
+            chunk = bytes(min(remaining, _PIECE_BYTES))
             while remaining:
                 n = min(remaining, len(chunk))
                 out.write(chunk[:n] if n < len(chunk) else chunk)
@@ -162,12 +164,7 @@ class Weights:
             return data_bytes(stub)
         if location == HELD:
             tensor = self.held[stub.name]
-            if not tensor.HasField("raw_data"):      # typed fields: the tensor as raw bytes once
-                from onnx import numpy_helper
-                data = numpy_helper.to_array(tensor).astype(
-                    numpy_helper.to_array(tensor).dtype.newbyteorder("<")).tobytes()
-            else:
-                data = tensor.raw_data
+            data = tensor.raw_data if tensor.HasField("raw_data") else _raw(tensor)   # (typed fields)
             out.write(data)
             return len(data)
         if self.folder is None:
@@ -180,7 +177,7 @@ class Weights:
             remaining = int(length) if length is not None else None
             written = 0
             while remaining is None or remaining > 0:
-                piece = source.read(_ZEROS_CHUNK_BYTES if remaining is None else min(remaining, _ZEROS_CHUNK_BYTES))
+                piece = source.read(_PIECE_BYTES if remaining is None else min(remaining, _PIECE_BYTES))
                 if not piece:
                     break
                 out.write(piece)
