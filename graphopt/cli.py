@@ -168,10 +168,14 @@ def cmd_sweep(args) -> int:
         raise GraphoptError("--sweep chooses its own budgets; drop --budget")
     if args.measure is False:
         raise GraphoptError("--sweep measures every point; drop --no-measure")
-    model = load_model(args.model)
+    from .runtime.weights import Weights
+    model = load_model(args.model, weights_on_disk=True)     # the weights stay on disk, as for optimize
     options = options_from_args(args, inputs=_load_inputs(args, model), progress=StageProgress())
-    result = sweep(model, options, args.sweep)
-    paths = write_outputs(result, args.output, title=f"Memory-time front: {Path(args.model).name}")
+    result = sweep(model, options, args.sweep, weights=Weights(folder=str(Path(args.model).parent)))
+    try:
+        paths = write_outputs(result, args.output, title=f"Memory-time front: {Path(args.model).name}")
+    finally:
+        result.close()
     if args.report:
         args.report.write_text(json.dumps(result.report_dict(), indent=2))
     print(markdown_table(result.rows))

@@ -253,7 +253,8 @@ def deliver(prepared: Prepared, chosen: Plan, options: OptimizeOptions) -> Optim
                                  "that it needs less memory than the original" + _rejections(report))
     report.total_seconds += time.perf_counter() - started
     progress("done", 1.0)
-    return prepared.delivered(rewritten, chosen, report)
+    model, weights = prepared.leaving(rewritten)
+    return OptimizeResult(model, chosen, report, weights)
 
 
 def _measured_delivery(state: Delivery, chosen: Plan, rewritten: onnx.ModelProto) -> tuple[Plan, onnx.ModelProto]:

@@ -226,12 +226,13 @@ class Prepared:
         """The original's outputs on disk (computed once), or None when not computed."""
         return self.workspace.reference_path
 
-    def delivered(self, model: onnx.ModelProto, plan: Plan, report: Report) -> OptimizeResult:
-        """The result returning `model`: its weights loaded back into it, or, where the caller
-        keeps them on disk, handed over with it (`Workspace.hand_over`)."""
+    def leaving(self, model: onnx.ModelProto) -> tuple[onnx.ModelProto, Weights | None]:
+        """`model` as it leaves graphopt: its weights loaded back into it, or, where the caller
+        keeps them on disk, handed over with it (`Workspace.hand_over`: the model and the
+        `Weights` whose folder holds their data)."""
         if self.weights_on_disk:
-            return OptimizeResult(model, plan, report, self.workspace.hand_over(model))
-        return OptimizeResult(self.workspace.with_weights(model), plan, report)
+            return model, self.workspace.hand_over(model)
+        return self.workspace.with_weights(model), None
 
     def close(self) -> None:
         try:

@@ -27,7 +27,7 @@ from .errors import BudgetInfeasibleError, InvalidOptionError, VerificationError
 from .options import OptimizeOptions
 from .pipeline import (ORIGINAL_UNOPTIMIZED, Prepared, compare_in_child, measure_model, measure_original, plan,
                        prepare, rewrite_plan)
-from .runtime.isolated import save_model
+from .runtime.weights import Weights, save_model
 from .runtime.session import DEFAULT_SETTINGS
 from .search import Plan, get_strategy
 
@@ -94,6 +94,13 @@ class SweepResult:
     budgets: list[int]            # the budgets tried, loosest first
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    # where the caller keeps the weights on disk (`sweep(..., weights=...)`): the data of `model`'s
+    # stubs, in a folder of its own (`OptimizeResult.weights`); `write_outputs` writes it from there
+    weights: Weights | None = None
+
+    def close(self) -> None:
+        if self.weights is not None:
+            self.weights.close()
 
     def row(self, label: str) -> SweepRow:
         return next(r for r in self.rows if r.label == label)
@@ -123,14 +130,15 @@ def budget_series(low: int, high: int, points: int) -> list[int]:
 
 
 def sweep(model: onnx.ModelProto, options: OptimizeOptions | None = None,
-          points: int = DEFAULT_POINTS, *, repeats: int = 5) -> SweepResult:
+          points: int = DEFAULT_POINTS, *, repeats: int = 5, weights: Weights | None = None) -> SweepResult:
     """Measure the memory-time front of `model` (left untouched); see the module docstring.
 
     `options.strategy` plans every point; `options.budget_bytes` is ignored; `options.progress`
     gets one line per point; `repeats` timed steps per measurement (their median is the step
     time: a busy machine shows in it, the peak is not affected). Raises VerificationError when
     the least-peak plan's outputs differ (another plan whose outputs differ is kept in the rows,
-    marked, so the table shows it).
+    marked, so the table shows it). `weights`: as for `optimize` (the weights kept on disk; the
+    result's `weights` then holds the returned model's: `close` it when written).
     """
     # the front's least-peak end is the least peak, whatever the time (the points between trade it)
     options = replace(options or OptimizeOptions(), objective="least-peak", max_overhead=None)
@@ -142,7 +150,7 @@ def sweep(model: onnx.ModelProto, options: OptimizeOptions | None = None,
     started = time.perf_counter()
     stages = replace(options, budget_bytes=None, progress=lambda stage, fraction: progress(f"sweep: {stage}", 0.0))
     # function ops ORT inlines at load are written out first, as optimize does
-    with prepare(model, stages) as prepared:
+    with prepare(model, stages, weights=weights) as prepared:
         return _sweep(prepared, options, points, repeats, progress, started)
 
 
@@ -257,8 +265,9 @@ def _sweep(prepared: Prepared, options: OptimizeOptions, points: int, repeats: i
         rank = {ORIGINAL_DEFAULT: 0, ORIGINAL_OFF: 1, STORE_ALL: 2, CHEN: 3, FRONT: 4}[row.kind]
         return (rank, -(row.budget_bytes if row.budget_bytes is not None else -1))
     rows.sort(key=order)
-    return SweepResult(rows=rows, model=prepared.workspace.with_weights(least_model), plan=least, budgets=budgets, notes=notes,
-                       seconds=time.perf_counter() - started)
+    model, weights = prepared.leaving(least_model)     # its weights loaded, or handed over
+    return SweepResult(rows=rows, model=model, plan=least, budgets=budgets, notes=notes,
+                       seconds=time.perf_counter() - started, weights=weights)
 
 
 def front_rows(rows: list[SweepRow]) -> list[SweepRow]:
@@ -365,7 +374,7 @@ def write_outputs(result: SweepResult, output, title: str | None = None) -> dict
     from .plot import plot_front
     paths = sweep_paths(output)
     os.makedirs(os.path.dirname(os.path.abspath(os.fspath(output))), exist_ok=True)
-    save_model(result.model, output)
+    save_model(result.model, output, result.weights)
     write_csv(result.rows, paths["csv"])
     write_markdown(result, paths["md"], title or f"Memory-time front of {os.path.basename(os.fspath(output))}")
     plot_front(result.rows, paths["png"], title=title)
