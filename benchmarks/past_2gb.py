@@ -1,8 +1,7 @@
 """Models past protobuf's 2 GB limit, as a user runs them (issue 44): every stage a `graphopt`
-command in a process of its own, its wall time and its peak resident memory read from outside
-(the process and everything it waited for: `os.wait4`'s rusage of the command's whole tree is
-the largest single process, so the command's own peak and its children's are both under it),
-and graphopt's own account of its memory from the report beside it.
+command in a process of its own, its wall time and the largest resident set of any process of
+its tree, read from outside it (a small wrapper's RUSAGE_CHILDREN: see `run`), and graphopt's own
+account of its memory from the report beside it.
 
     python benchmarks/past_2gb.py --model medium [--out DIR] [--steps 3] [--fraction 0.6]
     python benchmarks/past_2gb.py --model large --batch 1 --seq 64
@@ -42,25 +41,28 @@ SIZES = {"medium": dict(n_layer=24, n_embd=1024, n_head=16, batch=1, seq=256),
          "large": dict(n_layer=36, n_embd=1280, n_head=20, batch=1, seq=128)}
 
 
+# A process's ru_maxrss counts the memory of the process it was forked from up to its exec: each
+# command runs under a small wrapper of its own, whose children are the command's tree alone, and
+# the wrapper prints their largest RSS (as benchmarks/memory_limit.py measures optimize).
+_WRAPPER = ("import resource, subprocess, sys; done = subprocess.run(sys.argv[1:]); "
+            "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); sys.exit(done.returncode)")
+
+
 def run(command: list[str], log: list[dict], label: str) -> dict:
-    """`command` in a process of its own: its wall seconds and the largest resident set of its
-    process tree (wait4's ru_maxrss: the largest of the process and the descendants it reaped)."""
-    import tempfile
+    """`command` in a process of its own: its wall seconds and the largest resident set of any
+    process of its tree (each descendant is waited for by its parent, so the largest counts)."""
     started = time.perf_counter()
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(command, stdout=out, stderr=err, text=True)
-        _, status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        seconds = time.perf_counter() - started
-        out.seek(0), err.seek(0)
-        stdout, stderr = out.read(), err.read()
-    rss = usage.ru_maxrss * 1024
+    done = subprocess.run([sys.executable, "-c", _WRAPPER, *command], capture_output=True, text=True)
+    seconds = time.perf_counter() - started
+    lines = done.stderr.strip().splitlines()
+    rss = int(lines[-1]) * 1024 if lines and lines[-1].isdigit() else 0
+    stderr = "\n".join(lines[:-1])
     entry = {"stage": label, "command": " ".join(command[2:]), "seconds": round(seconds, 1),
-             "largest_process_bytes": rss, "returncode": proc.returncode,
-             "stdout_tail": stdout[-2500:], "stderr_tail": stderr[-2500:]}
+             "largest_process_bytes": rss, "returncode": done.returncode,
+             "stdout_tail": done.stdout[-2500:], "stderr_tail": stderr[-2500:]}
     log.append(entry)
-    print(f"[{label}] {seconds:.1f} s, exit {proc.returncode}, largest process {rss / GiB:.2f} GiB", flush=True)
-    if proc.returncode != 0:
+    print(f"[{label}] {seconds:.1f} s, exit {done.returncode}, largest process {rss / GiB:.2f} GiB", flush=True)
+    if done.returncode != 0:
         print(stderr[-3000:], file=sys.stderr, flush=True)
     return entry
 

@@ -28,25 +28,22 @@ from graphopt.runtime.weights import PROTOBUF_LIMIT_BYTES
 LR = 0.01
 
 
+# A process's ru_maxrss counts the memory of the process it was forked from up to its exec (the
+# kernel keeps the old image's high-water mark): `graphopt` runs under a small wrapper of its own,
+# whose children are graphopt's process tree alone, and the wrapper prints their largest RSS.
+_WRAPPER = ("import resource, subprocess, sys; done = subprocess.run(sys.argv[1:]); "
+            "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); sys.exit(done.returncode)")
+
+
 def _cli(*args, timeout=900):
-    """`graphopt ARGS` in a process of its own; (its stdout and stderr, the peak resident memory of
-    its process tree in bytes: wait4's ru_maxrss, the largest of it and the descendants it reaped)."""
-    import tempfile
-    import threading
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "graphopt.cli", *map(str, args)], stdout=out, stderr=err,
-                                text=True)
-        timer = threading.Timer(timeout, proc.kill)
-        timer.start()
-        try:
-            _, status, usage = os.wait4(proc.pid, 0)
-        finally:
-            timer.cancel()
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        out.seek(0), err.seek(0)
-        done = subprocess.CompletedProcess(proc.args, proc.returncode, out.read(), err.read())
+    """`graphopt ARGS` in a process of its own; (the completed process, the largest resident set
+    of its process tree in bytes, measured from outside it)."""
+    done = subprocess.run([sys.executable, "-c", _WRAPPER, sys.executable, "-m", "graphopt.cli", *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stderr[-3000:]
-    return done, usage.ru_maxrss * 1024
+    lines = done.stderr.strip().splitlines()
+    done.stderr = "\n".join(lines[:-1])
+    return done, int(lines[-1]) * 1024
 
 
 @pytest.fixture(scope="module")
