@@ -22,6 +22,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 
+from test_node_client import node  # noqa: F401  (the fixture: Node.js and the client's modules)
 from graphopt_zoo.large import DEFAULT_SIZES, large_forward_bytes, large_inputs, write_large_forward
 from graphopt.runtime.weights import PROTOBUF_LIMIT_BYTES
 
@@ -181,7 +182,10 @@ def test_measure_and_train_with_out_and_a_resume_past_2_gb(built):
     assert resumed < logged
 
 
-def test_the_service_round_trip_past_2_gb(built):
+def test_the_service_round_trip_past_2_gb(built, node):
+    """The same model through a real server, from the Python client and from the Node.js client
+    (a client in another language: each streams the 2.2 GB of external data up and the result
+    back down)."""
     tmp_path = built["folder"] / "service"
     from graphopt_service.client import Client
     from service_process import ServerProcess
@@ -196,6 +200,18 @@ def test_the_service_round_trip_past_2_gb(built):
         assert sum((out.parent / f).stat().st_size for f in files) > PROTOBUF_LIMIT_BYTES
         inputs = large_inputs()
         _check_step(_run(out, inputs), built["forward"], inputs)
+        for f in [out, *(out.parent / f for f in files)]:
+            f.unlink()                          # (the disk: 2.2 GB a copy)
+        from test_node_client import CLI, clean_env
+        node_out = tmp_path / "node" / "opt.onnx"
+        done = subprocess.run([node, str(CLI), "optimize", str(built["train"]), "-o", str(node_out),
+                               "--server", server.target], capture_output=True, text=True, timeout=900,
+                              env=clean_env())
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "outputs identical: True" in done.stdout
+        files = external_data_files(node_out)
+        assert sum((node_out.parent / f).stat().st_size for f in files) > PROTOBUF_LIMIT_BYTES
+        _check_step(_run(node_out, inputs), built["forward"], inputs)
     finally:
         server.kill()
     assert os.path.exists(built["train"])        # the caller's files are left as they were
