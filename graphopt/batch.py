@@ -156,10 +156,10 @@ def prepare(job: BatchJob, options: BatchOptions) -> None:
     """Classify the model; a forward model gets its training graph in the job's folder."""
     from .analyze import analyze
     from .builder.train_graph import build_training_graph
-    from .ingest import load_model, name_nodes
-    from .runtime.weights import Weights, save_model
+    from .ingest import load_graph, name_nodes
+    from .runtime.weights import save_model
     # the graph alone: the weights stay on disk, copied into the training graph's file in pieces
-    model = load_model(job.source, weights_on_disk=True)
+    model, weights = load_graph(job.source)
     try:
         probe = onnx_copy(model)
         analyze(name_nodes(probe))
@@ -168,7 +168,6 @@ def prepare(job: BatchJob, options: BatchOptions) -> None:
         job.kind = "forward"
         job.out_dir.mkdir(parents=True, exist_ok=True)
         job.training_path = job.out_dir / TRAINING_NAME
-        weights = Weights(folder=str(job.source.parent))
         save_model(build_training_graph(model, loss=options.loss, weights=weights), job.training_path, weights)
 
 
@@ -207,11 +206,10 @@ class LocalRunner:
 
     @staticmethod
     def _budget(job: BatchJob, options: BatchOptions) -> int:
-        from .ingest import load_model
+        from .ingest import load_graph
         from .optimize import analyze_model
-        from .runtime.weights import Weights
-        analysis = analyze_model(load_model(job.training_path, weights_on_disk=True), OptimizeOptions(),
-                                 weights=Weights(folder=str(job.training_path.parent)))
+        model, weights = load_graph(job.training_path)
+        analysis = analyze_model(model, OptimizeOptions(), weights=weights)
         return int(options.budget_fraction * analysis.predicted_peak_bytes.original_optimizations_off)
 
 

@@ -129,7 +129,7 @@ def options_from_args(args, **extra):
 
 
 def cmd_optimize(args) -> int:
-    from .ingest import load_model
+    from .ingest import load_graph
     from .optimize import optimize, restate_own_memory
     from .report import summary_text
     from .runtime.weights import save_model
@@ -141,12 +141,11 @@ def cmd_optimize(args) -> int:
             raise GraphoptError("--inputs is not sent to a server; give --input-dims (the server "
                                 "synthesizes inputs) or run in-process")
         return commands.optimize(args, options_from_args(args), StageProgress())
-    from .runtime.weights import Weights
     # the weights stay on disk: read by the children that run the model, written into the
     # returned model's file one tensor at a time (at any size: past 2 GB, as external data)
-    model = load_model(args.model, weights_on_disk=True)
+    model, weights = load_graph(args.model)
     options = options_from_args(args, inputs=_load_inputs(args, model), progress=StageProgress())
-    with optimize(model, options, weights=Weights(folder=str(Path(args.model).parent))) as result:
+    with optimize(model, options, weights=weights) as result:
         del model, options
         save_model(result.model, args.output, result.weights)
     report = result.report
@@ -160,7 +159,7 @@ def cmd_optimize(args) -> int:
 
 def cmd_sweep(args) -> int:
     """`optimize --sweep N`: the least-peak model to OUT, and the front's table and plot beside it."""
-    from .ingest import load_model
+    from .ingest import load_graph
     from .sweep import markdown_table, sweep, write_outputs
     if args.sweep < 1:
         raise GraphoptError("--sweep needs at least 1 point")
@@ -168,10 +167,9 @@ def cmd_sweep(args) -> int:
         raise GraphoptError("--sweep chooses its own budgets; drop --budget")
     if args.measure is False:
         raise GraphoptError("--sweep measures every point; drop --no-measure")
-    from .runtime.weights import Weights
-    model = load_model(args.model, weights_on_disk=True)     # the weights stay on disk, as for optimize
+    model, weights = load_graph(args.model)     # the weights stay on disk, as for optimize
     options = options_from_args(args, inputs=_load_inputs(args, model), progress=StageProgress())
-    result = sweep(model, options, args.sweep, weights=Weights(folder=str(Path(args.model).parent)))
+    result = sweep(model, options, args.sweep, weights=weights)
     try:
         paths = write_outputs(result, args.output, title=f"Memory-time front: {Path(args.model).name}")
     finally:
@@ -239,13 +237,12 @@ def _optimizer_spec(args):
 
 def cmd_train_graph(args) -> int:
     from .builder.train_graph import build_training_graph
-    from .ingest import load_model
-    from .runtime.weights import Weights, save_model
+    from .ingest import load_graph
+    from .runtime.weights import save_model
     optimizer = _optimizer_spec(args)
     # the weights stay where they are (read into the output one tensor at a time when it is
     # written): the builder works on the graph alone, at any size
-    forward = load_model(args.model, weights_on_disk=True)
-    weights = Weights(folder=str(Path(args.model).parent))
+    forward, weights = load_graph(args.model)
     train = build_training_graph(forward, loss=args.loss, labels=args.labels, freeze=args.freeze or (),
                                  class_axis=args.class_axis, optimizer=optimizer, weights=weights)
     save_model(train, args.output, weights)
@@ -259,10 +256,10 @@ def cmd_train_graph(args) -> int:
 
 
 def cmd_train(args) -> int:
-    from .ingest import load_model
+    from .ingest import load_graph
     from .inputs import load_inputs
     from .train import train, with_state
-    from .runtime.weights import Weights, save_model
+    from .runtime.weights import save_model
     data = load_inputs(args.data)
     providers = [args.provider] if args.provider else None
     result = train(str(args.model), data, args.steps, batch_size=args.batch_size, log=args.log,
@@ -274,8 +271,8 @@ def cmd_train(args) -> int:
     if args.out:
         # the graph read alone, the trained state written into the new file, and the other weights
         # copied over from the model's folder, one tensor at a time (at any size)
-        weights = Weights(folder=str(Path(args.model).parent))
-        save_model(with_state(load_model(args.model, weights_on_disk=True), result.state, weights), args.out, weights)
+        model, weights = load_graph(args.model)
+        save_model(with_state(model, result.state, weights), args.out, weights)
         print(f"wrote {args.out}: the training graph with the trained parameters and state as its defaults")
     return 0
 
@@ -284,12 +281,11 @@ def cmd_analyze(args) -> int:
     if args.server:
         from graphopt_service import commands
         return commands.analyze(args, options_from_args(args))
-    from .ingest import load_model
+    from .ingest import load_graph
     from .optimize import analyze_model
-    from .runtime.weights import Weights
-    model = load_model(args.model, weights_on_disk=True)
+    model, weights = load_graph(args.model)
     options = options_from_args(args)
-    analysis = analyze_model(model, options, plan=args.plan, weights=Weights(folder=str(Path(args.model).parent)))
+    analysis = analyze_model(model, options, plan=args.plan, weights=weights)
     print(json.dumps(analysis.to_dict(), indent=2))
     return 0
 

@@ -100,6 +100,15 @@ def load_model(path: str | os.PathLike, *, max_bytes: int | None = None,
     return model
 
 
+def load_graph(path: str | os.PathLike, *, max_bytes: int | None = None):
+    """The model at `path` with its large weights left on disk (`load_model(weights_on_disk=True)`)
+    and the `graphopt.runtime.weights.Weights` that reads them from its folder: what every command
+    works on, at any size."""
+    from .runtime.weights import Weights
+    model = load_model(path, max_bytes=max_bytes, weights_on_disk=True)
+    return model, Weights(folder=str(Path(path).parent))
+
+
 def parse_model(data: bytes) -> onnx.ModelProto:
     """A model from serialized bytes (no external data)."""
     model = onnx.ModelProto()

@@ -31,16 +31,15 @@ OPTIMIZED_MODEL_NAME = "optimized.onnx"
 
 def run_job(job: dict, progress) -> dict:
     """`job["options"]` is `OptimizeOptions.to_dict()`'s form; `job["service"]` the service's own."""
-    from graphopt.ingest import external_data_files, load_model
+    from graphopt.ingest import external_data_files, load_graph
     from graphopt.optimize import OptimizeOptions, analyze_model, optimize
-    from graphopt.runtime.weights import Weights, save_model
+    from graphopt.runtime.weights import save_model
     from google.protobuf.message import EncodeError
     tempfile.tempdir = job["tmp_dir"]  # whatever the library writes is inside the call's folder
     try:
         options = OptimizeOptions.from_dict(job["options"], progress=progress)
         # the graph alone: the weights stay in the uploaded files (at any size)
-        model = load_model(job["model_path"], weights_on_disk=True)
-        weights = Weights(folder=str(Path(job["model_path"]).parent))
+        model, weights = load_graph(job["model_path"])
         if job["kind"] == "analyze":
             return {"analysis": analyze_model(model, options, plan=job["service"].get("plan", False),
                                               weights=weights).to_dict()}
