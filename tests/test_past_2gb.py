@@ -127,7 +127,7 @@ def test_train_graph_builds_the_sgd_step_past_2_gb_with_the_graph_alone_in_memor
     assert {t.name for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL} >= {
         "table", "w1", "w2"}
     assert [o.name for o in model.graph.output] == ["loss", "w1_updated", "w2_updated"]
-    # the builder held the graph, not 2.2 GB of weights (before: 8.5 GB, then a traceback)
+    # the builder held the graph, not 2.2 GB of weights (before: 8.3 GiB, then a traceback)
     assert built["train_graph_rss"] < 1 << 30, built["train_graph_rss"]
     inputs = large_inputs()
     _check_step(_run(train, inputs), built["forward"], inputs)
