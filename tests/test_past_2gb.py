@@ -1,7 +1,8 @@
 """Models past protobuf's 2 GB limit through every stage (issue 44): a synthetic forward model
 of 2.2 GB of weights (graphopt_zoo.large: a frozen 2.05 GB embedding table, a trainable MLP
 head; little compute) through `train-graph --optimizer sgd`, `optimize` (the CLI, and the
-service's round trip through a real server), `measure` and `train` with `--out` and a resume.
+service's round trip through a real server from the Python and the Node.js clients), `measure`
+and `train` with `--out` and a resume; and the error for what is not supported past 2 GB.
 
 The oracle of the built step is numpy in float64 on the same weights, read from the data file
 with a memory map: the loss and the SGD update of both weights. Each stage runs in a process
