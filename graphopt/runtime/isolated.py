@@ -94,13 +94,12 @@ class Workspace:
         external data under `weights.folder`, data `weights` holds) are copied into the file in
         pieces, never whole in this process: a model loaded with its weights on disk is
         optimized without them ever being in memory."""
-        from graphopt.runtime.weights import Weights, data_bytes, is_stub, make_stub
+        from graphopt.runtime.weights import Weights, data_bytes, is_stub
         weights = weights if weights is not None else Weights()
         working = _copy_without(model, "graph")
         working.graph.CopyFrom(_copy_without(model.graph, "initializer"))
         path = os.path.join(self.folder, WEIGHTS_FILE)
         with open(path, "ab") as out:
-            offset = out.tell()
             for tensor in model.graph.initializer:
                 if is_stub(tensor):
                     if not weights.owns(tensor):
@@ -112,26 +111,7 @@ class Workspace:
                 elif data_bytes(tensor) < WEIGHTS_ON_DISK_MIN_BYTES or not tensor.HasField("raw_data"):
                     working.graph.initializer.append(tensor)    # small ones (and typed fields) inline
                     continue
-                if offset % 4096:            # each tensor page-aligned: ONNX Runtime maps it from the file
-                    out.write(bytes(4096 - offset % 4096))
-                    offset += 4096 - offset % 4096
-                if is_stub(tensor):
-                    length = weights.write_data(tensor, out)
-                else:
-                    data = tensor.raw_data      # one copy of one tensor at a time
-                    out.write(data)
-                    length = len(data)
-                    del data
-                kept = make_stub(tensor.name, tensor.data_type, tensor.dims, WEIGHTS_FILE)
-                for entry in kept.external_data:
-                    if entry.key == "length":
-                        entry.value = str(length)
-                entry = kept.external_data.add()
-                entry.key, entry.value = "offset", str(offset)
-                if tensor.doc_string:
-                    kept.doc_string = tensor.doc_string
-                working.graph.initializer.append(kept)
-                offset += length
+                working.graph.initializer.append(weights.append_data(tensor, out, WEIGHTS_FILE))
         return working
 
     def hand_over(self, model: onnx.ModelProto):

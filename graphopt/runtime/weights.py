@@ -189,6 +189,30 @@ class Weights:
                                         f"before its {length} bytes")
         return written
 
+    def append_data(self, tensor: TensorProto, out, location: str) -> TensorProto:
+        """Append the data of `tensor` (inline, or a stub's from where it is) to the binary file
+        `out`, page-aligned (ONNX Runtime maps it from the file; onnx's writer aligns so too), the
+        file being `location` beside the model; the reference to it that takes the tensor's place."""
+        offset = out.tell()
+        if offset % 4096:
+            out.write(bytes(4096 - offset % 4096))
+            offset = out.tell()
+        if is_stub(tensor):
+            length = self.write_data(tensor, out)
+        else:
+            data = tensor.raw_data if tensor.HasField("raw_data") else _raw(tensor)   # one tensor's copy
+            out.write(data)
+            length = len(data)
+            del data
+        ref = TensorProto(name=tensor.name, data_type=tensor.data_type, dims=tensor.dims,
+                          data_location=TensorProto.EXTERNAL)
+        if tensor.doc_string:
+            ref.doc_string = tensor.doc_string
+        for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
+            entry = ref.external_data.add()
+            entry.key, entry.value = key, value
+        return ref
+
     def attach(self, model: onnx.ModelProto) -> onnx.ModelProto:
         """In place: every stub of `model` (graphopt's and references under `folder`) replaced by
         its initializer with the data inline; returns `model`. Past 2 GB the result cannot be
@@ -285,7 +309,6 @@ def save_model(model: onnx.ModelProto, path, weights: Weights | None = None, *,
         try:
             head = _copy_without(model, "graph")
             head.graph.CopyFrom(_copy_without(model.graph, "initializer"))
-            offset = 0
             with open(data_tmp, "wb") as data:
                 for tensor in model.graph.initializer:
                     if is_stub(tensor) and not weights.owns(tensor):
@@ -294,25 +317,7 @@ def save_model(model: onnx.ModelProto, path, weights: Weights | None = None, *,
                     if data_bytes(tensor) < EXTERNAL_MIN_BYTES:  # small ones inline (shapes, axes)
                         head.graph.initializer.append(weights.tensor(tensor) if is_stub(tensor) else tensor)
                         continue
-                    if offset % 4096:            # aligned for mmap, as onnx's writer does
-                        pad = 4096 - offset % 4096
-                        data.write(bytes(pad))
-                        offset += pad
-                    if is_stub(tensor):
-                        length = weights.write_data(tensor, data)
-                    else:
-                        raw = tensor.raw_data if tensor.HasField("raw_data") else _raw(tensor)
-                        data.write(raw)
-                        length = len(raw)
-                    ref = TensorProto(name=tensor.name, data_type=tensor.data_type, dims=tensor.dims,
-                                      data_location=TensorProto.EXTERNAL)
-                    if tensor.doc_string:
-                        ref.doc_string = tensor.doc_string
-                    for key, value in (("location", data_name), ("offset", str(offset)), ("length", str(length))):
-                        entry = ref.external_data.add()
-                        entry.key, entry.value = key, value
-                    head.graph.initializer.append(ref)
-                    offset += length
+                    head.graph.initializer.append(weights.append_data(tensor, data, data_name))
             with open(model_tmp, "wb") as f:
                 f.write(head.SerializeToString())
             os.replace(data_tmp, data_path)
