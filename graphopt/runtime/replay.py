@@ -1,0 +1,280 @@
+"""Node seconds on any provider: each distinct node of the graph replayed on the device.
+
+ONNX Runtime's profile times a node's kernel where the kernel runs on the host (the CPU
+provider). Where it only launches work on a device (CUDA in the stock wheel, built without
+CUPTI), the profile's durations are launch times, and a plan built on them is built on the
+wrong seconds (docs/gpu.md). There, graphopt times the nodes by replaying them:
+
+* the graph's nodes are grouped by what their kernel does: (domain, op type, attributes, every
+  input's element type and shape, and the values of the inputs replayed with their real values);
+  a node the planner cloned (its ``__``-attributes) is in its original's group;
+* each group's first node runs alone in a session of its own on the provider (graph
+  optimizations off), its inputs already on the device and its outputs bound there (IOBinding),
+  warmed up, then run until it has `MIN_REPEATS` runs and `MIN_TOTAL_SECONDS` (at most
+  `MAX_REPEATS`, and fewer, at least `LEAST_REPEATS`, past `MAX_GROUP_SECONDS`); each run
+  returns when the device has finished (ONNX Runtime synchronizes the provider at the end of
+  `Run`);
+* the median, less the same replay's cost for a node that does nothing (a Neg of one element:
+  the call into ONNX Runtime, binding and synchronizing), is every node of the group's seconds.
+
+Inputs: integer and boolean values and small float ones (at most `REAL_MAX_ELEMENTS`) are the
+real ones (shapes, axes, indices, masks decide what a kernel does), read from the graph (fed
+inputs, initializers, Constant nodes) or from one run of the model with them added as outputs;
+larger integer ones are zeros (a valid index everywhere), larger float ones uniform in [0.5, 1.5)
+(no zero, no negative, no denormal: a value no kernel takes a slow path for).
+
+Nodes that cannot be replayed alone (a subgraph reads the enclosing graph's values; an input of
+a type numpy has no array for; a kernel that refuses the synthesized values) are left out of the
+result: the caller keeps the profile's seconds for them and says how many.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+log = logging.getLogger(__name__)
+
+MIN_REPEATS = 5
+MAX_REPEATS = 200
+LEAST_REPEATS = 3
+MIN_TOTAL_SECONDS = 0.02
+MAX_GROUP_SECONDS = 1.0
+WARM_UP_RUNS = 2
+# inputs of at most this many elements are replayed with their real values, whatever their type
+REAL_MAX_ELEMENTS = 4096
+# integer and boolean inputs up to this many bytes are replayed with their real values
+REAL_MAX_NONFLOAT_BYTES = 16 << 20
+# A node of the graph reads inputs another node has just written, mostly no longer in the caches;
+# replayed on one set of inputs, they stay in the caches (the CPU's 32 MiB L3 here, an H100's
+# 50 MiB L2) and elementwise nodes measured 0.5-0.7x their profiled seconds. Each run takes the
+# next of several copies of the inputs, as many as make this many bytes (at most COLD_MAX_SETS).
+COLD_BYTES = 64 << 20
+COLD_MAX_SETS = 64
+
+_FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16}
+
+
+def device_of(provider: str | None) -> str:
+    """The device ONNX Runtime's OrtValues live on for `provider`'s inputs and outputs."""
+    return "cuda" if provider == "CUDAExecutionProvider" else "cpu"
+
+
+@dataclass
+class Replayed:
+    """What `replay_node_seconds` measured."""
+    node_seconds: dict[str, float] = field(default_factory=dict)   # node name -> seconds
+    groups: int = 0                                                 # distinct nodes replayed
+    call_seconds: float = 0.0                                       # a replay's own cost, subtracted
+    skipped: dict[str, str] = field(default_factory=dict)           # node name -> why it was not replayed
+
+
+def _group_attributes(node: onnx.NodeProto) -> bytes:
+    parts = [a.SerializeToString() for a in sorted(node.attribute, key=lambda a: a.name)
+             if not a.name.startswith("__")]
+    return b"".join(parts)
+
+
+def _has_subgraph(node: onnx.NodeProto) -> bool:
+    return any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute)
+
+
+def _real(elem_type: int, shape: list[int]) -> bool:
+    """Whether an input of this type and shape is replayed with its real value."""
+    elements = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    if elements <= REAL_MAX_ELEMENTS:
+        return True
+    if elem_type in _FLOAT_TYPES:
+        return False
+    itemsize = np.dtype(helper.tensor_dtype_to_np_dtype(elem_type)).itemsize
+    return elements * itemsize <= REAL_MAX_NONFLOAT_BYTES
+
+
+def _synthesized(dtype: np.dtype, shape: list[int], rng: np.random.Generator) -> np.ndarray:
+    if dtype.kind == "f":
+        return rng.uniform(0.5, 1.5, size=shape).astype(dtype)
+    if dtype.kind == "b":
+        return rng.integers(0, 2, size=shape).astype(bool)
+    return np.zeros(shape, dtype=dtype)
+
+
+def _static_values(model: onnx.ModelProto, inputs: dict[str, np.ndarray], wanted: set[str],
+                   base_dir: str | None) -> dict[str, np.ndarray]:
+    """The values in `wanted` the graph itself holds: fed inputs, initializers, Constant outputs."""
+    from graphopt.annotate import _constant_value, _is_constant
+    values = {name: np.asarray(inputs[name]) for name in wanted if name in inputs}
+    for t in model.graph.initializer:
+        if t.name in wanted and t.name not in values:
+            values[t.name] = numpy_helper.to_array(t, base_dir or "")
+    for node in model.graph.node:
+        if _is_constant(node) and node.output and node.output[0] in wanted:
+            value = _constant_value(node)
+            if value is not None:
+                values[node.output[0]] = value
+    return values
+
+
+def _one_node_model(model: onnx.ModelProto, node: onnx.NodeProto, types: dict[str, tuple[int, list[int]]]
+                    ) -> onnx.ModelProto:
+    """`node` alone: its inputs graph inputs, its outputs graph outputs (same opsets, functions).
+    A node ONNX Runtime runs as a view of its input (Reshape, Squeeze, ...) has the shapes of its
+    outputs as the graph's outputs instead: a graph output that aliases a graph input is copied."""
+    from graphopt.op_rules import is_alias
+    names = list(dict.fromkeys(i for i in node.input if i))
+    graph_inputs = [helper.make_tensor_value_info(n, types[n][0], types[n][1]) for n in names]
+    nodes = [node]
+    outputs = [o for o in node.output if o]
+    if is_alias(node):
+        nodes += [helper.make_node("Shape", [o], [f"{o}__shape"]) for o in outputs]
+        outputs = [f"{o}__shape" for o in outputs]
+    graph_outputs = [onnx.ValueInfoProto(name=o) for o in outputs]
+    one = helper.make_graph(nodes, "replay", graph_inputs, graph_outputs)
+    replay = helper.make_model(one, opset_imports=list(model.opset_import), ir_version=model.ir_version)
+    replay.functions.extend(model.functions)
+    return replay
+
+
+class _Runner:
+    """One session on the provider, copies of its inputs on the device (`COLD_BYTES`), its
+    outputs bound there."""
+
+    def __init__(self, model: onnx.ModelProto, feeds: dict[str, np.ndarray], providers: list, threads: int,
+                 sets: int = 1):
+        import onnxruntime as ort
+        from graphopt.runtime.session import UNOPTIMIZED_SETTINGS, open_session
+        provider = providers[0] if isinstance(providers[0], str) else providers[0][0]
+        device = device_of(provider)
+        self.session = open_session(model, UNOPTIMIZED_SETTINGS, providers=providers, threads=threads, arena=True)
+        self.bindings = []
+        self._held = []
+        for _ in range(sets):
+            binding = self.session.io_binding()
+            for name, array in feeds.items():
+                value = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array), device, 0)
+                self._held.append(value)
+                binding.bind_ortvalue_input(name, value)
+            for output in self.session.get_outputs():
+                binding.bind_output(output.name, device, 0)
+            self.bindings.append(binding)
+        self._next = 0
+
+    def run(self) -> None:
+        binding = self.bindings[self._next]
+        self._next = (self._next + 1) % len(self.bindings)
+        self.session.run_with_iobinding(binding)
+        binding.synchronize_outputs()
+
+    def median_seconds(self) -> float:
+        for _ in range(max(WARM_UP_RUNS, len(self.bindings))):   # every set's outputs allocated once
+            self.run()
+        times: list[float] = []
+        while len(times) < MAX_REPEATS:
+            t0 = time.perf_counter()
+            self.run()
+            times.append(time.perf_counter() - t0)
+            total = sum(times)
+            if len(times) >= MIN_REPEATS and total >= MIN_TOTAL_SECONDS:
+                break
+            if len(times) >= LEAST_REPEATS and total >= MAX_GROUP_SECONDS:
+                break
+        return float(statistics.median(times))
+
+
+def call_seconds(providers: list, threads: int) -> float:
+    """What one replay costs beyond its kernel: the median replay of a Neg of one float."""
+    x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])
+    y = helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])
+    model = helper.make_model(helper.make_graph([helper.make_node("Neg", ["x"], ["y"])], "call", [x], [y]),
+                              opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
+    runner = _Runner(model, {"x": np.ones([1], np.float32)}, providers, threads)
+    return runner.median_seconds()
+
+
+def replay_node_seconds(model: onnx.ModelProto, inputs: dict[str, np.ndarray],
+                        tensor_shapes: dict[str, list[int]], tensor_dtypes: dict[str, str], *,
+                        providers: list, threads: int = 1, model_path: str | None = None,
+                        nodes: list[str] | None = None) -> Replayed:
+    """Each node's seconds on `providers[0]`, by replaying each distinct node (module docstring).
+    `tensor_shapes`/`tensor_dtypes`: every value's measured shape and numpy dtype name (an
+    annotation's); `model_path`: the file `model` was loaded from (its external data, and the
+    run that reads the real values of runtime-computed inputs); `nodes`: only these."""
+    from graphopt.annotate import _is_constant, measure_exposed
+
+    out = Replayed()
+    wanted_nodes = None if nodes is None else set(nodes)
+    types: dict[str, tuple[int, list[int]]] = {}
+    for name, shape in tensor_shapes.items():
+        try:
+            types[name] = (helper.np_dtype_to_tensor_dtype(np.dtype(tensor_dtypes[name])), list(shape))
+        except (KeyError, TypeError, ValueError):
+            continue
+    candidates: list[onnx.NodeProto] = []
+    for node in model.graph.node:
+        if _is_constant(node) or (wanted_nodes is not None and node.name not in wanted_nodes):
+            continue
+        if _has_subgraph(node):
+            out.skipped[node.name] = "it has a subgraph"
+            continue
+        missing = [i for i in node.input if i and i not in types]
+        if missing:
+            out.skipped[node.name] = f"no measured type for its input {missing[0]!r}"
+            continue
+        candidates.append(node)
+    real_names = {i for n in candidates for i in n.input if i and _real(*types[i])}
+    base_dir = os.path.dirname(os.path.abspath(model_path)) if model_path else None
+    values = _static_values(model, inputs, real_names, base_dir)
+    computed = sorted(real_names - set(values))
+    if computed:
+        values.update(measure_exposed(model, inputs, computed, providers=providers, threads=threads, chunk=0,
+                                      model_path=model_path))
+
+    groups: dict[tuple, list[onnx.NodeProto]] = {}
+    for node in candidates:
+        signature = []
+        for name in node.input:
+            if not name:
+                signature.append(None)
+                continue
+            elem, shape = types[name]
+            digest = None
+            if name in real_names:
+                value = values.get(name)
+                digest = None if value is None else hashlib.sha1(np.ascontiguousarray(value).tobytes()).hexdigest()
+            signature.append((elem, tuple(shape), digest))
+        key = (node.domain, node.op_type, _group_attributes(node), tuple(signature), len(node.output))
+        groups.setdefault(key, []).append(node)
+
+    out.call_seconds = call_seconds(providers, threads)
+    rng = np.random.default_rng(0)
+    for members in groups.values():
+        node = members[0]
+        try:
+            feeds = {}
+            for name in dict.fromkeys(i for i in node.input if i):
+                elem, shape = types[name]
+                value = values.get(name)
+                feeds[name] = value if value is not None else _synthesized(
+                    np.dtype(helper.tensor_dtype_to_np_dtype(elem)), shape, rng)
+            input_bytes = sum(int(np.asarray(v).nbytes) for v in feeds.values())
+            sets = int(min(COLD_MAX_SETS, max(1, -(-COLD_BYTES // max(input_bytes, 1)))))
+            runner = _Runner(_one_node_model(model, node, types), feeds, providers, threads, sets)
+            seconds = max(runner.median_seconds() - out.call_seconds, 0.0)
+            del runner, feeds
+        except Exception as exc:   # noqa: BLE001 (a kernel that refuses synthesized values, ...)
+            why = f"it did not run alone: {str(exc).strip().splitlines()[0][:200] if str(exc).strip() else exc!r}"
+            for member in members:
+                out.skipped[member.name] = why
+            continue
+        out.groups += 1
+        for member in members:
+            out.node_seconds[member.name] = seconds
+    if out.skipped:
+        log.info("replay: %d nodes not replayed (e.g. %s: %s)", len(out.skipped), *next(iter(out.skipped.items())))
+    return out
