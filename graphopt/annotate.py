@@ -88,6 +88,8 @@ class Annotations:
     tensor_shapes: dict[str, list[int]] = field(default_factory=dict)
     tensor_dtypes: dict[str, str] = field(default_factory=dict)
     node_seconds: dict[str, float] = field(default_factory=dict)
+    node_seconds_from: str = "profile"     # or "replay" (graphopt/runtime/replay.py)
+    nodes_not_replayed: int = 0            # nodes whose seconds are the profile's all the same
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -98,6 +100,8 @@ class Annotations:
             "tensor_shapes": {k: list(v) for k, v in self.tensor_shapes.items()},
             "tensor_dtypes": dict(self.tensor_dtypes),
             "node_seconds": dict(self.node_seconds),
+            "node_seconds_from": self.node_seconds_from,
+            "nodes_not_replayed": self.nodes_not_replayed,
         }
 
     @classmethod
@@ -113,6 +117,8 @@ class Annotations:
                 tensor_shapes={str(k): [int(x) for x in v] for k, v in d["tensor_shapes"].items()},
                 tensor_dtypes={str(k): str(v) for k, v in d["tensor_dtypes"].items()},
                 node_seconds={str(k): float(v) for k, v in d.get("node_seconds", {}).items()},
+                node_seconds_from=str(d.get("node_seconds_from", "profile")),
+                nodes_not_replayed=int(d.get("nodes_not_replayed", 0)),
             )
         except KeyError as e:
             raise InvalidModelError(f"annotations: missing key {e.args[0]!r}") from None
@@ -403,6 +409,7 @@ def annotate(
     cap_bytes: int | None = None,
     model_path: str | None = None,
     outputs_into: dict | None = None,
+    node_times: str = "profile",
 ) -> Annotations:
     """Measure ``model`` on ``inputs`` (see the module docstring for how). ``outputs_into``: the
     timed run's outputs by name are put into it (a caller that checks them saves a run of its
@@ -410,7 +417,11 @@ def annotate(
     session ONNX Runtime opens for it may hold at most that many bytes (`open_session`); a run
     that needs more fails with its out-of-memory error. ``model_path``: the file ``model`` was
     loaded from, which the sessions open, so that ``model`` need not hold the weights
-    (``onnx.load(..., load_external_data=False)``) nor be serialized for each session."""
+    (``onnx.load(..., load_external_data=False)``) nor be serialized for each session.
+    ``node_times="replay"``: the seconds of the model's nodes from replaying each distinct node
+    alone on the provider (graphopt/runtime/replay.py), for a provider whose profile times launches
+    rather than kernels; the profile's seconds are kept for the nodes not replayed (and for nodes
+    ONNX Runtime made at load)."""
     if providers is None:
         providers = default_providers()
     known = {i.name for i in model.graph.input}
@@ -430,6 +441,15 @@ def annotate(
     ann = Annotations(provider=provider, settings=settings)
     ann.execution_order, ann.node_seconds = order_and_seconds(kernels)
     ann.tensor_bytes, ann.tensor_shapes, ann.tensor_dtypes = sizes.bytes, sizes.shapes, sizes.dtypes
+    if node_times == "replay":
+        from graphopt.runtime.replay import replay_node_seconds
+        replayed = replay_node_seconds(model, inputs, sizes.shapes, sizes.dtypes, providers=providers,
+                                       threads=threads, model_path=model_path)
+        ann.node_seconds.update(replayed.node_seconds)
+        ann.node_seconds_from = "replay"
+        ann.nodes_not_replayed = len(replayed.skipped)
+    elif node_times != "profile":
+        raise ValueError(f"node_times must be 'profile' or 'replay', got {node_times!r}")
     return ann
 
 

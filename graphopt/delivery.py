@@ -693,7 +693,8 @@ def _new_report(prepared: Prepared, chosen: Plan, rewritten: onnx.ModelProto, op
                             PredictedRun(0, 0.0)),
         objective=_objective(prepared, chosen, options),
         annotations=AnnotationSummary(annotations.provider, len(annotations.tensor_bytes),
-                                      len(annotations.node_seconds)),
+                                      len(annotations.node_seconds), annotations.node_seconds_from,
+                                      annotations.nodes_not_replayed),
         provider=annotations.provider, threads=options.threads, session=PLANNED_SETTINGS,
         base_order=BaseOrder(chosen.notes.get("base_order", prepared.base_order), dict(prepared.base_order_peaks),
                              dict(chosen.notes.get("base_order_peak_bytes", {}))))

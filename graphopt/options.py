@@ -32,6 +32,11 @@ OBJECTIVES = (BOUNDED_OVERHEAD, LEAST_PEAK)
 # corpus: what a 0.1-0.5 overhead buys).
 DEFAULT_MAX_OVERHEAD = 0.25
 
+# Where node seconds come from (`OptimizeOptions.node_times`; graphopt/runtime/replay.py).
+NODE_TIMES = ("auto", "profile", "replay")
+# Providers whose profile times each node's kernel (the rest time only its launch on the host).
+PROFILE_TIMES_KERNELS = ("CPUExecutionProvider",)
+
 # fields that do not travel as JSON: the inputs' arrays (a file instead) and the callback
 NOT_JSON = ("inputs", "progress")
 
@@ -98,6 +103,12 @@ class OptimizeOptions:
         help=f"ONNX Runtime's graph optimizations applied offline before planning, so the plan keeps "
              f"their fused kernels (default {DEFAULT_GRAPH_OPTIMIZATIONS}; extended only on the CPU "
              f"provider, basic elsewhere; none: plan the file as given)")
+    node_times: str = option(
+        "auto", proto=19, choices=lambda: list(NODE_TIMES),
+        help="where the seconds of each node the plan is built on come from: profile (ONNX Runtime's "
+             "profiler), replay (each distinct node run alone on the device, inputs bound there) or auto "
+             "(default: the profile on the CPU provider, whose profile times the kernels; replay on any "
+             "other, whose profile times the launches)")
     tolerance: float = option(1e-5, proto=14, analyze=False, metavar="REL",
                               help="relative output difference accepted (default 1e-5)")
     progress: Progress | None = option(None, flag="", help="called with each stage and the fraction done")
@@ -139,6 +150,8 @@ class OptimizeOptions:
         if self.graph_optimizations not in GRAPH_OPTIMIZATION_LEVELS:
             raise InvalidOptionError(f"unknown graph optimizations {self.graph_optimizations!r} "
                                      f"(known: {list(GRAPH_OPTIMIZATION_LEVELS)})")
+        if self.node_times not in NODE_TIMES:
+            raise InvalidOptionError(f"unknown node times {self.node_times!r} (known: {list(NODE_TIMES)})")
         if self.threads < 1:
             raise InvalidOptionError(f"threads must be at least 1, got {self.threads}")
         if not self.tolerance >= 0:
@@ -177,6 +190,14 @@ class OptimizeOptions:
     def provider(self) -> str | None:
         """The first execution provider asked for (None: CPU)."""
         return self.providers[0] if self.providers else None
+
+    @property
+    def replays_node_times(self) -> bool:
+        """Whether node seconds come from replaying the nodes (`node_times`; auto: where the
+        provider's profile does not time its kernels)."""
+        if self.node_times != "auto":
+            return self.node_times == "replay"
+        return (self.provider or "CPUExecutionProvider") not in PROFILE_TIMES_KERNELS
 
     def to_dict(self) -> dict:
         """JSON-ready: every field but the inputs' arrays and the progress callback."""

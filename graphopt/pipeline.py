@@ -396,9 +396,13 @@ def _time_baseline(prepared: Prepared, options: OptimizeOptions) -> None:
     store_all_path = workspace.save(no_recompute, "store-all")
     sessions = [(original, DEFAULT_SETTINGS), (store_all_path, None)]
     prepared.overlap.quiet()
+    # where the nodes' seconds were replayed (a provider whose profile times launches), store-all is
+    # not profiled: its profile would be launches too; the replayed seconds are scaled to its step
+    replayed = prepared.annotations.node_seconds_from == "replay"
     times = time_steps(sessions, workspace.inputs_path, provider=options.provider, threads=options.threads,
-                       rounds=TIMING_ROUNDS, max_seconds=TIMING_MAX_SECONDS, profile=(1,), settle=TIMING_SETTLE)
-    (ours,) = times.node_seconds
+                       rounds=TIMING_ROUNDS, max_seconds=TIMING_MAX_SECONDS, profile=() if replayed else (1,),
+                       settle=TIMING_SETTLE)
+    ours = {} if replayed else times.node_seconds[0]
     default_seconds = times.step_seconds[0]
     # each session against the default one by the median of the rounds' ratios (the runs of one
     # round are next to each other in time: a load that comes and goes moves both)
@@ -447,7 +451,8 @@ def _annotate_file_checked(path: str, inputs_path: str, options: OptimizeOptions
     result = run_task("annotate", {"model": path, "inputs": inputs_path, "out": out,
                                    "settings": ORIGINAL_UNOPTIMIZED.to_dict(), "providers": options.providers,
                                    "threads": options.threads, "cap_bytes": cap_bytes, "reference": reference,
-                                   "tolerance": options.tolerance})
+                                   "tolerance": options.tolerance,
+                                   "node_times": "replay" if options.replays_node_times else "profile"})
     with open(out) as f:
         annotations = Annotations.from_json(f.read())
     os.remove(out)

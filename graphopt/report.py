@@ -103,6 +103,11 @@ class AnnotationSummary(_Json):
     provider: str
     tensors: int
     nodes_timed: int
+    # where the nodes' seconds came from: "profile" (ONNX Runtime's profiler) or "replay" (each
+    # distinct node run alone on the device: graphopt/runtime/replay.py); how many nodes kept the
+    # profile's seconds all the same (they could not run alone)
+    node_seconds_from: str = "profile"
+    nodes_not_replayed: int = 0
 
 
 @dataclass

@@ -85,7 +85,7 @@ def run(task: str, args: dict) -> dict:
         outputs = {} if args.get("reference") else None
         ann = annotate(model, inputs, _settings(args["settings"]), providers=args.get("providers"),
                        threads=args.get("threads", 1), cap_bytes=args.get("cap_bytes"), model_path=args["model"],
-                       outputs_into=outputs)
+                       outputs_into=outputs, node_times=args.get("node_times", "profile"))
         with open(args["out"], "w") as f:
             f.write(ann.to_json())
         result = {"tensors": len(ann.tensor_bytes)}

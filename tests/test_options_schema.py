@@ -239,8 +239,8 @@ def test_both_command_lines_name_each_option_alike():
 
 # --- a throwaway field, end to end -------------------------------------------------------
 
-THROWAWAY = '''    throwaway_bytes: int | None = option(None, proto=19, help="a throwaway option of the tests")
-    throwaway_note: str = option("", proto=20, help="another: a string")
+THROWAWAY = '''    throwaway_bytes: int | None = option(None, proto=20, help="a throwaway option of the tests")
+    throwaway_note: str = option("", proto=21, help="another: a string")
 '''
 
 
@@ -270,7 +270,7 @@ def test_a_new_field_reaches_the_server_from_the_cli_the_python_client_and_the_n
     regenerate = subprocess.run([sys.executable, "-m", "graphopt_service.gen_proto"], cwd=copy, env=env,
                                 capture_output=True, text=True, timeout=300)
     assert regenerate.returncode == 0, regenerate.stderr
-    assert "optional int64 throwaway_bytes = 19;" in (copy / "proto/graphopt/v1/graphopt.proto").read_text()
+    assert "optional int64 throwaway_bytes = 20;" in (copy / "proto/graphopt/v1/graphopt.proto").read_text()
 
     model, _ = training_example("mlp", small=True)
     save_model(model, tmp_path / "mlp.onnx")

@@ -14,8 +14,9 @@ wrong seconds (docs/gpu.md). There, graphopt times the nodes by replaying them:
   `MAX_REPEATS`, and fewer, at least `LEAST_REPEATS`, past `MAX_GROUP_SECONDS`); each run
   returns when the device has finished (ONNX Runtime synchronizes the provider at the end of
   `Run`);
-* the median, less the same replay's cost for a node that does nothing (a Neg of one element:
-  the call into ONNX Runtime, binding and synchronizing), is every node of the group's seconds.
+* the mean of its medians over `PASSES` passes over all groups, less the same replay's cost for a node
+  that does nothing (a Neg of one element: the call into ONNX Runtime, binding and
+  synchronizing), is every node of the group's seconds.
 
 Inputs: integer and boolean values and small float ones (at most `REAL_MAX_ELEMENTS`) are the
 real ones (shapes, axes, indices, masks decide what a kernel does), read from the graph (fed
@@ -48,6 +49,9 @@ LEAST_REPEATS = 3
 MIN_TOTAL_SECONDS = 0.02
 MAX_GROUP_SECONDS = 1.0
 WARM_UP_RUNS = 2
+# every group is replayed in this many passes over all of them, the mean of its medians kept: a
+# load that comes and goes on the machine moves one group's replay, rarely both passes
+PASSES = 2
 # inputs of at most this many elements are replayed with their real values, whatever their type
 REAL_MAX_ELEMENTS = 4096
 # integer and boolean inputs up to this many bytes are replayed with their real values
@@ -55,7 +59,8 @@ REAL_MAX_NONFLOAT_BYTES = 16 << 20
 # A node of the graph reads inputs another node has just written, mostly no longer in the caches;
 # replayed on one set of inputs, they stay in the caches (the CPU's 32 MiB L3 here, an H100's
 # 50 MiB L2) and elementwise nodes measured 0.5-0.7x their profiled seconds. Each run takes the
-# next of several copies of the inputs, as many as make this many bytes (at most COLD_MAX_SETS).
+# next of several copies of the inputs and outputs, as many as make this many bytes (at most
+# COLD_MAX_SETS).
 COLD_BYTES = 64 << 20
 COLD_MAX_SETS = 64
 
@@ -146,7 +151,7 @@ class _Runner:
     outputs bound there."""
 
     def __init__(self, model: onnx.ModelProto, feeds: dict[str, np.ndarray], providers: list, threads: int,
-                 sets: int = 1):
+                 sets: int = 1, outputs: dict[str, tuple[list[int], np.dtype]] | None = None):
         import onnxruntime as ort
         from graphopt.runtime.session import UNOPTIMIZED_SETTINGS, open_session
         provider = providers[0] if isinstance(providers[0], str) else providers[0][0]
@@ -161,7 +166,13 @@ class _Runner:
                 self._held.append(value)
                 binding.bind_ortvalue_input(name, value)
             for output in self.session.get_outputs():
-                binding.bind_output(output.name, device, 0)
+                if outputs and output.name in outputs:   # a buffer of its own per set, as cold as the inputs
+                    shape, dtype = outputs[output.name]
+                    value = ort.OrtValue.ortvalue_from_shape_and_type(shape, dtype, device, 0)
+                    self._held.append(value)
+                    binding.bind_ortvalue_output(output.name, value)
+                else:
+                    binding.bind_output(output.name, device, 0)
             self.bindings.append(binding)
         self._next = 0
 
@@ -185,6 +196,26 @@ class _Runner:
             if len(times) >= LEAST_REPEATS and total >= MAX_GROUP_SECONDS:
                 break
         return float(statistics.median(times))
+
+
+def _replay_group(model, node, types, values, rng, providers, threads) -> float:
+    """The median seconds of one replay of `node` (inputs: `values` where known, else synthesized)."""
+    feeds = {}
+    for name in dict.fromkeys(i for i in node.input if i):
+        elem, shape = types[name]
+        value = values.get(name)
+        feeds[name] = value if value is not None else _synthesized(
+            np.dtype(helper.tensor_dtype_to_np_dtype(elem)), shape, rng)
+    outputs = {}
+    for name in node.output:
+        if name and name in types:
+            elem, shape = types[name]
+            outputs[name] = (shape, np.dtype(helper.tensor_dtype_to_np_dtype(elem)))
+    set_bytes = sum(int(np.asarray(v).nbytes) for v in feeds.values())
+    set_bytes += sum(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize for shape, dtype in outputs.values())
+    sets = int(min(COLD_MAX_SETS, max(1, -(-COLD_BYTES // max(set_bytes, 1)))))
+    runner = _Runner(_one_node_model(model, node, types), feeds, providers, threads, sets, outputs)
+    return runner.median_seconds()
 
 
 def call_seconds(providers: list, threads: int) -> float:
@@ -253,28 +284,27 @@ def replay_node_seconds(model: onnx.ModelProto, inputs: dict[str, np.ndarray],
 
     out.call_seconds = call_seconds(providers, threads)
     rng = np.random.default_rng(0)
-    for members in groups.values():
-        node = members[0]
-        try:
-            feeds = {}
-            for name in dict.fromkeys(i for i in node.input if i):
-                elem, shape = types[name]
-                value = values.get(name)
-                feeds[name] = value if value is not None else _synthesized(
-                    np.dtype(helper.tensor_dtype_to_np_dtype(elem)), shape, rng)
-            input_bytes = sum(int(np.asarray(v).nbytes) for v in feeds.values())
-            sets = int(min(COLD_MAX_SETS, max(1, -(-COLD_BYTES // max(input_bytes, 1)))))
-            runner = _Runner(_one_node_model(model, node, types), feeds, providers, threads, sets)
-            seconds = max(runner.median_seconds() - out.call_seconds, 0.0)
-            del runner, feeds
-        except Exception as exc:   # noqa: BLE001 (a kernel that refuses synthesized values, ...)
-            why = f"it did not run alone: {str(exc).strip().splitlines()[0][:200] if str(exc).strip() else exc!r}"
-            for member in members:
-                out.skipped[member.name] = why
-            continue
+    medians: dict[int, list[float]] = {}
+    keys = list(groups)
+    for _ in range(PASSES):
+        for index, key in enumerate(keys):
+            members = groups[key]
+            if members[0].name in out.skipped:
+                continue
+            try:
+                seconds = _replay_group(model, members[0], types, values, rng, providers, threads)
+            except Exception as exc:   # noqa: BLE001 (a kernel that refuses synthesized values, ...)
+                text = str(exc).strip()
+                why = f"it did not run alone: {text.splitlines()[0][:200] if text else repr(exc)}"
+                for member in members:
+                    out.skipped[member.name] = why
+                continue
+            medians.setdefault(index, []).append(seconds)
+    for index, passes in medians.items():
+        seconds = float(np.mean(passes))
         out.groups += 1
-        for member in members:
-            out.node_seconds[member.name] = seconds
+        for member in groups[keys[index]]:
+            out.node_seconds[member.name] = max(seconds - out.call_seconds, 0.0)
     if out.skipped:
         log.info("replay: %d nodes not replayed (e.g. %s: %s)", len(out.skipped), *next(iter(out.skipped.items())))
     return out

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1agraphopt/v1/graphopt.proto\x12\x0bgraphopt.v1\"\'\n\tInputDims\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04\x64ims\x18\x02 \x03(\x03\"\xc6\x04\n\x0fOptimizeOptions\x12\x0c\n\x04loss\x18\x07 \x01(\t\x12\x19\n\x0c\x62udget_bytes\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x1f\n\x12memory_limit_bytes\x18\x12 \x01(\x03H\x01\x88\x01\x01\x12\x16\n\tobjective\x18\x0f \x01(\tH\x02\x88\x01\x01\x12\x19\n\x0cmax_overhead\x18\x10 \x01(\x01H\x03\x88\x01\x01\x12\x10\n\x08strategy\x18\x02 \x01(\t\x12*\n\ninput_dims\x18\x03 \x03(\x0b\x32\x16.graphopt.v1.InputDims\x12\x11\n\tproviders\x18\x0b \x03(\t\x12\x13\n\x06verify\x18\x0c \x01(\x08H\x04\x88\x01\x01\x12\x14\n\x07measure\x18\r \x01(\x08H\x05\x88\x01\x01\x12\x0f\n\x07threads\x18\x08 \x01(\x05\x12 \n\x13graph_optimizations\x18\x11 \x01(\tH\x06\x88\x01\x01\x12\x16\n\ttolerance\x18\x0e \x01(\x01H\x07\x88\x01\x01\x12\x1c\n\x14response_chunk_bytes\x18\t \x01(\x03\x12\x0c\n\x04plan\x18\n \x01(\x08\x42\x0f\n\r_budget_bytesB\x15\n\x13_memory_limit_bytesB\x0c\n\n_objectiveB\x0f\n\r_max_overheadB\t\n\x07_verifyB\n\n\x08_measureB\x16\n\x14_graph_optimizationsB\x0c\n\n_toleranceJ\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07R\x12\x65xecution_providerR\x0bskip_verifyR\x0cskip_measure\">\n\nFileHeader\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x03\x12\x0e\n\x06sha256\x18\x03 \x01(\t\")\n\tFileChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\x9c\x01\n\x0fOptimizeRequest\x12/\n\x07options\x18\x01 \x01(\x0b\x32\x1c.graphopt.v1.OptimizeOptionsH\x00\x12\'\n\x04\x66ile\x18\x02 \x01(\x0b\x32\x17.graphopt.v1.FileHeaderH\x00\x12\'\n\x05\x63hunk\x18\x03 \x01(\x0b\x32\x16.graphopt.v1.FileChunkH\x00\x42\x06\n\x04item\"<\n\x08Progress\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x10\n\x08\x66raction\x18\x02 \x01(\x01\x12\x0f\n\x07message\x18\x03 \x01(\t\"d\n\tPeakBytes\x12 \n\x18original_default_session\x18\x01 \x01(\x03\x12\"\n\x1aoriginal_optimizations_off\x18\x02 \x01(\x03\x12\x11\n\toptimized\x18\x03 \x01(\x03\"\xd6\x04\n\x06Report\x12\x10\n\x08strategy\x18\x01 \x01(\t\x12\x13\n\x0b\x63heckpoints\x18\x02 \x01(\x05\x12\x17\n\x0frecompute_nodes\x18\x03 \x01(\x05\x12\x34\n\x14predicted_peak_bytes\x18\x04 \x01(\x0b\x32\x16.graphopt.v1.PeakBytes\x12\x33\n\x13measured_peak_bytes\x18\x05 \x01(\x0b\x32\x16.graphopt.v1.PeakBytes\x12\x15\n\routputs_match\x18\x06 \x01(\x08\x12\x15\n\rtotal_seconds\x18\x07 \x01(\x01\x12\x0c\n\x04json\x18\x08 \x01(\t\x12\x0f\n\x07summary\x18\t \x01(\t\x12\x1b\n\x0eorder_followed\x18\n \x01(\x08H\x00\x88\x01\x01\x12\x19\n\x0csolver_exact\x18\x0b \x01(\x08H\x01\x88\x01\x01\x12\x1a\n\x12measurement_method\x18\x0c \x01(\t\x12\x10\n\x08provider\x18\r \x01(\t\x12\x0f\n\x07outcome\x18\x0e \x01(\t\x12\x16\n\x0eoutcome_reason\x18\x0f \x01(\t\x12\x11\n\tobjective\x18\x10 \x01(\t\x12\x19\n\x0cmax_overhead\x18\x11 \x01(\x01H\x02\x88\x01\x01\x12\x1e\n\x11measured_overhead\x18\x12 \x01(\x01H\x03\x88\x01\x01\x12\x1a\n\robjective_met\x18\x13 \x01(\x08H\x04\x88\x01\x01\x42\x11\n\x0f_order_followedB\x0f\n\r_solver_exactB\x0f\n\r_max_overheadB\x14\n\x12_measured_overheadB\x10\n\x0e_objective_met\"\xbe\x01\n\x10OptimizeResponse\x12)\n\x08progress\x18\x01 \x01(\x0b\x32\x15.graphopt.v1.ProgressH\x00\x12\'\n\x04\x66ile\x18\x02 \x01(\x0b\x32\x17.graphopt.v1.FileHeaderH\x00\x12\'\n\x05\x63hunk\x18\x03 \x01(\x0b\x32\x16.graphopt.v1.FileChunkH\x00\x12%\n\x06report\x18\x04 \x01(\x0b\x32\x13.graphopt.v1.ReportH\x00\x42\x06\n\x04item\"\x89\x02\n\x0f\x41nalyzeResponse\x12\x0c\n\x04loss\x18\x01 \x01(\t\x12\r\n\x05nodes\x18\x02 \x01(\x05\x12\x15\n\rforward_nodes\x18\x03 \x01(\x05\x12\x16\n\x0e\x62\x61\x63kward_nodes\x18\x04 \x01(\x05\x12\x17\n\x0fstashed_tensors\x18\x05 \x01(\x05\x12\x10\n\x08provider\x18\x06 \x01(\t\x12%\n\x1dpredicted_peak_bytes_original\x18\x07 \x01(\x03\x12)\n\x1cpredicted_peak_bytes_planned\x18\x08 \x01(\x03H\x00\x88\x01\x01\x12\x0c\n\x04json\x18\t \x01(\tB\x1f\n\x1d_predicted_peak_bytes_planned\"\x17\n\x15ListStrategiesRequest\"A\n\x08Strategy\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nis_default\x18\x03 \x01(\x08\"C\n\x16ListStrategiesResponse\x12)\n\nstrategies\x18\x01 \x03(\x0b\x32\x15.graphopt.v1.Strategy2\xfb\x01\n\x08Graphopt\x12K\n\x08Optimize\x12\x1c.graphopt.v1.OptimizeRequest\x1a\x1d.graphopt.v1.OptimizeResponse(\x01\x30\x01\x12G\n\x07\x41nalyze\x12\x1c.graphopt.v1.OptimizeRequest\x1a\x1c.graphopt.v1.AnalyzeResponse(\x01\x12Y\n\x0eListStrategies\x12\".graphopt.v1.ListStrategiesRequest\x1a#.graphopt.v1.ListStrategiesResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1agraphopt/v1/graphopt.proto\x12\x0bgraphopt.v1\"\'\n\tInputDims\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04\x64ims\x18\x02 \x03(\x03\"\xee\x04\n\x0fOptimizeOptions\x12\x0c\n\x04loss\x18\x07 \x01(\t\x12\x19\n\x0c\x62udget_bytes\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x1f\n\x12memory_limit_bytes\x18\x12 \x01(\x03H\x01\x88\x01\x01\x12\x16\n\tobjective\x18\x0f \x01(\tH\x02\x88\x01\x01\x12\x19\n\x0cmax_overhead\x18\x10 \x01(\x01H\x03\x88\x01\x01\x12\x10\n\x08strategy\x18\x02 \x01(\t\x12*\n\ninput_dims\x18\x03 \x03(\x0b\x32\x16.graphopt.v1.InputDims\x12\x11\n\tproviders\x18\x0b \x03(\t\x12\x13\n\x06verify\x18\x0c \x01(\x08H\x04\x88\x01\x01\x12\x14\n\x07measure\x18\r \x01(\x08H\x05\x88\x01\x01\x12\x0f\n\x07threads\x18\x08 \x01(\x05\x12 \n\x13graph_optimizations\x18\x11 \x01(\tH\x06\x88\x01\x01\x12\x17\n\nnode_times\x18\x13 \x01(\tH\x07\x88\x01\x01\x12\x16\n\ttolerance\x18\x0e \x01(\x01H\x08\x88\x01\x01\x12\x1c\n\x14response_chunk_bytes\x18\t \x01(\x03\x12\x0c\n\x04plan\x18\n \x01(\x08\x42\x0f\n\r_budget_bytesB\x15\n\x13_memory_limit_bytesB\x0c\n\n_objectiveB\x0f\n\r_max_overheadB\t\n\x07_verifyB\n\n\x08_measureB\x16\n\x14_graph_optimizationsB\r\n\x0b_node_timesB\x0c\n\n_toleranceJ\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07R\x12\x65xecution_providerR\x0bskip_verifyR\x0cskip_measure\">\n\nFileHeader\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x03\x12\x0e\n\x06sha256\x18\x03 \x01(\t\")\n\tFileChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\x9c\x01\n\x0fOptimizeRequest\x12/\n\x07options\x18\x01 \x01(\x0b\x32\x1c.graphopt.v1.OptimizeOptionsH\x00\x12\'\n\x04\x66ile\x18\x02 \x01(\x0b\x32\x17.graphopt.v1.FileHeaderH\x00\x12\'\n\x05\x63hunk\x18\x03 \x01(\x0b\x32\x16.graphopt.v1.FileChunkH\x00\x42\x06\n\x04item\"<\n\x08Progress\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x10\n\x08\x66raction\x18\x02 \x01(\x01\x12\x0f\n\x07message\x18\x03 \x01(\t\"d\n\tPeakBytes\x12 \n\x18original_default_session\x18\x01 \x01(\x03\x12\"\n\x1aoriginal_optimizations_off\x18\x02 \x01(\x03\x12\x11\n\toptimized\x18\x03 \x01(\x03\"\xd6\x04\n\x06Report\x12\x10\n\x08strategy\x18\x01 \x01(\t\x12\x13\n\x0b\x63heckpoints\x18\x02 \x01(\x05\x12\x17\n\x0frecompute_nodes\x18\x03 \x01(\x05\x12\x34\n\x14predicted_peak_bytes\x18\x04 \x01(\x0b\x32\x16.graphopt.v1.PeakBytes\x12\x33\n\x13measured_peak_bytes\x18\x05 \x01(\x0b\x32\x16.graphopt.v1.PeakBytes\x12\x15\n\routputs_match\x18\x06 \x01(\x08\x12\x15\n\rtotal_seconds\x18\x07 \x01(\x01\x12\x0c\n\x04json\x18\x08 \x01(\t\x12\x0f\n\x07summary\x18\t \x01(\t\x12\x1b\n\x0eorder_followed\x18\n \x01(\x08H\x00\x88\x01\x01\x12\x19\n\x0csolver_exact\x18\x0b \x01(\x08H\x01\x88\x01\x01\x12\x1a\n\x12measurement_method\x18\x0c \x01(\t\x12\x10\n\x08provider\x18\r \x01(\t\x12\x0f\n\x07outcome\x18\x0e \x01(\t\x12\x16\n\x0eoutcome_reason\x18\x0f \x01(\t\x12\x11\n\tobjective\x18\x10 \x01(\t\x12\x19\n\x0cmax_overhead\x18\x11 \x01(\x01H\x02\x88\x01\x01\x12\x1e\n\x11measured_overhead\x18\x12 \x01(\x01H\x03\x88\x01\x01\x12\x1a\n\robjective_met\x18\x13 \x01(\x08H\x04\x88\x01\x01\x42\x11\n\x0f_order_followedB\x0f\n\r_solver_exactB\x0f\n\r_max_overheadB\x14\n\x12_measured_overheadB\x10\n\x0e_objective_met\"\xbe\x01\n\x10OptimizeResponse\x12)\n\x08progress\x18\x01 \x01(\x0b\x32\x15.graphopt.v1.ProgressH\x00\x12\'\n\x04\x66ile\x18\x02 \x01(\x0b\x32\x17.graphopt.v1.FileHeaderH\x00\x12\'\n\x05\x63hunk\x18\x03 \x01(\x0b\x32\x16.graphopt.v1.FileChunkH\x00\x12%\n\x06report\x18\x04 \x01(\x0b\x32\x13.graphopt.v1.ReportH\x00\x42\x06\n\x04item\"\x89\x02\n\x0f\x41nalyzeResponse\x12\x0c\n\x04loss\x18\x01 \x01(\t\x12\r\n\x05nodes\x18\x02 \x01(\x05\x12\x15\n\rforward_nodes\x18\x03 \x01(\x05\x12\x16\n\x0e\x62\x61\x63kward_nodes\x18\x04 \x01(\x05\x12\x17\n\x0fstashed_tensors\x18\x05 \x01(\x05\x12\x10\n\x08provider\x18\x06 \x01(\t\x12%\n\x1dpredicted_peak_bytes_original\x18\x07 \x01(\x03\x12)\n\x1cpredicted_peak_bytes_planned\x18\x08 \x01(\x03H\x00\x88\x01\x01\x12\x0c\n\x04json\x18\t \x01(\tB\x1f\n\x1d_predicted_peak_bytes_planned\"\x17\n\x15ListStrategiesRequest\"A\n\x08Strategy\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nis_default\x18\x03 \x01(\x08\"C\n\x16ListStrategiesResponse\x12)\n\nstrategies\x18\x01 \x03(\x0b\x32\x15.graphopt.v1.Strategy2\xfb\x01\n\x08Graphopt\x12K\n\x08Optimize\x12\x1c.graphopt.v1.OptimizeRequest\x1a\x1d.graphopt.v1.OptimizeResponse(\x01\x30\x01\x12G\n\x07\x41nalyze\x12\x1c.graphopt.v1.OptimizeRequest\x1a\x1c.graphopt.v1.AnalyzeResponse(\x01\x12Y\n\x0eListStrategies\x12\".graphopt.v1.ListStrategiesRequest\x1a#.graphopt.v1.ListStrategiesResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,29 +35,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_INPUTDIMS']._serialized_start=43
   _globals['_INPUTDIMS']._serialized_end=82
   _globals['_OPTIMIZEOPTIONS']._serialized_start=85
-  _globals['_OPTIMIZEOPTIONS']._serialized_end=667
-  _globals['_FILEHEADER']._serialized_start=669
-  _globals['_FILEHEADER']._serialized_end=731
-  _globals['_FILECHUNK']._serialized_start=733
-  _globals['_FILECHUNK']._serialized_end=774
-  _globals['_OPTIMIZEREQUEST']._serialized_start=777
-  _globals['_OPTIMIZEREQUEST']._serialized_end=933
-  _globals['_PROGRESS']._serialized_start=935
-  _globals['_PROGRESS']._serialized_end=995
-  _globals['_PEAKBYTES']._serialized_start=997
-  _globals['_PEAKBYTES']._serialized_end=1097
-  _globals['_REPORT']._serialized_start=1100
-  _globals['_REPORT']._serialized_end=1698
-  _globals['_OPTIMIZERESPONSE']._serialized_start=1701
-  _globals['_OPTIMIZERESPONSE']._serialized_end=1891
-  _globals['_ANALYZERESPONSE']._serialized_start=1894
-  _globals['_ANALYZERESPONSE']._serialized_end=2159
-  _globals['_LISTSTRATEGIESREQUEST']._serialized_start=2161
-  _globals['_LISTSTRATEGIESREQUEST']._serialized_end=2184
-  _globals['_STRATEGY']._serialized_start=2186
-  _globals['_STRATEGY']._serialized_end=2251
-  _globals['_LISTSTRATEGIESRESPONSE']._serialized_start=2253
-  _globals['_LISTSTRATEGIESRESPONSE']._serialized_end=2320
-  _globals['_GRAPHOPT']._serialized_start=2323
-  _globals['_GRAPHOPT']._serialized_end=2574
+  _globals['_OPTIMIZEOPTIONS']._serialized_end=707
+  _globals['_FILEHEADER']._serialized_start=709
+  _globals['_FILEHEADER']._serialized_end=771
+  _globals['_FILECHUNK']._serialized_start=773
+  _globals['_FILECHUNK']._serialized_end=814
+  _globals['_OPTIMIZEREQUEST']._serialized_start=817
+  _globals['_OPTIMIZEREQUEST']._serialized_end=973
+  _globals['_PROGRESS']._serialized_start=975
+  _globals['_PROGRESS']._serialized_end=1035
+  _globals['_PEAKBYTES']._serialized_start=1037
+  _globals['_PEAKBYTES']._serialized_end=1137
+  _globals['_REPORT']._serialized_start=1140
+  _globals['_REPORT']._serialized_end=1738
+  _globals['_OPTIMIZERESPONSE']._serialized_start=1741
+  _globals['_OPTIMIZERESPONSE']._serialized_end=1931
+  _globals['_ANALYZERESPONSE']._serialized_start=1934
+  _globals['_ANALYZERESPONSE']._serialized_end=2199
+  _globals['_LISTSTRATEGIESREQUEST']._serialized_start=2201
+  _globals['_LISTSTRATEGIESREQUEST']._serialized_end=2224
+  _globals['_STRATEGY']._serialized_start=2226
+  _globals['_STRATEGY']._serialized_end=2291
+  _globals['_LISTSTRATEGIESRESPONSE']._serialized_start=2293
+  _globals['_LISTSTRATEGIESRESPONSE']._serialized_end=2360
+  _globals['_GRAPHOPT']._serialized_start=2363
+  _globals['_GRAPHOPT']._serialized_end=2614
 # @@protoc_insertion_point(module_scope)

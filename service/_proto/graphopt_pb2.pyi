@@ -16,7 +16,7 @@ class InputDims(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dims: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class OptimizeOptions(_message.Message):
-    __slots__ = ("loss", "budget_bytes", "memory_limit_bytes", "objective", "max_overhead", "strategy", "input_dims", "providers", "verify", "measure", "threads", "graph_optimizations", "tolerance", "response_chunk_bytes", "plan")
+    __slots__ = ("loss", "budget_bytes", "memory_limit_bytes", "objective", "max_overhead", "strategy", "input_dims", "providers", "verify", "measure", "threads", "graph_optimizations", "node_times", "tolerance", "response_chunk_bytes", "plan")
     LOSS_FIELD_NUMBER: _ClassVar[int]
     BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     MEMORY_LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,7 @@ class OptimizeOptions(_message.Message):
     MEASURE_FIELD_NUMBER: _ClassVar[int]
     THREADS_FIELD_NUMBER: _ClassVar[int]
     GRAPH_OPTIMIZATIONS_FIELD_NUMBER: _ClassVar[int]
+    NODE_TIMES_FIELD_NUMBER: _ClassVar[int]
     TOLERANCE_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
@@ -44,10 +45,11 @@ class OptimizeOptions(_message.Message):
     measure: bool
     threads: int
     graph_optimizations: str
+    node_times: str
     tolerance: float
     response_chunk_bytes: int
     plan: bool
-    def __init__(self, loss: _Optional[str] = ..., budget_bytes: _Optional[int] = ..., memory_limit_bytes: _Optional[int] = ..., objective: _Optional[str] = ..., max_overhead: _Optional[float] = ..., strategy: _Optional[str] = ..., input_dims: _Optional[_Iterable[_Union[InputDims, _Mapping]]] = ..., providers: _Optional[_Iterable[str]] = ..., verify: _Optional[bool] = ..., measure: _Optional[bool] = ..., threads: _Optional[int] = ..., graph_optimizations: _Optional[str] = ..., tolerance: _Optional[float] = ..., response_chunk_bytes: _Optional[int] = ..., plan: _Optional[bool] = ...) -> None: ...
+    def __init__(self, loss: _Optional[str] = ..., budget_bytes: _Optional[int] = ..., memory_limit_bytes: _Optional[int] = ..., objective: _Optional[str] = ..., max_overhead: _Optional[float] = ..., strategy: _Optional[str] = ..., input_dims: _Optional[_Iterable[_Union[InputDims, _Mapping]]] = ..., providers: _Optional[_Iterable[str]] = ..., verify: _Optional[bool] = ..., measure: _Optional[bool] = ..., threads: _Optional[int] = ..., graph_optimizations: _Optional[str] = ..., node_times: _Optional[str] = ..., tolerance: _Optional[float] = ..., response_chunk_bytes: _Optional[int] = ..., plan: _Optional[bool] = ...) -> None: ...
 
 class FileHeader(_message.Message):
     __slots__ = ("path", "size_bytes", "sha256")
