@@ -939,10 +939,11 @@ def planned_order(prepared: Prepared, chosen: Plan) -> list[str]:
 
 
 def compare_in_child(prepared: Prepared, rewritten: onnx.ModelProto, options: OptimizeOptions,
-                     order: bool) -> tuple[OutputComparison, list[str] | None]:
+                     order: bool) -> tuple[OutputComparison, list[str] | None, list[str] | None]:
     """In a fresh process: `rewritten`'s outputs (its metadata session, one thread) against the
     original's, one array at a time; if they match and `order` is asked, the node order of one
-    profiled run under PLANNED_SETTINGS (`verify.executed_order`: a profile, no annotate)."""
+    profiled run under PLANNED_SETTINGS (`verify.executed_order`: a profile, no annotate), and the
+    copies and casts ONNX Runtime inserted at load, which that order leaves out."""
     reference = _reference_outputs(prepared)
     workspace = prepared.workspace
     settings = read_settings(rewritten) or DEFAULT_SETTINGS
@@ -956,7 +957,7 @@ def compare_in_child(prepared: Prepared, rewritten: onnx.ModelProto, options: Op
         "settings": settings.to_dict(), "threads": 1, "reference": reference, "tolerance": options.tolerance,
         "order": order, "order_settings": PLANNED_SETTINGS.to_dict(), "order_threads": options.threads,
         "providers": options.providers})
-    return OutputComparison.from_dict(result["comparison"]), result["executed"]
+    return OutputComparison.from_dict(result["comparison"]), result["executed"], result.get("inserted")
 
 
 def _difference(comparison: OutputComparison, options: OptimizeOptions) -> OutputsDiffer:
@@ -989,7 +990,7 @@ def check_plan(prepared: Prepared, chosen: Plan, options: OptimizeOptions,
     """Rewrite `chosen` (unless given) and check it in one child: outputs, then (if they match)
     the order from one profiled run. A plan whose outputs differ is logged as rejected."""
     rewritten = rewrite_plan(prepared, chosen) if rewritten is None else rewritten
-    comparison, executed = compare_in_child(prepared, rewritten, options, order=True)
+    comparison, executed, inserted = compare_in_child(prepared, rewritten, options, order=True)
     if not comparison.match:
         differ = _difference(comparison, options)
         log.warning("the %s plan was rejected: its %s", chosen.strategy, differ.reason)
@@ -1001,7 +1002,9 @@ def check_plan(prepared: Prepared, chosen: Plan, options: OptimizeOptions,
             followed=check.followed,
             first_deviation=None if check.followed else Deviation(check.position, check.planned, check.executed),
             not_in_file=None if check.followed else check.not_in_file[:10],
-            not_in_file_count=None if check.followed else len(check.not_in_file)))
+            not_in_file_count=None if check.followed else len(check.not_in_file),
+            inserted_at_load=inserted[:10] if inserted else None,
+            inserted_at_load_count=len(inserted) if inserted else None))
     return Checked(chosen, rewritten, comparison, entry)
 
 

@@ -197,6 +197,10 @@ class OrderResult(_Json):
     first_deviation: Deviation | None = None
     not_in_file: list[str] | None = None
     not_in_file_count: int | None = None
+    # copies between host and device and precision casts ONNX Runtime inserted at load (not nodes of
+    # the file: the order compared leaves them out, the measured peak counts them); the first few
+    inserted_at_load: list[str] | None = None
+    inserted_at_load_count: int | None = None
 
 
 @dataclass
@@ -592,8 +596,10 @@ def summary_text(report: Report) -> str:
                      f"(max relative difference {report.max_relative_difference:.2e})")
     if report.order_followed is not None:
         tried = report.order.plans_tried if report.order is not None else []
+        inserted = tried[-1].order.inserted_at_load_count if tried else None
         lines.append(f"planned order followed by ONNX Runtime: {report.order_followed}"
-                     + (f" ({len(tried)} plans tried)" if len(tried) > 1 else ""))
+                     + (f" ({len(tried)} plans tried)" if len(tried) > 1 else "")
+                     + (f"; {inserted} copies or casts ONNX Runtime inserted at load ran besides" if inserted else ""))
     own = report.graphopt_memory
     if own is not None and own.largest_child_bytes is not None:
         line = (f"graphopt's own memory: largest process {_mib(own.largest_child_bytes)} ({own.largest_child}), "

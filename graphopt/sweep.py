@@ -242,7 +242,7 @@ def _sweep(prepared: Prepared, options: OptimizeOptions, points: int, repeats: i
         plan_k = plans[key]
         rewritten = rewrite_plan(prepared, plan_k)
         if options.verify:
-            comparison, _ = compare_in_child(prepared, rewritten, options, order=False)
+            comparison, _, _ = compare_in_child(prepared, rewritten, options, order=False)
             row.outputs_identical = comparison.match
             if not comparison.match:
                 message = (f"output {comparison.worst_output()!r} differs from the original (relative "

@@ -104,11 +104,12 @@ def run(task: str, args: dict) -> dict:
         del outputs
         gc.collect()
         malloc_trim()
-        result = {"comparison": comparison.to_dict(), "executed": None}
+        result = {"comparison": comparison.to_dict(), "executed": None, "inserted": None}
         if comparison.match and args.get("order"):
+            result["inserted"] = []
             result["executed"] = executed_order(args["model"], inputs, _settings(args["order_settings"]),
                                                 threads=args.get("order_threads", 1),
-                                                providers=args.get("providers"))
+                                                providers=args.get("providers"), inserted_into=result["inserted"])
         return result
     raise ValueError(f"unknown task {task!r}")
 

@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 
 from graphopt.runtime.arrays import save_arrays, saved_arrays
-from graphopt.runtime.profile import last_run_order_and_seconds
+from graphopt.runtime.profile import KERNEL_SUFFIX, kernel_events
 from graphopt.ingest import subgraphs
 from graphopt.runtime.session import SessionSettings, open_session
 
@@ -159,6 +159,20 @@ def compare_with_saved(
     return OutputComparison(match=worst <= tolerance, max_relative_difference=worst, per_output=per)
 
 
+# Nodes ONNX Runtime inserts at load between nodes of the file, which run what the file says in
+# another place or type (op type -> the prefix of the names ORT gives them): copies between the
+# host and a device where the provider leaves a node on the CPU (MemcpyTransformer, "Memcpy",
+# "Memcpy_token_N"), casts around a float16 node the CPU has no float16 kernel for
+# (InsertCastTransformer: "InsertedPrecisionFreeCast_<value>").
+INSERTED_AT_LOAD = {"MemcpyFromHost": "Memcpy", "MemcpyToHost": "Memcpy", "Cast": "InsertedPrecisionFreeCast_"}
+
+
+def inserted_at_load(name: str, op_type: str) -> bool:
+    """Whether a node ONNX Runtime ran is one it inserted at load (`INSERTED_AT_LOAD`)."""
+    prefix = INSERTED_AT_LOAD.get(op_type)
+    return prefix is not None and name.startswith(prefix)
+
+
 def executed_order(
     model: onnx.ModelProto | str | os.PathLike,
     inputs: dict[str, np.ndarray],
@@ -166,11 +180,14 @@ def executed_order(
     *,
     threads: int = 1,
     providers: list | None = None,
+    inserted_into: list | None = None,
 ) -> list[str]:
     """The node names ONNX Runtime ran, in execution order, in one profiled run of `model`
     (``settings=None``: its metadata). Nodes ORT made at load (inlined function bodies) appear
     under the names ORT gave them; nodes inside the model's subgraphs (If branches, Loop and
-    Scan bodies: run by their parent node) are left out."""
+    Scan bodies: run by their parent node) are left out. The copies and casts ORT inserted at load
+    (`inserted_at_load`, not nodes of the file) are left out too, and appended to `inserted_into`
+    when given, as "name (op type)"."""
     tmp = tempfile.mkdtemp(prefix="graphopt-order-")
     try:
         sess = open_session(model, settings, providers=providers, threads=threads,
@@ -184,9 +201,23 @@ def executed_order(
             path = found[-1] if found else None
         if path is None:
             return []
-        inner = subgraph_node_names(model if isinstance(model, onnx.ModelProto)
-                                    else onnx.load(str(model), load_external_data=False))
-        return [name for name in last_run_order_and_seconds(path)[0] if name not in inner]
+        loaded = model if isinstance(model, onnx.ModelProto) else onnx.load(str(model), load_external_data=False)
+        inner = subgraph_node_names(loaded)
+        in_file = {n.name for n in loaded.graph.node}
+        order: list[str] = []
+        seen: set[str] = set()
+        for event in kernel_events(path):
+            name = event["name"][: -len(KERNEL_SUFFIX)]
+            if name in inner or name in seen:
+                continue
+            seen.add(name)
+            op_type = str(event.get("args", {}).get("op_name", ""))
+            if name not in in_file and inserted_at_load(name, op_type):
+                if inserted_into is not None:
+                    inserted_into.append(f"{name} ({op_type})")
+                continue
+            order.append(name)
+        return order
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
