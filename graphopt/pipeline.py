@@ -70,6 +70,7 @@ from .tasks import run_task
 from .reduced import TwinError, batch_inputs, full_shapes, full_size_annotations, make_twin
 from .runtime.limit import initializer_bytes, out_of_memory
 from .runtime.measure import Measurement, measure, run_within_limit, time_steps
+from .runtime.offline import without_transfers
 from .runtime.overlap import Overlap
 from .runtime.session import (DEFAULT_SETTINGS, UNOPTIMIZED_SETTINGS, SessionSettings, default_providers,
                               read_settings)
@@ -646,6 +647,10 @@ def _apply_graph_optimizations(training: TrainingGraph, annotations: Annotations
         run_task("graph-optimize", {"model": original, "out": out, "level": level, "providers": options.providers,
                                     "external_data": True})
         model = onnx.load(out, load_external_data=False)
+        transfers = without_transfers(model)
+        if transfers:
+            log.info("ONNX Runtime's saved graph carried %d copies between host and device; they are left to "
+                     "ONNX Runtime to insert at load", transfers)
     except Exception as exc:  # noqa: BLE001 - the plan can go on without ORT's fusions
         log.warning("ONNX Runtime's %s graph optimizations could not be applied offline (%s): the graph is "
                     "planned as given", level, exc)

@@ -79,3 +79,25 @@ def test_what_counts_as_inserted_at_load():
     assert inserted_at_load("InsertedPrecisionFreeCast_x", "Cast")
     assert not inserted_at_load("InsertedPrecisionFreeCast_x", "Relu")   # a node of the file, named so
     assert not inserted_at_load("Cast_3", "Cast")
+
+
+def test_copies_a_device_graph_carries_are_removed_and_its_readers_read_their_sources():
+    """ONNX Runtime's saved graph of a device provider carries its copies between host and device
+    (ops of that provider alone): `without_transfers` takes them out; the result runs on the CPU
+    provider with the original's outputs (the oracle: the graph without the copies, run as given)."""
+    from graphopt.runtime.offline import without_transfers
+    from graphopt.runtime.session import UNOPTIMIZED_SETTINGS, open_session
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])
+    nodes = [helper.make_node("Abs", ["x"], ["a"], name="abs"),
+             helper.make_node("MemcpyToHost", ["a"], ["a_host"], name="Memcpy"),
+             helper.make_node("Neg", ["a_host"], ["n"], name="neg"),
+             helper.make_node("MemcpyFromHost", ["n"], ["y"], name="Memcpy_token_1")]
+    graph = helper.make_graph(nodes, "g", [x], [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    assert without_transfers(model) == 2
+    assert [n.op_type for n in model.graph.node] == ["Abs", "Neg", "Identity"]
+    assert [o.name for o in model.graph.output] == ["y"]
+    feed = np.array([-1.0, 2.0, -3.0, 0.5], np.float32)
+    (y,) = open_session(model, UNOPTIMIZED_SETTINGS, providers=["CPUExecutionProvider"]).run(None, {"x": feed})
+    np.testing.assert_array_equal(y, -np.abs(feed))
+    assert without_transfers(model) == 0

@@ -68,3 +68,38 @@ def optimize_offline(model_path: str | os.PathLike, out_path: str | os.PathLike,
                                     str(_EXTERNAL_MIN_BYTES))
     providers = list(providers or default_providers())
     ort.InferenceSession(os.fspath(model_path), so, providers=providers, disabled_optimizers=list(DISABLED_OFFLINE))
+
+
+TRANSFER_OPS = ("MemcpyFromHost", "MemcpyToHost")
+
+
+def without_transfers(model) -> int:
+    """Remove (in place) the copies between host and device a saved graph of a device provider
+    carries (ONNX Runtime inserts them at load where it leaves a node on the CPU), each reader
+    reading the copy's input instead; how many were removed. They are ops of that provider alone
+    (the CPU provider, which checks outputs, has no kernel for them), and ONNX Runtime inserts them
+    again when it loads the file on the device; the order check leaves them out
+    (`verify.inserted_at_load`)."""
+    from onnx import helper
+
+    from graphopt.onnx_ops import STANDARD_DOMAINS
+    rename: dict[str, str] = {}
+    kept = []
+    for node in model.graph.node:
+        if node.op_type in TRANSFER_OPS and node.domain in STANDARD_DOMAINS and len(node.input) == 1:
+            rename[node.output[0]] = rename.get(node.input[0], node.input[0])
+        else:
+            kept.append(node)
+    if not rename:
+        return 0
+    graph_outputs = {o.name for o in model.graph.output}
+    for node in kept:
+        for i, name in enumerate(node.input):
+            if name in rename:
+                node.input[i] = rename[name]
+    for output, source in rename.items():
+        if output in graph_outputs:   # a graph output stays under its name: an Identity writes it
+            kept.append(helper.make_node("Identity", [source], [output], name=f"{output}__copy"))
+    del model.graph.node[:]
+    model.graph.node.extend(kept)
+    return len(rename)
