@@ -244,8 +244,17 @@ def cmd_train_graph(args) -> int:
     # written): the builder works on the graph alone, at any size
     forward, weights = load_graph(args.model)
     train = build_training_graph(forward, loss=args.loss, labels=args.labels, freeze=args.freeze or (),
-                                 class_axis=args.class_axis, optimizer=optimizer, weights=weights)
+                                 class_axis=args.class_axis, optimizer=optimizer, weights=weights,
+                                 forms_for=args.provider, threads=args.threads)
     save_model(train, args.output, weights)
+    if args.provider is not None:
+        from .builder.train_graph import FORMS_KEY
+        forms = json.loads(next(p.value for p in train.metadata_props if p.key == FORMS_KEY))
+        convs = forms["conv_weight_gradients"]
+        per_tap = sum(1 for c in convs if c["per_tap"])
+        changed = sum(1 for c in convs if c["per_tap"] != c["rule_per_tap"])
+        print(f"Conv weight gradients measured on {args.provider}: {len(convs)} distinct, {per_tap} per tap, "
+              f"{len(convs) - per_tap} whole map ({changed} other than the CPU's rule)")
     rest = [o.name for o in train.graph.output][1:]
     if optimizer is None:
         what = f"{len(rest)} gradients"
@@ -455,6 +464,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-decay", type=float, help="default 0 for sgd, 0.01 for adamw (decoupled)")
     p.add_argument("--betas", metavar="B1,B2", help="adamw: the moments' decay rates (default 0.9,0.999)")
     p.add_argument("--eps", type=float, help="adamw: added to the denominator (default 1e-8)")
+    p.add_argument("--provider", metavar="NAME",
+                   help="build for this ONNX Runtime execution provider: where a gradient has more than one "
+                        "form (a Conv's weight gradient per kernel tap or over the whole map), the faster there, "
+                        "measured (default: the forms measured on the CPU)")
+    p.add_argument("--threads", type=int, default=1, help="with --provider: intra-op threads of the runs that "
+                                                          "time the forms (default 1)")
     p.set_defaults(func=cmd_train_graph)
 
     p = sub.add_parser("train", help="train a graph made by train-graph --optimizer on ONNX Runtime")

@@ -106,17 +106,46 @@ DEPTHWISE_MAX_TAPS = 9
 PER_TAP_WEIGHT_GRADIENTS = True
 
 
-def per_tap_applies(source_shape, adjoint_shape, kernel, group) -> bool:
-    """Whether `per_tap_weight_gradient` writes this weight gradient: an ungrouped or depthwise
-    (one filter per channel) convolution with static shapes, over enough channels or with a
-    1 x 1 kernel."""
+# Per-tap or not, measured on the provider the graph is built for (graphopt/builder/forms.py), by
+# `per_tap_key`; a weight gradient not in it goes by the rule below.
+PER_TAP_CHOICES: dict = {}
+
+
+def per_tap_key(source_shape, adjoint_shape, kernel, group) -> tuple:
+    return (tuple(source_shape), tuple(adjoint_shape), tuple(kernel), int(group))
+
+
+@contextlib.contextmanager
+def per_tap_choices(choices: dict):
+    """Within it, the weight gradients in `choices` (`per_tap_key` -> bool) take the form it says."""
+    global PER_TAP_CHOICES
+    saved, PER_TAP_CHOICES = PER_TAP_CHOICES, dict(choices)
+    try:
+        yield
+    finally:
+        PER_TAP_CHOICES = saved
+
+
+def per_tap_possible(source_shape, adjoint_shape, kernel, group) -> bool:
+    """Whether `per_tap_weight_gradient` can write this weight gradient: an ungrouped or depthwise
+    (one filter per channel) convolution with static shapes."""
     if not PER_TAP_WEIGHT_GRADIENTS:
         return False
     if any(shape is None or None in shape for shape in (source_shape, adjoint_shape, kernel)):
         return False
-    channels = source_shape[1]
-    if group != 1 and not group == channels == adjoint_shape[1]:
+    return group == 1 or group == source_shape[1] == adjoint_shape[1]
+
+
+def per_tap_applies(source_shape, adjoint_shape, kernel, group) -> bool:
+    """Whether `per_tap_weight_gradient` writes this weight gradient: where it can
+    (`per_tap_possible`), as measured on the provider the graph is built for (`PER_TAP_CHOICES`),
+    else by the rule measured on the CPU: over enough channels or with a 1 x 1 kernel."""
+    if not per_tap_possible(source_shape, adjoint_shape, kernel, group):
         return False
+    chosen = PER_TAP_CHOICES.get(per_tap_key(source_shape, adjoint_shape, kernel, group))
+    if chosen is not None:
+        return chosen
+    channels = source_shape[1]
     if group != 1:   # depthwise: a Slice, a Mul and a ReduceSum per tap
         return channels >= PER_TAP_MIN_CHANNELS and math.prod(kernel) <= DEPTHWISE_MAX_TAPS
     return all(k == 1 for k in kernel) or channels >= PER_TAP_MIN_CHANNELS

@@ -308,3 +308,10 @@ def replay_node_seconds(model: onnx.ModelProto, inputs: dict[str, np.ndarray],
     if out.skipped:
         log.info("replay: %d nodes not replayed (e.g. %s: %s)", len(out.skipped), *next(iter(out.skipped.items())))
     return out
+
+
+def median_run_seconds(model: onnx.ModelProto, feeds: dict[str, np.ndarray], providers: list,
+                       threads: int = 1) -> float:
+    """The median seconds of one run of `model` on `providers[0]`, `feeds` already on the device and
+    its outputs bound there, warmed up and repeated as a replayed node is (`_Runner`)."""
+    return _Runner(model, feeds, providers, threads).median_seconds()
