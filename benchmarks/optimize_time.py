@@ -50,7 +50,8 @@ def _optimize(path: str, inputs_path: str, tmp: str, args, env: dict | None = No
     out, report_path = os.path.join(tmp, "opt.onnx"), os.path.join(tmp, "r.json")
     cmd = [sys.executable, "-m", "graphopt.cli", "optimize", path, "--inputs", inputs_path, "-o", out,
            "--report", report_path] + (["--threads", str(args.threads)] if args.threads else []) + (
-               ["--provider", args.provider] if args.provider else [])
+               ["--provider", args.provider] if args.provider else []) + (
+               ["--node-times", args.node_times] if getattr(args, "node_times", None) else [])
     start = time.perf_counter()
     # run from the model's folder: `python -m` puts the working directory first on the path, and a
     # checkout's own folder there would shadow the graphopt that PYTHONPATH names (--against-tree)
@@ -90,8 +91,28 @@ def run_one(kind: str, name: str, args) -> dict:
                step_errors=errors, first_within=first_within,
                peak_ratio=(report.get("ratios") or {}).get("peak_vs_default_session"),
                overhead=(report.get("ratios") or {}).get("step_time_vs_default_session"),
-               returned_error=(report.get("prediction_error") or {}).get("optimized_step_time"))
+               returned_error=(report.get("prediction_error") or {}).get("optimized_step_time"),
+               node_seconds_from=(report.get("annotations") or {}).get("node_seconds_from", "profile"),
+               order=_order(report))
     return row
+
+
+def _order(report: dict) -> str:
+    """The order check of the last plan tried: followed, or where ONNX Runtime left it, and the
+    copies and casts it inserted at load (what a GPU run needs to say about the order)."""
+    tried = (report.get("order") or {}).get("plans_tried") or []
+    if not tried:
+        return "-"
+    order = tried[-1].get("order") or {}
+    text = "followed" if order.get("followed") else "left"
+    deviation = order.get("first_deviation")
+    if deviation:
+        text += f" at {deviation['position']}: planned {deviation['planned'][:2]}, ran {deviation['executed'][:2]}"
+    if order.get("not_in_file_count"):
+        text += f"; {order['not_in_file_count']} not in the file, e.g. {order['not_in_file'][:2]}"
+    if order.get("inserted_at_load_count"):
+        text += f"; {order['inserted_at_load_count']} inserted at load, e.g. {order['inserted_at_load'][:2]}"
+    return text
 
 
 def _ratio(value) -> str:
@@ -130,6 +151,8 @@ def main() -> None:
     add_model_arguments(parser)
     parser.add_argument("--threads", type=int, default=None, help="default: the CLI's (the machine's cores)")
     parser.add_argument("--provider", help="ONNX Runtime execution provider (default: the CLI's, CPU)")
+    parser.add_argument("--node-times", choices=("auto", "profile", "replay"),
+                        help="where the plans' node seconds come from (default: the CLI's, auto)")
     parser.add_argument("--optimizer", choices=("sgd", "adamw"),
                         help="the training graphs with their optimizer step inside (parameters fed every step)")
     parser.add_argument("--against-fresh", type=int, default=0, metavar="N",
@@ -157,21 +180,21 @@ def main() -> None:
             print(side_by_side(kind, name, args, envs, args.runs), flush=True)
         return
     print("| model | threads | default-session step (s) | optimize (s) | optimize / step | search CPU (s) | "
-          "stages (wall s) | step time predicted / measured - 1, each plan measured | outcome | "
-          "returned peak, step / default session's (measured) |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "stages (wall s) | step time predicted / measured - 1, each plan measured (node seconds from) | outcome | "
+          "returned peak, step / default session's (measured) | order |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     rows = []
     for kind, name in jobs:
         row = run_one(kind, name, args)
         if "error" in row:
-            print(f"| {row['model']} | | | | | | error: {row['error']} | | | |", flush=True)
+            print(f"| {row['model']} | | | | | | error: {row['error']} | | | | |", flush=True)
             continue
         rows.append(row)
         stages = ", ".join(f"{k} {v:.1f}" for k, v in row["stages"].items() if v >= 0.05)
         print(f"| {row['model']} | {row['threads']} | {row['step']:.3f} | {row['total']:.1f} | "
               f"{row['total'] / row['step']:.0f}x | {row['search_cpu']:.1f} | {stages} | "
-              f"{', '.join(f'{e:+.0%}' for e in row['step_errors'])} | {row['outcome']} | "
-              f"{_ratio(row['peak_ratio'])}, {_ratio(row['overhead'])} |", flush=True)
+              f"{', '.join(f'{e:+.0%}' for e in row['step_errors'])} ({row['node_seconds_from']}) | {row['outcome']} | "
+              f"{_ratio(row['peak_ratio'])}, {_ratio(row['overhead'])} | {row['order']} |", flush=True)
     if rows:
         print()
         print(_goals(rows))

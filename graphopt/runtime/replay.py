@@ -50,7 +50,8 @@ MIN_TOTAL_SECONDS = 0.02
 MAX_GROUP_SECONDS = 1.0
 WARM_UP_RUNS = 2
 # every group is replayed in this many passes over all of them, the mean of its medians kept: a
-# load that comes and goes on the machine moves one group's replay, rarely both passes
+# load that comes and goes on the machine moves one group's replay, rarely both passes (on the
+# CPU; one pass on a device)
 PASSES = 2
 # inputs of at most this many elements are replayed with their real values, whatever their type
 REAL_MAX_ELEMENTS = 4096
@@ -286,7 +287,10 @@ def replay_node_seconds(model: onnx.ModelProto, inputs: dict[str, np.ndarray],
     rng = np.random.default_rng(0)
     medians: dict[int, list[float]] = {}
     keys = list(groups)
-    for _ in range(PASSES):
+    provider = providers[0] if isinstance(providers[0], str) else providers[0][0]
+    # a device's sessions cost more to make (CUDA: each Conv's algorithm search), and nothing else
+    # runs on it: one pass there
+    for _ in range(PASSES if device_of(provider) == "cpu" else 1):
         for index, key in enumerate(keys):
             members = groups[key]
             if members[0].name in out.skipped:
