@@ -231,16 +231,14 @@ def call_seconds(providers: list, threads: int) -> float:
 
 def replay_node_seconds(model: onnx.ModelProto, inputs: dict[str, np.ndarray],
                         tensor_shapes: dict[str, list[int]], tensor_dtypes: dict[str, str], *,
-                        providers: list, threads: int = 1, model_path: str | None = None,
-                        nodes: list[str] | None = None) -> Replayed:
+                        providers: list, threads: int = 1, model_path: str | None = None) -> Replayed:
     """Each node's seconds on `providers[0]`, by replaying each distinct node (module docstring).
     `tensor_shapes`/`tensor_dtypes`: every value's measured shape and numpy dtype name (an
     annotation's); `model_path`: the file `model` was loaded from (its external data, and the
-    run that reads the real values of runtime-computed inputs); `nodes`: only these."""
+    run that reads the real values of runtime-computed inputs)."""
     from graphopt.annotate import _is_constant, measure_exposed
 
     out = Replayed()
-    wanted_nodes = None if nodes is None else set(nodes)
     types: dict[str, tuple[int, list[int]]] = {}
     for name, shape in tensor_shapes.items():
         try:
@@ -249,7 +247,7 @@ def replay_node_seconds(model: onnx.ModelProto, inputs: dict[str, np.ndarray],
             continue
     candidates: list[onnx.NodeProto] = []
     for node in model.graph.node:
-        if _is_constant(node) or (wanted_nodes is not None and node.name not in wanted_nodes):
+        if _is_constant(node):
             continue
         if _has_subgraph(node):
             out.skipped[node.name] = "it has a subgraph"
