@@ -54,7 +54,7 @@ def main(argv=None) -> int:
             profiled, _ = median_node_seconds(session.end_profiling(), skip_runs=1)
             del session
         started = time.perf_counter()
-        replayed = replay_node_seconds(model, inputs, annotations.tensor_shapes, annotations.tensor_dtypes,
+        replayed = replay(model, inputs, annotations.tensor_shapes, annotations.tensor_dtypes,
                                        providers=providers, threads=args.threads)
         took = time.perf_counter() - started
         op_type = {n.name: n.op_type for n in model.graph.node}

@@ -125,7 +125,11 @@ def _built(forward, per_tap: bool, forms_for: str | None = None, threads: int = 
     fed = [t.name for t in forward.graph.initializer] if PARAMETERS_AS_INPUTS else []
     try:
         with rules.weights_fed(fed):
-            model = build_training_graph(forward, forms_for=forms_for, threads=threads)
+            if forms_for is None:
+                model = build_training_graph(forward)
+            else:
+                from graphopt.builder.forms import build_for_provider
+                model = build_for_provider(forward, forms_for, threads)
     finally:
         rules.PER_TAP_WEIGHT_GRADIENTS = saved
     return _parameters_as_inputs(model) if PARAMETERS_AS_INPUTS else model

@@ -442,15 +442,44 @@ def annotate(
     ann.execution_order, ann.node_seconds = order_and_seconds(kernels)
     ann.tensor_bytes, ann.tensor_shapes, ann.tensor_dtypes = sizes.bytes, sizes.shapes, sizes.dtypes
     if node_times == "replay":
-        from graphopt.runtime.replay import replay_node_seconds
-        replayed = replay_node_seconds(model, inputs, sizes.shapes, sizes.dtypes, providers=providers,
-                                       threads=threads, model_path=model_path)
+        replayed = replay(model, inputs, sizes.shapes, sizes.dtypes, providers=providers, threads=threads,
+                          model_path=model_path)
         ann.node_seconds.update(replayed.node_seconds)
         ann.node_seconds_from = "replay"
         ann.nodes_not_replayed = len(replayed.skipped)
     elif node_times != "profile":
         raise ValueError(f"node_times must be 'profile' or 'replay', got {node_times!r}")
     return ann
+
+
+def replay(model: onnx.ModelProto, inputs: dict[str, np.ndarray], tensor_shapes: dict[str, list[int]],
+           tensor_dtypes: dict[str, str], *, providers: list | None = None, threads: int = 1,
+           model_path: str | None = None):
+    """Each node's seconds from replaying the distinct nodes of `model` alone on the provider
+    (graphopt/runtime/replay.py), on the measured shapes and types; the inputs it replays with
+    their real values read from the graph (fed inputs, initializers, Constant nodes) or, computed
+    while the step runs, from one run of the model with them added as outputs. A `Replayed`."""
+    from graphopt.onnx_ops import ALIAS_OPS
+    from graphopt.runtime.replay import real_value_names, replay_node_seconds
+    if providers is None:
+        providers = default_providers()
+    wanted = set(real_value_names(model, tensor_shapes, tensor_dtypes))
+    values = {name: np.asarray(inputs[name]) for name in wanted if name in inputs}
+    base_dir = os.path.dirname(os.path.abspath(model_path)) if model_path else ""
+    for t in model.graph.initializer:
+        if t.name in wanted and t.name not in values:
+            values[t.name] = numpy_helper.to_array(t, base_dir)
+    for node in model.graph.node:
+        if _is_constant(node) and node.output and node.output[0] in wanted:
+            value = _constant_value(node)
+            if value is not None:
+                values[node.output[0]] = value
+    computed = sorted(wanted - set(values))
+    if computed:
+        values.update(measure_exposed(model, inputs, computed, providers=providers, threads=threads, chunk=0,
+                                      model_path=model_path))
+    return replay_node_seconds(model, tensor_shapes, tensor_dtypes, values, providers=providers, threads=threads,
+                               views=ALIAS_OPS)
 
 
 def write_annotations(model: onnx.ModelProto, ann: Annotations) -> None:

@@ -243,12 +243,16 @@ def cmd_train_graph(args) -> int:
     # the weights stay where they are (read into the output one tensor at a time when it is
     # written): the builder works on the graph alone, at any size
     forward, weights = load_graph(args.model)
-    train = build_training_graph(forward, loss=args.loss, labels=args.labels, freeze=args.freeze or (),
-                                 class_axis=args.class_axis, optimizer=optimizer, weights=weights,
-                                 forms_for=args.provider, threads=args.threads)
+    build = dict(loss=args.loss, labels=args.labels, freeze=args.freeze or (), class_axis=args.class_axis,
+                 optimizer=optimizer, weights=weights)
+    if args.provider is None:
+        train = build_training_graph(forward, **build)
+    else:
+        from .builder.forms import build_for_provider
+        train = build_for_provider(forward, args.provider, args.threads, **build)
     save_model(train, args.output, weights)
     if args.provider is not None:
-        from .builder.train_graph import FORMS_KEY
+        from .builder.forms import FORMS_KEY
         forms = json.loads(next(p.value for p in train.metadata_props if p.key == FORMS_KEY))
         convs = forms["conv_weight_gradients"]
         per_tap = sum(1 for c in convs if c["per_tap"])

@@ -12,8 +12,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from graphopt.builder import rules
-from graphopt.builder.forms import MARGIN
-from graphopt.builder.train_graph import FORMS_KEY, build_training_graph
+from graphopt.builder.forms import FORMS_KEY, MARGIN, build_for_provider
+from graphopt.builder.train_graph import build_training_graph
 from graphopt.runtime.session import UNOPTIMIZED_SETTINGS, open_session
 
 
@@ -69,8 +69,7 @@ def test_the_form_chosen_is_the_form_built_and_its_gradients_are_exact(per_tap):
     forward = _two_convs()
     keys = [rules.per_tap_key((4, 64, 14, 14), (4, 64, 14, 14), (1, 1), 1),
             rules.per_tap_key((4, 64, 14, 14), (4, 32, 14, 14), (3, 3), 1)]
-    with rules.per_tap_choices({key: per_tap for key in keys}):
-        training = build_training_graph(forward)
+    training = build_training_graph(forward, per_tap_choices={key: per_tap for key in keys})
     # the forward's two Convs; whole-map: a Conv more per weight gradient; per tap: products instead
     assert _count(training, "Conv") == (2 if per_tap else 4)
     assert (_count(training, "Gemm") + _count(training, "MatMul") > 0) == per_tap
@@ -81,7 +80,7 @@ def test_the_form_chosen_is_the_form_built_and_its_gradients_are_exact(per_tap):
 
 
 def test_each_conv_takes_the_form_measured_faster_on_the_provider():
-    training = build_training_graph(_two_convs(), forms_for="CPUExecutionProvider")
+    training = build_for_provider(_two_convs(), "CPUExecutionProvider")
     forms = json.loads(next(p.value for p in training.metadata_props if p.key == FORMS_KEY))
     assert forms["provider"] == "CPUExecutionProvider"
     measured = {tuple(c["weight_shape"]): c for c in forms["conv_weight_gradients"]}

@@ -19,7 +19,7 @@ from graphopt.annotate import annotate
 from graphopt.examples import training_example
 from graphopt.ingest import name_nodes
 from graphopt.runtime.profile import median_node_seconds
-from graphopt.runtime.replay import replay_node_seconds
+from graphopt.annotate import replay
 from graphopt.runtime.session import UNOPTIMIZED_SETTINGS, open_session
 
 CPU = ["CPUExecutionProvider"]
@@ -50,7 +50,7 @@ def test_replayed_node_seconds_add_up_to_the_profiled_step_and_each_op_type(name
     model, inputs = training_example(name)
     name_nodes(model)
     annotations = annotate(model, inputs, UNOPTIMIZED_SETTINGS)
-    replayed = replay_node_seconds(model, inputs, annotations.tensor_shapes, annotations.tensor_dtypes,
+    replayed = replay(model, inputs, annotations.tensor_shapes, annotations.tensor_dtypes,
                                    providers=CPU, threads=1)
     profiled = _profiled_node_seconds(model, inputs)
     assert not replayed.skipped
@@ -106,7 +106,7 @@ def test_nodes_alike_share_one_replay_and_computed_shapes_and_indices_are_the_re
     rng = np.random.default_rng(0)
     inputs = {"x": rng.standard_normal([64, 256]).astype(np.float32)}
     annotations = annotate(model, inputs, UNOPTIMIZED_SETTINGS)
-    replayed = replay_node_seconds(model, inputs, annotations.tensor_shapes, annotations.tensor_dtypes,
+    replayed = replay(model, inputs, annotations.tensor_shapes, annotations.tensor_dtypes,
                                    providers=CPU, threads=1)
     assert replayed.skipped == {}
     names = [n.name for n in model.graph.node]
@@ -135,7 +135,7 @@ def test_a_node_that_cannot_run_alone_is_named_and_left_to_the_profile():
     annotations = annotate(model, inputs, UNOPTIMIZED_SETTINGS, node_times="replay")
     assert annotations.node_seconds_from == "replay" and annotations.nodes_not_replayed == 1
     assert set(annotations.node_seconds) >= {"sum", "greater", "if"}   # the If keeps its profiled seconds
-    replayed = replay_node_seconds(model, inputs, annotations.tensor_shapes, annotations.tensor_dtypes,
+    replayed = replay(model, inputs, annotations.tensor_shapes, annotations.tensor_dtypes,
                                    providers=CPU)
     assert replayed.skipped == {"if": "it has a subgraph"}
 

@@ -6,16 +6,19 @@ or over the whole map (one convolution of the input with the output's adjoint). 
 depends on the device: per tap was chosen by a rule measured on the CPU (`rules.per_tap_applies`),
 and on an H200 the whole-map form was faster on two of the four CNN examples (docs/gpu.md).
 
-`measured_per_tap_choices` times both forms of each distinct Conv of a forward model (input,
-output and kernel shapes, group) on the provider: a model of that Conv alone with a sum as its
+`build_for_provider` builds a forward model's training graph (`train_graph.build_training_graph`)
+with each Conv weight gradient in its faster form there: `measured_per_tap_choices` times both
+forms of each distinct Conv of the forward (input, output and kernel shapes, group) on the provider: a model of that Conv alone with a sum as its
 loss, built into a training graph once per form, each run on the device (inputs and outputs bound
 there: graphopt/runtime/replay.py) to its median step; the two steps differ only in the weight
 gradient's form. The rule's form is kept unless the other is faster by more than `MARGIN` (a
 choice the measurement cannot tell apart stays what the CPU's rule says). The choices go to the
-build through `rules.per_tap_choices`.
+build through `rules.per_tap_choices`; what was measured and chosen, to the model's metadata
+(`FORMS_KEY`).
 """
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 
@@ -24,11 +27,14 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from . import rules
+from .graph_util import infer_shapes
+from .train_graph import build_training_graph
 
 log = logging.getLogger(__name__)
 
 # the other form is taken where it is faster by more than this fraction of the rule's
 MARGIN = 0.05
+FORMS_KEY = "graphopt.forms"   # metadata: the gradient forms measured and chosen (`build_for_provider`)
 
 
 @dataclass(frozen=True)
@@ -90,9 +96,7 @@ def _conv_alone(shape: ConvShape) -> onnx.ModelProto:
 def step_seconds(shape: ConvShape, per_tap: bool, providers: list, threads: int) -> float:
     """The median step of `shape`'s Conv alone built with its weight gradient in one form."""
     from graphopt.runtime.replay import median_run_seconds
-    from .train_graph import build_training_graph
-    with rules.per_tap_choices({shape.key: per_tap}):
-        training = build_training_graph(_conv_alone(shape))
+    training = build_training_graph(_conv_alone(shape), per_tap_choices={shape.key: per_tap})
     dtype = helper.tensor_dtype_to_np_dtype(shape.elem_type)
     feeds = {"x": np.random.default_rng(1).uniform(0.5, 1.5, size=shape.input_shape).astype(dtype)}
     return median_run_seconds(training, feeds, providers, threads)
@@ -123,3 +127,32 @@ def measured_per_tap_choices(shapes: list[ConvShape], providers: list, threads: 
         log.info("Conv %s * %s: per tap %.3g s, whole map %.3g s: %s", shape.input_shape, shape.weight_shape,
                  per_tap, whole, "per tap" if chosen else "whole map")
     return choices, measured
+
+
+def _static(model: onnx.ModelProto) -> tuple[dict[str, tuple], dict[str, int]]:
+    """Every value's static shape and element type, by ONNX shape inference."""
+    inferred = infer_shapes(model)
+    shapes: dict[str, tuple] = {t.name: tuple(t.dims) for t in inferred.graph.initializer}
+    types: dict[str, int] = {t.name: t.data_type for t in inferred.graph.initializer}
+    for value in list(inferred.graph.input) + list(inferred.graph.value_info) + list(inferred.graph.output):
+        tensor = value.type.tensor_type
+        if not value.type.HasField("tensor_type"):
+            continue
+        types.setdefault(value.name, tensor.elem_type)
+        if tensor.HasField("shape") and all(d.HasField("dim_value") for d in tensor.shape.dim):
+            shapes.setdefault(value.name, tuple(d.dim_value for d in tensor.shape.dim))
+    return shapes, types
+
+
+def build_for_provider(forward: onnx.ModelProto, provider: str, threads: int = 1, **build) -> onnx.ModelProto:
+    """`build_training_graph(forward, **build)` with each Conv weight gradient in the form measured
+    faster on `provider` at `threads` (module docstring); what was measured in the model's
+    metadata under `FORMS_KEY`."""
+    shapes, types = _static(forward)
+    providers = [provider] + (["CPUExecutionProvider"] if provider != "CPUExecutionProvider" else [])
+    choices, measured = measured_per_tap_choices(conv_shapes(forward, shapes, types), providers, threads)
+    model = build_training_graph(forward, per_tap_choices=choices, **build)
+    helper.set_model_props(model, {**{p.key: p.value for p in model.metadata_props},
+                                   FORMS_KEY: json.dumps({"provider": provider, "threads": threads,
+                                                          "conv_weight_gradients": measured})})
+    return model

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import re
 
 import numpy as np
@@ -328,16 +327,13 @@ def _check_ops(model, reaching):
                 % (node.domain, node.op_type, node.name or node.output[0]))
 
 
-FORMS_KEY = "graphopt.forms"   # metadata: the gradient forms measured and chosen (`forms_for`)
-
-
 def build_training_graph(forward: onnx.ModelProto, loss: str | None = None,
                          parameters: list[str] | None = None,
                          freeze: list[str] = (), labels: str = "labels",
                          class_axis: int | None = None,
                          optimizer: OptimizerSpec | None = None,
                          weights: Weights | None = None,
-                         forms_for: str | None = None, threads: int = 1) -> onnx.ModelProto:
+                         per_tap_choices: dict | None = None) -> onnx.ModelProto:
     """The training graph of `forward`: outputs ``loss``, then ``<param>_grad`` per parameter,
     then the extra outputs of training-mode layers (updated BatchNormalization statistics
     ``<stat>_updated``, Dropout masks).
@@ -361,22 +357,22 @@ def build_training_graph(forward: onnx.ModelProto, loss: str | None = None,
     2 GB, as external data). A forward loaded without its external data keeps its references
     either way (`weights.folder` is where they are read from when written).
 
-    `forms_for`: an execution provider; where a gradient can take more than one form (a Conv's
-    weight gradient per kernel tap or over the whole map), the faster of them on that provider,
-    measured there at `threads` (graphopt/builder/forms.py; what was measured and chosen is in the
-    model's metadata under ``graphopt.forms``). None: the forms the rules measured on the CPU.
+    `per_tap_choices`: a Conv weight gradient's form (per kernel tap or over the whole map) by its
+    `rules.per_tap_key`, where it is not the rule's (graphopt/builder/forms.py measures them on a
+    provider: `build_for_provider`).
 
     Raises UnsupportedOpError for an operator without a gradient rule and InvalidModelError
     when the loss is not found, is not scalar-like, or no parameter reaches it.
     """
     held = weights if weights is not None else Weights()
-    model = _build(forward, loss, parameters, freeze, labels, class_axis, optimizer, held, forms_for, threads)
+    with rules.per_tap_choices(per_tap_choices or {}):
+        model = _build(forward, loss, parameters, freeze, labels, class_axis, optimizer, held)
     if weights is None:
         held.attach(model)
     return model
 
 
-def _build(forward, loss, parameters, freeze, labels, class_axis, optimizer, held, forms_for=None, threads=1):
+def _build(forward, loss, parameters, freeze, labels, class_axis, optimizer, held):
     try:
         import onnx_ad
     except ImportError as exc:  # pragma: no cover
@@ -429,12 +425,6 @@ def _build(forward, loss, parameters, freeze, labels, class_axis, optimizer, hel
     if len(set(params)) != len(params):
         raise InvalidModelError("duplicate parameter names")
     _check_ops(inferred, set(params) | _downstream(inferred, params))
-    choices, measured_forms = {}, None
-    if forms_for is not None:
-        from .forms import conv_shapes, measured_per_tap_choices
-        choices, measured_forms = measured_per_tap_choices(
-            conv_shapes(inferred, all_shapes, types), [forms_for] + (
-                ["CPUExecutionProvider"] if forms_for != "CPUExecutionProvider" else []), threads)
 
     # loss must be a graph output with a declared shape; drop every other output
     graph.ClearField("output")
@@ -473,8 +463,7 @@ def _build(forward, loss, parameters, freeze, labels, class_axis, optimizer, hel
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
             # with the optimizer inside, the parameters stay graph inputs, fed every step (else
             # whatever a caller said is fed: rules.weights_fed)
-            with (rules.weights_fed(params) if optimizer is not None else contextlib.nullcontext(),
-                  rules.per_tap_choices(choices) if choices else contextlib.nullcontext()):
+            with rules.weights_fed(params) if optimizer is not None else contextlib.nullcontext():
                 reversed_model = onnx_ad.reverse(model, inputs=params, outputs=[seeded],
                                                  prefix="adj_", dim="nadj", layout="onnx")
     except onnx_ad.UnsupportedOperator as exc:
@@ -499,10 +488,6 @@ def _build(forward, loss, parameters, freeze, labels, class_axis, optimizer, hel
 
     model = _finish(reversed_model, loss, loss_shape, types.get(loss, TensorProto.FLOAT),
                     params, initializers, extras, types, parts, frozen_stubs, stub_inputs)
-    if measured_forms is not None:
-        helper.set_model_props(model, {**{p.key: p.value for p in model.metadata_props},
-                                       FORMS_KEY: json.dumps({"provider": forms_for, "threads": threads,
-                                                              "conv_weight_gradients": measured_forms})})
     if optimizer is not None:
         # The fused graph runs in file order (PRIORITY_BASED), so that each update runs where it
         # is written. Three candidate orders; the cost model keeps the leanest: the training

@@ -82,11 +82,10 @@ def without_transfers(model) -> int:
     (`verify.inserted_at_load`)."""
     from onnx import helper
 
-    from graphopt.onnx_ops import STANDARD_DOMAINS
     rename: dict[str, str] = {}
     kept = []
     for node in model.graph.node:
-        if node.op_type in TRANSFER_OPS and node.domain in STANDARD_DOMAINS and len(node.input) == 1:
+        if node.op_type in TRANSFER_OPS and node.domain in ("", "ai.onnx") and len(node.input) == 1:
             rename[node.output[0]] = rename.get(node.input[0], node.input[0])
         else:
             kept.append(node)

@@ -19,9 +19,9 @@ wrong seconds (docs/gpu.md). There, graphopt times the nodes by replaying them:
   synchronizing), is every node of the group's seconds.
 
 Inputs: integer and boolean values and small float ones (at most `REAL_MAX_ELEMENTS`) are the
-real ones (shapes, axes, indices, masks decide what a kernel does), read from the graph (fed
-inputs, initializers, Constant nodes) or from one run of the model with them added as outputs;
-larger integer ones are zeros (a valid index everywhere), larger float ones uniform in [0.5, 1.5)
+real ones (shapes, axes, indices, masks decide what a kernel does), given by the caller
+(`real_value_names` says which; graphopt/annotate.py reads them from the graph and from one run
+of the model with them added as outputs); larger integer ones are zeros (a valid index everywhere), larger float ones uniform in [0.5, 1.5)
 (no zero, no negative, no denormal: a value no kernel takes a slow path for).
 
 Nodes that cannot be replayed alone (a subgraph reads the enclosing graph's values; an input of
@@ -32,14 +32,13 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import statistics
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import helper
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +64,7 @@ REAL_MAX_NONFLOAT_BYTES = 16 << 20
 COLD_BYTES = 64 << 20
 COLD_MAX_SETS = 64
 
+_STANDARD = ("", "ai.onnx")
 _FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16}
 
 
@@ -111,33 +111,17 @@ def _synthesized(dtype: np.dtype, shape: list[int], rng: np.random.Generator) ->
     return np.zeros(shape, dtype=dtype)
 
 
-def _static_values(model: onnx.ModelProto, inputs: dict[str, np.ndarray], wanted: set[str],
-                   base_dir: str | None) -> dict[str, np.ndarray]:
-    """The values in `wanted` the graph itself holds: fed inputs, initializers, Constant outputs."""
-    from graphopt.annotate import _constant_value, _is_constant
-    values = {name: np.asarray(inputs[name]) for name in wanted if name in inputs}
-    for t in model.graph.initializer:
-        if t.name in wanted and t.name not in values:
-            values[t.name] = numpy_helper.to_array(t, base_dir or "")
-    for node in model.graph.node:
-        if _is_constant(node) and node.output and node.output[0] in wanted:
-            value = _constant_value(node)
-            if value is not None:
-                values[node.output[0]] = value
-    return values
-
-
-def _one_node_model(model: onnx.ModelProto, node: onnx.NodeProto, types: dict[str, tuple[int, list[int]]]
-                    ) -> onnx.ModelProto:
+def _one_node_model(model: onnx.ModelProto, node: onnx.NodeProto, types: dict[str, tuple[int, list[int]]],
+                    views: frozenset = frozenset()) -> onnx.ModelProto:
     """`node` alone: its inputs graph inputs, its outputs graph outputs (same opsets, functions).
-    A node ONNX Runtime runs as a view of its input (Reshape, Squeeze, ...) has the shapes of its
-    outputs as the graph's outputs instead: a graph output that aliases a graph input is copied."""
-    from graphopt.op_rules import is_alias
+    A node ONNX Runtime runs as a view of its input (an op type in `views`: Reshape, Squeeze, ...)
+    has the shapes of its outputs as the graph's outputs instead: a graph output that aliases a
+    graph input is copied."""
     names = list(dict.fromkeys(i for i in node.input if i))
     graph_inputs = [helper.make_tensor_value_info(n, types[n][0], types[n][1]) for n in names]
     nodes = [node]
     outputs = [o for o in node.output if o]
-    if is_alias(node):
+    if node.domain in _STANDARD and node.op_type in views:
         nodes += [helper.make_node("Shape", [o], [f"{o}__shape"]) for o in outputs]
         outputs = [f"{o}__shape" for o in outputs]
     graph_outputs = [onnx.ValueInfoProto(name=o) for o in outputs]
@@ -199,7 +183,7 @@ class _Runner:
         return float(statistics.median(times))
 
 
-def _replay_group(model, node, types, values, rng, providers, threads) -> float:
+def _replay_group(model, node, types, values, rng, providers, threads, views) -> float:
     """The median seconds of one replay of `node` (inputs: `values` where known, else synthesized)."""
     feeds = {}
     for name in dict.fromkeys(i for i in node.input if i):
@@ -215,7 +199,7 @@ def _replay_group(model, node, types, values, rng, providers, threads) -> float:
     set_bytes = sum(int(np.asarray(v).nbytes) for v in feeds.values())
     set_bytes += sum(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize for shape, dtype in outputs.values())
     sets = int(min(COLD_MAX_SETS, max(1, -(-COLD_BYTES // max(set_bytes, 1)))))
-    runner = _Runner(_one_node_model(model, node, types), feeds, providers, threads, sets, outputs)
+    runner = _Runner(_one_node_model(model, node, types, views), feeds, providers, threads, sets, outputs)
     return runner.median_seconds()
 
 
@@ -229,41 +213,54 @@ def call_seconds(providers: list, threads: int) -> float:
     return runner.median_seconds()
 
 
-def replay_node_seconds(model: onnx.ModelProto, inputs: dict[str, np.ndarray],
-                        tensor_shapes: dict[str, list[int]], tensor_dtypes: dict[str, str], *,
-                        providers: list, threads: int = 1, model_path: str | None = None) -> Replayed:
-    """Each node's seconds on `providers[0]`, by replaying each distinct node (module docstring).
-    `tensor_shapes`/`tensor_dtypes`: every value's measured shape and numpy dtype name (an
-    annotation's); `model_path`: the file `model` was loaded from (its external data, and the
-    run that reads the real values of runtime-computed inputs)."""
-    from graphopt.annotate import _is_constant, measure_exposed
-
-    out = Replayed()
+def _types(tensor_shapes: dict[str, list[int]], tensor_dtypes: dict[str, str]) -> dict[str, tuple[int, list[int]]]:
     types: dict[str, tuple[int, list[int]]] = {}
     for name, shape in tensor_shapes.items():
         try:
             types[name] = (helper.np_dtype_to_tensor_dtype(np.dtype(tensor_dtypes[name])), list(shape))
         except (KeyError, TypeError, ValueError):
             continue
-    candidates: list[onnx.NodeProto] = []
+    return types
+
+
+def _candidates(model: onnx.ModelProto, types: dict, skipped: dict[str, str]) -> list[onnx.NodeProto]:
+    """The nodes that can be replayed (the others in `skipped`, with why); Constants are not nodes
+    ONNX Runtime runs."""
+    candidates = []
     for node in model.graph.node:
-        if _is_constant(node):
+        if node.op_type == "Constant" and node.domain in _STANDARD:
             continue
         if _has_subgraph(node):
-            out.skipped[node.name] = "it has a subgraph"
+            skipped[node.name] = "it has a subgraph"
             continue
         missing = [i for i in node.input if i and i not in types]
         if missing:
-            out.skipped[node.name] = f"no measured type for its input {missing[0]!r}"
+            skipped[node.name] = f"no measured type for its input {missing[0]!r}"
             continue
         candidates.append(node)
-    real_names = {i for n in candidates for i in n.input if i and _real(*types[i])}
-    base_dir = os.path.dirname(os.path.abspath(model_path)) if model_path else None
-    values = _static_values(model, inputs, real_names, base_dir)
-    computed = sorted(real_names - set(values))
-    if computed:
-        values.update(measure_exposed(model, inputs, computed, providers=providers, threads=threads, chunk=0,
-                                      model_path=model_path))
+    return candidates
+
+
+def real_value_names(model: onnx.ModelProto, tensor_shapes: dict[str, list[int]],
+                     tensor_dtypes: dict[str, str]) -> list[str]:
+    """The values the nodes to replay read that are replayed with their real values (module
+    docstring): what the caller gives `replay_node_seconds` as `values`."""
+    types = _types(tensor_shapes, tensor_dtypes)
+    names = {i for n in _candidates(model, types, {}) for i in n.input if i and _real(*types[i])}
+    return sorted(names)
+
+
+def replay_node_seconds(model: onnx.ModelProto, tensor_shapes: dict[str, list[int]],
+                        tensor_dtypes: dict[str, str], values: dict[str, np.ndarray], *,
+                        providers: list, threads: int = 1, views: frozenset = frozenset()) -> Replayed:
+    """Each node's seconds on `providers[0]`, by replaying each distinct node (module docstring).
+    `tensor_shapes`/`tensor_dtypes`: every value's measured shape and numpy dtype name (an
+    annotation's); `values`: the real values of the inputs `real_value_names` names; `views`: the
+    op types ONNX Runtime runs as a view of their input."""
+    out = Replayed()
+    types = _types(tensor_shapes, tensor_dtypes)
+    candidates = _candidates(model, types, out.skipped)
+    real_names = set(real_value_names(model, tensor_shapes, tensor_dtypes))
 
     groups: dict[tuple, list[onnx.NodeProto]] = {}
     for node in candidates:
@@ -294,7 +291,7 @@ def replay_node_seconds(model: onnx.ModelProto, inputs: dict[str, np.ndarray],
             if members[0].name in out.skipped:
                 continue
             try:
-                seconds = _replay_group(model, members[0], types, values, rng, providers, threads)
+                seconds = _replay_group(model, members[0], types, values, rng, providers, threads, views)
             except Exception as exc:   # noqa: BLE001 (a kernel that refuses synthesized values, ...)
                 text = str(exc).strip()
                 why = f"it did not run alone: {text.splitlines()[0][:200] if text else repr(exc)}"
