@@ -6,7 +6,7 @@ profiled step's, and per op type (those with at least 5% of the step) replayed o
 
 The profile: the training graph (optimizations off, graphopt's unoptimized settings) profiled
 over 5 steps after a warm-up, each node's median (`runtime.profile.median_node_seconds`). The
-replay: `runtime.replay.replay_node_seconds` on the sizes `annotate` measured. On a provider
+replay: `annotate.replay` (graphopt/runtime/replay.py) on the sizes `annotate` measured. On a provider
 whose profile times launches (CUDA), the "profiled" column is those launches: the table then
 shows how far they are from what the device spends.
 """
@@ -21,11 +21,10 @@ from collections import defaultdict
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from graphopt.annotate import annotate  # noqa: E402
+from graphopt.annotate import annotate, replay  # noqa: E402
 from graphopt.examples import EXAMPLES, training_example  # noqa: E402
 from graphopt.ingest import name_nodes  # noqa: E402
 from graphopt.runtime.profile import median_node_seconds  # noqa: E402
-from graphopt.runtime.replay import replay_node_seconds  # noqa: E402
 from graphopt.runtime.session import UNOPTIMIZED_SETTINGS, open_session  # noqa: E402
 
 SHARE = 0.05
