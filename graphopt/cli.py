@@ -300,6 +300,9 @@ def cmd_analyze(args) -> int:
     options = options_from_args(args)
     analysis = analyze_model(model, options, plan=args.plan, weights=weights)
     print(json.dumps(analysis.to_dict(), indent=2))
+    if analysis.peaks_explained is not None:   # for the eye; the JSON above holds the same
+        from .report import peak_lines
+        print("\n".join(peak_lines(analysis.peaks_explained)), file=sys.stderr)
     return 0
 
 

@@ -113,23 +113,32 @@ def _gather(ptr: np.ndarray, flat: np.ndarray, ops: np.ndarray) -> tuple[np.ndar
 _NAME, _COPY = operator.itemgetter(0), operator.itemgetter(1)
 
 
-def simulate(graph: CostGraph, schedule: list[Step], tensor_bytes_by_id: np.ndarray | None = None) -> Simulation:
-    """Peak live bytes of running `schedule` (see the module docstring for the rules);
-    `tensor_bytes_by_id` replaces the graph's tensor sizes (by tensor id) when given.
+@dataclass
+class _Liveness:
+    """The buffers ("storages") a schedule allocates: per storage its bytes, the step that makes it,
+    the step of its last read, and whether it is counted from then on (allocated) and freed after
+    its last read (else kept to the end); the tensor and copy that made it; per step the bytes
+    live while it runs (its work buffer included)."""
+    ops: np.ndarray
+    copies: np.ndarray
+    storage_tensor: np.ndarray
+    storage_bytes: np.ndarray
+    storage_born: np.ndarray
+    storage_last: np.ndarray
+    storage_allocated: np.ndarray
+    storage_freed: np.ndarray
+    storage_output: np.ndarray
+    running: np.ndarray
 
-    Vectorized over the schedule's reads and writes: a read resolves to the latest write of its
+
+def _liveness(graph: CostGraph, schedule: list[Step], tensor_bytes_by_id: np.ndarray | None = None) -> _Liveness:
+    """Vectorized over the schedule's reads and writes: a read resolves to the latest write of its
     tensor at an earlier step (a step's reads come before its writes); every write makes a
     buffer ("storage"), except an aliasing op's output 0, which shares the storage its input 0
     resolved to (a resident input: none), and a folded op's outputs (resident)."""
     n = len(schedule)
-    if n == 0:
-        return Simulation(0, 0, 0.0, 0.0, np.zeros(0, dtype=np.int64))
     ops = np.fromiter(map(graph.op_id.__getitem__, map(_NAME, schedule)), np.int64, n)
     copies = np.fromiter(map(_COPY, schedule), np.int64, n)
-    seconds = graph.op_seconds[ops]
-    recompute = float(seconds[copies != 0].sum()) * graph.recompute_factor
-    compute = float(seconds[copies == 0].sum()) + recompute
-    n_tensors = len(graph.tensor_names)
 
     r_step, r_tensor, r_position = _gather(graph.op_input_ptr, graph.op_input_tensor, ops)
     w_step, w_tensor, w_position = _gather(graph.op_output_ptr, graph.op_output_tensor, ops)
@@ -195,11 +204,55 @@ def simulate(graph: CostGraph, schedule: list[Step], tensor_bytes_by_id: np.ndar
     freed = np.bincount(storage_last[freeing], weights=storage_bytes[freeing], minlength=n)
     live_before_free = np.cumsum(allocated) - np.concatenate(([0.0], np.cumsum(freed)[:-1]))
     running = live_before_free.astype(np.int64) + graph.op_workspace_bytes[ops]
+    return _Liveness(ops, copies, w_tensor[creating], storage_bytes, storage_born, storage_last, allocated_mask,
+                     freeing, storage_kept, running)
+
+
+def simulate(graph: CostGraph, schedule: list[Step], tensor_bytes_by_id: np.ndarray | None = None) -> Simulation:
+    """Peak live bytes of running `schedule` (see the module docstring for the rules);
+    `tensor_bytes_by_id` replaces the graph's tensor sizes (by tensor id) when given."""
+    n = len(schedule)
+    if n == 0:
+        return Simulation(0, 0, 0.0, 0.0, np.zeros(0, dtype=np.int64))
+    live = _liveness(graph, schedule, tensor_bytes_by_id)
+    seconds = graph.op_seconds[live.ops]
+    recompute = float(seconds[live.copies != 0].sum()) * graph.recompute_factor
+    compute = float(seconds[live.copies == 0].sum()) + recompute
+    running = live.running
     peak_step = int(np.argmax(running))
     peak = int(running[peak_step])
     if peak <= 0:
         peak, peak_step = 0, 0
     return Simulation(peak, peak_step, compute, recompute, running)
+
+
+@dataclass
+class LiveBuffer:
+    """A buffer live while a step runs (`live_at`)."""
+    tensor: str
+    copy: int            # the copy of its producer that wrote it (0: the op itself)
+    bytes: int
+    producer: str
+    born: int            # the step that wrote it
+    last_read: int       # the step of its last read (its birth when nobody reads it)
+    output: bool         # a graph output is written in it (copy 0; perhaps through a view): kept to the end
+
+
+def live_at(graph: CostGraph, schedule: list[Step], step: int,
+            tensor_bytes_by_id: np.ndarray | None = None) -> tuple[list[LiveBuffer], int]:
+    """The buffers live while `schedule[step]` runs, largest first, and that step's work-buffer
+    bytes: together, exactly what `simulate` counts at that step."""
+    live = _liveness(graph, schedule, tensor_bytes_by_id)
+    alive = (live.storage_allocated & (live.storage_born <= step)
+             & ~(live.storage_freed & (live.storage_last < step)))
+    buffers = []
+    for k in np.flatnonzero(alive):
+        born = int(live.storage_born[k])
+        tensor = graph.tensor_names[int(live.storage_tensor[k])]
+        buffers.append(LiveBuffer(tensor, int(live.copies[born]), int(live.storage_bytes[k]), schedule[born][0],
+                                  born, int(live.storage_last[k]), bool(live.storage_output[k])))
+    buffers.sort(key=lambda b: -b.bytes)
+    return buffers, int(graph.op_workspace_bytes[live.ops[step]])
 
 
 def priority_order(graph: CostGraph, schedule: list[Step], *, distinct_steps: bool = False) -> list[Step]:

@@ -33,6 +33,8 @@ import onnx
 
 from .annotate import write_annotations
 from .errors import BudgetInfeasibleError, MemoryLimitError, VerificationError
+from .costmodel import priority_order
+from .explain import explain_peak, explain_peaks
 from .options import OptimizeOptions, Progress
 from .pipeline import (ORIGINAL_SESSIONS, Checked, OptimizeResult, Prepared, _as_returned, _refusal, _summary,
                        check_plan, fallback_plans, first_in_order, limit_run, measure_plan,
@@ -244,10 +246,10 @@ def deliver(prepared: Prepared, chosen: Plan, options: OptimizeOptions) -> Optim
         report.outcome_reason = (f"{_not_delivered(report)}; the original model is returned "
                                  f"unchanged{_rejections(report)}")
         rewritten = _returned_original(prepared, None, options)
-        _describe(report, None, rewritten)
+        _describe(report, None, rewritten, prepared.graph)
         report.session = None
     else:
-        _describe(report, chosen, rewritten)
+        _describe(report, chosen, rewritten, prepared.graph)
         report.outcome = OUTCOME_UNMEASURED
         report.outcome_reason = ("measurement was off: the optimized model is returned without checking "
                                  "that it needs less memory than the original" + _rejections(report))
@@ -526,7 +528,7 @@ def _conclude(state: Delivery, within_limit: bool) -> tuple[Plan, onnx.ModelProt
         _try_fallbacks(state, bar)
     current = state.current
     chosen, rewritten, optimized, overhead = current.plan, current.model, current.measurement, current.overhead
-    _describe(report, chosen, rewritten)
+    _describe(report, chosen, rewritten, prepared.graph)
     report.prediction_error = PredictionError(
         optimized=chosen.peak_bytes / max(1, optimized.peak_bytes) - 1,
         original_optimizations_off=prepared.predicted_original.peak_bytes
@@ -566,7 +568,7 @@ def _conclude(state: Delivery, within_limit: bool) -> tuple[Plan, onnx.ModelProt
         report.rejected = RejectedPlan(**_summary(chosen), order_followed=deliverable, measured=_run(optimized))
         returned, returned_overhead = originals[best_original], state.original_overhead(best_original)
         rewritten = _returned_original(prepared, ORIGINAL_SESSIONS[best_original], options)
-        _describe(report, None, rewritten)
+        _describe(report, None, rewritten, prepared.graph)
         report.session = ORIGINAL_SESSIONS[best_original]
         if limit_report is not None:
             limit_report.met = original_fits
@@ -660,7 +662,7 @@ def _reduced_delivery(state: Delivery, chosen: Plan, rewritten: onnx.ModelProto)
         raise MemoryLimitError(f"memory limit of {limit_report.limit_bytes} bytes: the plan that ran under it "
                                f"did not in a second run ({run.error})")
     limit_report.returned = run
-    _describe(report, chosen, rewritten)
+    _describe(report, chosen, rewritten, prepared.graph)
     report.outcome = OUTCOME_OPTIMIZED
     report.outcome_reason = (
         f"the original does not run under the memory limit of {_mib(limit_report.limit_bytes)} in any session "
@@ -697,8 +699,9 @@ def _new_report(prepared: Prepared, chosen: Plan, rewritten: onnx.ModelProto, op
                                       annotations.nodes_not_replayed),
         provider=annotations.provider, threads=options.threads, session=PLANNED_SETTINGS,
         base_order=BaseOrder(chosen.notes.get("base_order", prepared.base_order), dict(prepared.base_order_peaks),
-                             dict(chosen.notes.get("base_order_peak_bytes", {}))))
-    _describe(report, chosen, rewritten)
+                             dict(chosen.notes.get("base_order_peak_bytes", {}))),
+        peaks_explained=explain_peaks(prepared.graph, prepared.annotations.execution_order))
+    _describe(report, chosen, rewritten, prepared.graph)
     return report
 
 
@@ -715,9 +718,13 @@ def _objective(prepared: Prepared, chosen: Plan, options: OptimizeOptions) -> Ob
             prepared.timing.optimizations_off_seconds or prepared.timing.default_session_seconds)))
 
 
-def _describe(report: Report, chosen: Plan | None, model: onnx.ModelProto) -> None:
-    """The returned plan in `report` (None: the original is returned)."""
+def _describe(report: Report, chosen: Plan | None, model: onnx.ModelProto, graph) -> None:
+    """The returned plan in `report` (None: the original is returned); `graph`: the cost graph it
+    was planned on."""
     report.nodes.optimized = len(model.graph.node)
+    if report.peaks_explained is not None:
+        report.peaks_explained.returned = (
+            None if chosen is None else explain_peak(graph, priority_order(graph, chosen.schedule, distinct_steps=True)))
     if chosen is None:   # nothing of a plan measured and rejected stays: the original has no solver
         report.checkpoints, report.recompute_nodes, report.solver_exact = [], 0, None
         return

@@ -15,7 +15,9 @@ import time
 import onnx
 
 from .options import OptimizeOptions, Progress
+from .costmodel import priority_order
 from .delivery import BUDGET_RETRIES, deliver
+from .explain import explain_peak, explain_peaks
 from .pipeline import ORIGINAL_UNOPTIMIZED, OptimizeResult, Prepared, plan, prepare, solver_exact
 from .pipeline import plan as _plan   # analyze_model's argument `plan` is a flag
 from .report import (OUTCOME_OPTIMIZED, OUTCOME_ORIGINAL, OUTCOME_UNMEASURED, OWN_MEMORY_FACTOR, Analysis,
@@ -143,7 +145,8 @@ def analyze_model(model: onnx.ModelProto, options: OptimizeOptions | None = None
             functions_expanded=prepared.functions_expanded,
             graph_optimizations=prepared.graph_optimizations,
             base_order=AnalysisBaseOrder(chosen=prepared.base_order,
-                                         store_all_peak_bytes=dict(prepared.base_order_peaks)))
+                                         store_all_peak_bytes=dict(prepared.base_order_peaks)),
+            peaks_explained=explain_peaks(prepared.graph, annotations.execution_order))
         if with_plan:
             progress("plan", 0.6)
             chosen = _plan(prepared, options)
@@ -158,6 +161,8 @@ def analyze_model(model: onnx.ModelProto, options: OptimizeOptions | None = None
                                        solver_exact=solver_exact(chosen))
             result.base_order.chosen = chosen.notes.get("base_order", prepared.base_order)
             result.base_order.plan_peak_bytes = dict(chosen.notes.get("base_order_peak_bytes", {}))
+            result.peaks_explained.returned = explain_peak(
+                prepared.graph, priority_order(prepared.graph, chosen.schedule, distinct_steps=True))
     progress("done", 1.0)
     return result
 

@@ -128,6 +128,54 @@ class Measured(_Json):
 
 
 @dataclass
+class LiveTensor(_Json):
+    """A buffer live at a peak."""
+    name: str
+    bytes: int
+    kind: str                           # one of PEAK_KINDS
+    producer: str                       # the node that wrote it
+    module: str | None = None           # the module path the producer's name carries (None: none)
+
+
+# What is alive at a peak, by kind: graph outputs waiting for the end of the step (gradients,
+# updated state); forward tensors kept for the backward; recomputed tensors; the backward's own
+# intermediates (a gradient's contributions waiting to be summed, ...); outputs nothing reads
+# (ONNX Runtime never frees them); the running node's outputs and work buffer.
+PEAK_KINDS = ("outputs", "activations", "recomputed", "backward", "unread", "running")
+
+
+@dataclass
+class PeakExplained(_Json):
+    """Where a schedule's predicted peak falls and what is alive there (graphopt/explain.py)."""
+    peak_bytes: int
+    step: int                           # its place in the schedule (0-based) ...
+    steps: int                          # ... of this many
+    node: str                           # the node running at the peak
+    op_type: str
+    bytes_by_kind: dict[str, int]       # PEAK_KINDS -> bytes; they add up to peak_bytes
+    module: str | None = None           # the module path the node's name carries, e.g. layer1.0.conv2
+    largest: list[LiveTensor] = field(default_factory=list)   # the largest buffers alive there
+
+
+@dataclass
+class PeakFloor(_Json):
+    """The least peak the search can reach on this graph (`search.plan.peak_floor_bytes`) and what
+    bounds it, in words a user can act on."""
+    floor_bytes: int
+    bound_by: str                       # the kind of most of the floor (PEAK_KINDS)
+    bytes_by_kind: dict[str, int]
+    advice: str
+
+
+@dataclass
+class PeaksExplained(_Json):
+    """The peak of the original as ONNX Runtime runs it, of the returned model, and the floor."""
+    original: PeakExplained
+    returned: PeakExplained | None = None
+    floor: PeakFloor | None = None
+
+
+@dataclass
 class Ratios(_Json):
     """Returned / original, measured."""
     peak_vs_default_session: float
@@ -427,6 +475,7 @@ class Report(_Json):
     measurement_method: str | None = None   # how the peaks were taken (VmHWM, nvml, ...)
     ratios: Ratios | None = None
     prediction_error: PredictionError | None = None
+    peaks_explained: PeaksExplained | None = None   # where each predicted peak falls, and the floor
     budget_met: bool | None = None
     memory_limit: MemoryLimit | None = None
     reduced: ReducedSize | None = None  # the step annotated and verified at reduced batches
@@ -495,6 +544,8 @@ class Analysis(_Json):
     graph_optimizations: GraphOptimizations   # as `Report.graph_optimizations`
     base_order: AnalysisBaseOrder
     plan: AnalysisPlan | None = None    # None: no plan was asked for (the key is left out)
+    # where the original's predicted peak falls (and the plan's, when asked for), and the floor
+    peaks_explained: PeaksExplained | None = None
 
     def to_dict(self) -> dict:
         data = _to_json(self)
@@ -506,6 +557,26 @@ class Analysis(_Json):
 # -- the human summary ---------------------------------------------------------------------------
 def _mib(n: int | float) -> str:
     return f"{n / 2**20:.1f} MiB"
+
+
+def _peak_line(label: str, peak: PeakExplained) -> str:
+    where = peak.node + (f" ({peak.op_type}, {peak.module})" if peak.module else f" ({peak.op_type})")
+    kinds = ", ".join(f"{kind} {_mib(n)}" for kind, n in peak.bytes_by_kind.items() if n)
+    largest = peak.largest[0] if peak.largest else None
+    return (f"{label} predicted peak {_mib(peak.peak_bytes)} at step {peak.step + 1} of {peak.steps}, {where}: "
+            f"{kinds}" + (f"; largest {largest.name} {_mib(largest.bytes)} ({largest.kind}, from {largest.producer})"
+                          if largest else ""))
+
+
+def peak_lines(peaks: PeaksExplained) -> list[str]:
+    """Where the predicted peaks fall and what bounds the least one (the summary's lines)."""
+    lines = [_peak_line("original:", peaks.original)]
+    if peaks.returned is not None:
+        lines.append(_peak_line("returned:", peaks.returned))
+    if peaks.floor is not None:
+        lines.append(f"least peak the search can reach: {_mib(peaks.floor.floor_bytes)}, bound by "
+                     f"{peaks.floor.advice}")
+    return lines
 
 
 def summary_text(report: Report) -> str:
@@ -530,6 +601,8 @@ def summary_text(report: Report) -> str:
                  f"{_mib(predicted.original_optimizations_off.peak_bytes)}, "
                  f"optimized {_mib(predicted.optimized.peak_bytes)}; predicted step "
                  f"{predicted.original_optimizations_off.step_seconds:.3f} s / {predicted.optimized.step_seconds:.3f} s")
+    if report.peaks_explained is not None:
+        lines.extend(peak_lines(report.peaks_explained))
     objective = report.objective
     if objective is not None:
         line = f"objective {objective.name}"
@@ -639,4 +712,5 @@ __all__ = ["Report", "summary_text", "stages_line", "StageSeconds", "OUTCOME_OPT
            "NodeCounts", "Predicted", "PredictedRun", "AnnotationSummary", "Measured", "MeasuredRun", "Ratios",
            "PredictionError", "OutputsDiffer", "Deviation", "OrderResult", "PlanTried", "OrderReport",
            "RejectedForOutputs", "BudgetAttempt", "PlanMeasured", "RejectedPlan", "Objective", "OverheadAttempt",
-           "BaseOrder", "LimitRun", "LimitAttempt", "MemoryLimit", "ReducedSize", "GraphoptMemory"]
+           "BaseOrder", "LimitRun", "LimitAttempt", "MemoryLimit", "ReducedSize", "GraphoptMemory",
+           "LiveTensor", "PEAK_KINDS", "PeakExplained", "PeakFloor", "PeaksExplained"]

@@ -242,12 +242,18 @@ def peak_floor_bytes(graph: CostGraph) -> int:
     cached = _PEAK_FLOOR.get(graph)
     if cached is not None:
         return cached
-    zeroed = graph.tensor_bytes_by_id.copy()
-    zeroed[[graph.tensor_id[t] for t in graph.candidate_checkpoints]] = 0
-    schedule = schedule_for(graph, graph.candidate_checkpoints)
+    schedule, zeroed = floor_schedule_and_sizes(graph)
     floor = simulate(graph, priority_order(graph, schedule), zeroed).peak_bytes
     _PEAK_FLOOR[graph] = floor
     return floor
+
+
+def floor_schedule_and_sizes(graph: CostGraph):
+    """What `peak_floor_bytes` simulates: store-all's schedule, and the tensor sizes (by id) with
+    the candidate checkpoints' zeroed."""
+    zeroed = graph.tensor_bytes_by_id.copy()
+    zeroed[[graph.tensor_id[t] for t in graph.candidate_checkpoints]] = 0
+    return schedule_for(graph, graph.candidate_checkpoints), zeroed
 
 
 def make_plan(graph: CostGraph, strategy: str, checkpoints, refresh_gap: int | None = None,
