@@ -103,6 +103,9 @@ def analyze(args, options) -> int:
     except grpc.RpcError as exc:
         return rpc_error_exit(exc)
     print(json.dumps(analysis, indent=2))
+    if analysis.get("peaks_explained"):   # for the eye; the JSON above holds the same
+        from graphopt.report import Analysis, peak_lines
+        print("\n".join(peak_lines(Analysis.from_dict(analysis).peaks_explained)), file=sys.stderr)
     return 0
 
 

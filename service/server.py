@@ -41,7 +41,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from graphopt.options import OptimizeOptions
-from graphopt.report import Analysis, Report, summary_text
+from graphopt.report import Analysis, Report, peak_lines, summary_text
 
 from ._proto import graphopt_pb2 as pb
 from ._proto import graphopt_pb2_grpc as pb_grpc
@@ -186,7 +186,8 @@ def _analyze_message(analysis: dict) -> pb.AnalyzeResponse:
         loss=typed.loss, nodes=typed.nodes.total, forward_nodes=typed.nodes.forward,
         backward_nodes=typed.nodes.backward, stashed_tensors=len(typed.stashed_tensors), provider=typed.provider,
         predicted_peak_bytes_original=typed.predicted_peak_bytes.original_optimizations_off,
-        json=json.dumps(analysis))
+        json=json.dumps(analysis),
+        peak_summary="\n".join(peak_lines(typed.peaks_explained)) if typed.peaks_explained is not None else "")
     if typed.predicted_peak_bytes.planned is not None:
         response.predicted_peak_bytes_planned = typed.predicted_peak_bytes.planned
     return response

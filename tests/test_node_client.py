@@ -402,6 +402,12 @@ def test_analyze(node, server, resnet, tmp_path):
     assert int(analysis["predicted_peak_bytes_planned"]) <= int(analysis["predicted_peak_bytes_original"])
     assert analysis["full"]["plan"]["strategy"] == "feng-huang"
     assert not any(key.startswith("_") for key in analysis)
+    # where the peak falls: the data in the analysis, the lines (graphopt's renderer) printed
+    explained = analysis["full"]["peaks_explained"]
+    assert explained["original"]["peak_bytes"] == int(analysis["predicted_peak_bytes_original"])
+    assert explained["returned"]["peak_bytes"] == int(analysis["predicted_peak_bytes_planned"])
+    assert analysis["peak_summary"] in done.stderr
+    assert f"original: predicted peak" in done.stderr and "least peak the search can reach" in done.stderr
 
 
 def test_not_onnx_is_invalid_argument(node, server, tmp_path):

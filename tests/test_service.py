@@ -191,6 +191,7 @@ def test_analyze_matches_the_library(client, models):
     assert remote["predicted_peak_bytes"] == local["predicted_peak_bytes"]
     assert remote["tensor_bytes"] == local["tensor_bytes"]
     assert remote["plan"]["checkpoints"] == local["plan"]["checkpoints"]
+    assert remote["peaks_explained"] == local["peaks_explained"]
 
 
 def test_list_strategies(client):

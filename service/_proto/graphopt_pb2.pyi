@@ -154,7 +154,7 @@ class OptimizeResponse(_message.Message):
     def __init__(self, progress: _Optional[_Union[Progress, _Mapping]] = ..., file: _Optional[_Union[FileHeader, _Mapping]] = ..., chunk: _Optional[_Union[FileChunk, _Mapping]] = ..., report: _Optional[_Union[Report, _Mapping]] = ...) -> None: ...
 
 class AnalyzeResponse(_message.Message):
-    __slots__ = ("loss", "nodes", "forward_nodes", "backward_nodes", "stashed_tensors", "provider", "predicted_peak_bytes_original", "predicted_peak_bytes_planned", "json")
+    __slots__ = ("loss", "nodes", "forward_nodes", "backward_nodes", "stashed_tensors", "provider", "predicted_peak_bytes_original", "predicted_peak_bytes_planned", "json", "peak_summary")
     LOSS_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
     FORWARD_NODES_FIELD_NUMBER: _ClassVar[int]
@@ -164,6 +164,7 @@ class AnalyzeResponse(_message.Message):
     PREDICTED_PEAK_BYTES_ORIGINAL_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_PEAK_BYTES_PLANNED_FIELD_NUMBER: _ClassVar[int]
     JSON_FIELD_NUMBER: _ClassVar[int]
+    PEAK_SUMMARY_FIELD_NUMBER: _ClassVar[int]
     loss: str
     nodes: int
     forward_nodes: int
@@ -173,7 +174,8 @@ class AnalyzeResponse(_message.Message):
     predicted_peak_bytes_original: int
     predicted_peak_bytes_planned: int
     json: str
-    def __init__(self, loss: _Optional[str] = ..., nodes: _Optional[int] = ..., forward_nodes: _Optional[int] = ..., backward_nodes: _Optional[int] = ..., stashed_tensors: _Optional[int] = ..., provider: _Optional[str] = ..., predicted_peak_bytes_original: _Optional[int] = ..., predicted_peak_bytes_planned: _Optional[int] = ..., json: _Optional[str] = ...) -> None: ...
+    peak_summary: str
+    def __init__(self, loss: _Optional[str] = ..., nodes: _Optional[int] = ..., forward_nodes: _Optional[int] = ..., backward_nodes: _Optional[int] = ..., stashed_tensors: _Optional[int] = ..., provider: _Optional[str] = ..., predicted_peak_bytes_original: _Optional[int] = ..., predicted_peak_bytes_planned: _Optional[int] = ..., json: _Optional[str] = ..., peak_summary: _Optional[str] = ...) -> None: ...
 
 class ListStrategiesRequest(_message.Message):
     __slots__ = ()

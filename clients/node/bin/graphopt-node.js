@@ -309,6 +309,8 @@ async function run(argv, io = { stdout: process.stdout, stderr: process.stderr }
         const out = { ...response };
         delete out.json;
         io.stdout.write(JSON.stringify(out, null, 2) + '\n');
+        // where the peak falls and what bounds it, for the eye (graphopt's renderer, on the server)
+        if (response.peak_summary) io.stderr.write(response.peak_summary + '\n');
         return 0;
       }
       case 'strategies': {
