@@ -32,6 +32,7 @@ from .errors import GraphoptError, InvalidModelError
 from .options import NOT_JSON, OptimizeOptions, option_specs
 
 REPORT_NAME = "report.json"
+TIMELINE_NAME = "timeline.png"   # `graphopt optimize --plot`: the predicted bytes alive over the step
 OPTIMIZED_NAME = "optimized.onnx"
 TRAINING_NAME = "training.onnx"
 
@@ -194,6 +195,8 @@ class LocalRunner:
                        *option_args(replace(options.optimize, threads=self.threads, budget_bytes=budget))]
             if options.sweep:
                 command += ["--sweep", str(options.sweep)]
+            else:   # the predicted memory over the step, beside the report
+                command += ["--plot", str(Path(tmp) / TIMELINE_NAME)]
             proc = subprocess.run(command, capture_output=True, text=True, timeout=self.timeout_seconds)
             if proc.returncode != 0:
                 lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]

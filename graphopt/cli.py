@@ -128,11 +128,30 @@ def options_from_args(args, **extra):
     return OptimizeOptions.from_dict(values, **extra)
 
 
+def _check_plot(args) -> None:
+    if getattr(args, "plot", None) is None:
+        return
+    if args.plot.suffix.lower() not in (".png", ".svg"):
+        raise GraphoptError(f"--plot {args.plot}: the file must end in .png or .svg")
+    if getattr(args, "server", None) or getattr(args, "sweep", None) is not None:
+        raise GraphoptError("--plot draws the timeline in-process, for one optimize: drop --server or --sweep, "
+                            "or --plot")
+
+
+def _plot(path: Path, timelines, model: Path) -> None:
+    """`--plot FILE`: the predicted bytes alive over the original's schedule and the returned
+    one's (graphopt.plot.plot_timeline), PNG or SVG by the file's suffix."""
+    from .plot import plot_timeline
+    original, returned = timelines
+    plot_timeline(original, returned, path, title=f"Memory over one training step: {Path(model).name}")
+
+
 def cmd_optimize(args) -> int:
     from .ingest import load_graph
     from .optimize import optimize, restate_own_memory
     from .report import summary_text
     from .runtime.weights import save_model
+    _check_plot(args)
     if args.sweep is not None:
         return cmd_sweep(args)
     if args.server:
@@ -149,11 +168,14 @@ def cmd_optimize(args) -> int:
         del model, options
         save_model(result.model, args.output, result.weights)
     report = result.report
+    if args.plot:
+        _plot(args.plot, result.timelines, args.model)
     restate_own_memory(report)   # the writing counts as graphopt's own memory too
     if args.report:
         args.report.write_text(json.dumps(report.to_dict(), indent=2))
     print(summary_text(report))
-    print(f"wrote {args.output}" + (f" and {args.report}" if args.report else ""))
+    print(f"wrote {args.output}" + (f" and {args.report}" if args.report else "")
+          + (f"; the timeline: {args.plot}" if args.plot else ""))
     return 0
 
 
@@ -291,6 +313,7 @@ def cmd_train(args) -> int:
 
 
 def cmd_analyze(args) -> int:
+    _check_plot(args)
     if args.server:
         from graphopt_service import commands
         return commands.analyze(args, options_from_args(args))
@@ -300,6 +323,8 @@ def cmd_analyze(args) -> int:
     options = options_from_args(args)
     analysis = analyze_model(model, options, plan=args.plan, weights=weights)
     print(json.dumps(analysis.to_dict(), indent=2))
+    if args.plot:
+        _plot(args.plot, analysis.timelines, args.model)
     if analysis.peaks_explained is not None:   # for the eye; the JSON above holds the same
         from .report import peak_lines
         print("\n".join(peak_lines(analysis.peaks_explained)), file=sys.stderr)
@@ -433,12 +458,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="measure the memory-time front: N budgets (default 8) from the least peak to "
                         "store-all's; writes OUT (least peak) and <OUT stem>.sweep.csv/.md/.png")
     p.add_argument("--inputs", type=Path, help="inputs as .npz (default: synthesized from --input-dims)")
+    p.add_argument("--plot", type=Path, metavar="FILE",
+                   help="draw the predicted bytes alive over the step, by kind, the original's and the returned "
+                        "model's on the same axes (.png or .svg; in-process only)")
     _server_options(p)
     p.set_defaults(func=cmd_optimize)
 
     p = sub.add_parser("analyze", help="annotate in ONNX Runtime and predict peaks; no rewrite (JSON)")
     p.add_argument("model", type=Path)
     p.add_argument("--plan", action="store_true", help="also run the search and predict its peak")
+    p.add_argument("--plot", type=Path, metavar="FILE",
+                   help="draw the predicted bytes alive over the step, by kind (with --plan, the plan's too; "
+                        ".png or .svg; in-process only)")
     option_flags(p, "analyze")
     _server_options(p)
     p.set_defaults(func=cmd_analyze)

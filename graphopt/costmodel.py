@@ -114,7 +114,7 @@ _NAME, _COPY = operator.itemgetter(0), operator.itemgetter(1)
 
 
 @dataclass
-class _Liveness:
+class Liveness:
     """The buffers ("storages") a schedule allocates: per storage its bytes, the step that makes it,
     the step of its last read, and whether it is counted from then on (allocated) and freed after
     its last read (else kept to the end); the tensor and copy that made it; per step the bytes
@@ -131,7 +131,7 @@ class _Liveness:
     running: np.ndarray
 
 
-def _liveness(graph: CostGraph, schedule: list[Step], tensor_bytes_by_id: np.ndarray | None = None) -> _Liveness:
+def liveness(graph: CostGraph, schedule: list[Step], tensor_bytes_by_id: np.ndarray | None = None) -> Liveness:
     """Vectorized over the schedule's reads and writes: a read resolves to the latest write of its
     tensor at an earlier step (a step's reads come before its writes); every write makes a
     buffer ("storage"), except an aliasing op's output 0, which shares the storage its input 0
@@ -204,7 +204,7 @@ def _liveness(graph: CostGraph, schedule: list[Step], tensor_bytes_by_id: np.nda
     freed = np.bincount(storage_last[freeing], weights=storage_bytes[freeing], minlength=n)
     live_before_free = np.cumsum(allocated) - np.concatenate(([0.0], np.cumsum(freed)[:-1]))
     running = live_before_free.astype(np.int64) + graph.op_workspace_bytes[ops]
-    return _Liveness(ops, copies, w_tensor[creating], storage_bytes, storage_born, storage_last, allocated_mask,
+    return Liveness(ops, copies, w_tensor[creating], storage_bytes, storage_born, storage_last, allocated_mask,
                      freeing, storage_kept, running)
 
 
@@ -214,7 +214,7 @@ def simulate(graph: CostGraph, schedule: list[Step], tensor_bytes_by_id: np.ndar
     n = len(schedule)
     if n == 0:
         return Simulation(0, 0, 0.0, 0.0, np.zeros(0, dtype=np.int64))
-    live = _liveness(graph, schedule, tensor_bytes_by_id)
+    live = liveness(graph, schedule, tensor_bytes_by_id)
     seconds = graph.op_seconds[live.ops]
     recompute = float(seconds[live.copies != 0].sum()) * graph.recompute_factor
     compute = float(seconds[live.copies == 0].sum()) + recompute
@@ -242,7 +242,7 @@ def live_at(graph: CostGraph, schedule: list[Step], step: int,
             tensor_bytes_by_id: np.ndarray | None = None) -> tuple[list[LiveBuffer], int]:
     """The buffers live while `schedule[step]` runs, largest first, and that step's work-buffer
     bytes: together, exactly what `simulate` counts at that step."""
-    live = _liveness(graph, schedule, tensor_bytes_by_id)
+    live = liveness(graph, schedule, tensor_bytes_by_id)
     alive = (live.storage_allocated & (live.storage_born <= step)
              & ~(live.storage_freed & (live.storage_last < step)))
     buffers = []

@@ -34,7 +34,7 @@ import onnx
 from .annotate import write_annotations
 from .errors import BudgetInfeasibleError, MemoryLimitError, VerificationError
 from .costmodel import priority_order
-from .explain import explain_peak, explain_peaks
+from .explain import explain_peak, explain_peaks, timeline
 from .options import OptimizeOptions, Progress
 from .pipeline import (ORIGINAL_SESSIONS, Checked, OptimizeResult, Prepared, _as_returned, _refusal, _summary,
                        check_plan, fallback_plans, first_in_order, limit_run, measure_plan,
@@ -256,7 +256,11 @@ def deliver(prepared: Prepared, chosen: Plan, options: OptimizeOptions) -> Optim
     report.total_seconds += time.perf_counter() - started
     progress("done", 1.0)
     model, weights = prepared.leaving(rewritten)
-    return OptimizeResult(model, chosen, report, weights)
+    graph = prepared.graph
+    timelines = (timeline(graph, [(n, 0) for n in prepared.annotations.execution_order if n in graph]),
+                 None if report.peaks_explained.returned is None else
+                 timeline(graph, priority_order(graph, chosen.schedule, distinct_steps=True)))
+    return OptimizeResult(model, chosen, report, weights, timelines)
 
 
 def _measured_delivery(state: Delivery, chosen: Plan, rewritten: onnx.ModelProto) -> tuple[Plan, onnx.ModelProto]:

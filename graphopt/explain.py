@@ -9,8 +9,12 @@ shortens) and says what bounds it in words a user can act on.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
+
 from .costgraph import FORWARD, CostGraph
-from .costmodel import Step, live_at, priority_order, simulate
+from .costmodel import Step, liveness, live_at, priority_order, simulate
 from .report import PEAK_KINDS, LiveTensor, PeakExplained, PeakFloor, PeaksExplained
 from .search.plan import floor_schedule_and_sizes
 
@@ -118,3 +122,46 @@ def explain_peaks(graph: CostGraph, original_order: list[str]) -> PeaksExplained
     execution order), and the floor; the returned model's is added once it is known."""
     executed = [(name, 0) for name in original_order if name in graph]
     return PeaksExplained(original=explain_peak(graph, executed), floor=explain_floor(graph))
+
+
+@dataclass
+class Timeline:
+    """Bytes alive while each step of a schedule runs, by kind (`report.PEAK_KINDS`), and which
+    steps are recomputations: what `plot.plot_timeline` draws."""
+    by_kind: dict[str, np.ndarray]      # kind -> bytes per step (int64)
+    recomputed: np.ndarray              # bool per step: a copy >= 1 runs there
+    peak_bytes: int
+    peak_step: int
+
+    @property
+    def total(self) -> np.ndarray:
+        return sum(self.by_kind.values())
+
+
+def timeline(graph: CostGraph, executed: list[Step]) -> Timeline:
+    """The predicted bytes alive at every step of `executed`, by kind; their sum at each step is
+    what `simulate` counts there."""
+    n = len(executed)
+    live = liveness(graph, executed)
+    by_kind = {kind: np.zeros(n + 1, dtype=np.int64) for kind in PEAK_KINDS}
+    end = np.where(live.storage_freed, live.storage_last, n - 1)
+    for k in np.flatnonzero(live.storage_allocated):
+        born, size = int(live.storage_born[k]), int(live.storage_bytes[k])
+        producer = executed[born][0]
+        if live.copies[born] > 0:
+            kind = "recomputed"
+        elif live.storage_output[k]:
+            kind = "outputs"
+        elif live.storage_last[k] == born:
+            kind = "unread"
+        else:
+            kind = "activations" if graph.phase(producer) == FORWARD else "backward"
+        by_kind["running"][born] += size
+        by_kind["running"][born + 1] -= size
+        by_kind[kind][born + 1] += size
+        by_kind[kind][int(end[k]) + 1] -= size
+    series = {kind: np.cumsum(values)[:n] for kind, values in by_kind.items()}
+    series["running"] = series["running"] + graph.op_workspace_bytes[live.ops]
+    total = sum(series.values())
+    step = int(np.argmax(total)) if n else 0
+    return Timeline(series, live.copies > 0, int(total[step]) if n else 0, step)

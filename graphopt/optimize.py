@@ -17,7 +17,7 @@ import onnx
 from .options import OptimizeOptions, Progress
 from .costmodel import priority_order
 from .delivery import BUDGET_RETRIES, deliver
-from .explain import explain_peak, explain_peaks
+from .explain import explain_peak, explain_peaks, timeline
 from .pipeline import ORIGINAL_UNOPTIMIZED, OptimizeResult, Prepared, plan, prepare, solver_exact
 from .pipeline import plan as _plan   # analyze_model's argument `plan` is a flag
 from .report import (OUTCOME_OPTIMIZED, OUTCOME_ORIGINAL, OUTCOME_UNMEASURED, OWN_MEMORY_FACTOR, Analysis,
@@ -163,6 +163,11 @@ def analyze_model(model: onnx.ModelProto, options: OptimizeOptions | None = None
             result.base_order.plan_peak_bytes = dict(chosen.notes.get("base_order_peak_bytes", {}))
             result.peaks_explained.returned = explain_peak(
                 prepared.graph, priority_order(prepared.graph, chosen.schedule, distinct_steps=True))
+        # (not in the JSON) the predicted bytes alive over the schedules: what `--plot` draws
+        graph = prepared.graph
+        result.timelines = (timeline(graph, [(n, 0) for n in annotations.execution_order if n in graph]),
+                            None if not with_plan else
+                            timeline(graph, priority_order(graph, chosen.schedule, distinct_steps=True)))
     progress("done", 1.0)
     return result
 

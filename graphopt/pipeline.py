@@ -128,6 +128,9 @@ class OptimizeResult:
     plan: Plan
     report: Report
     weights: Weights | None = None
+    # the predicted bytes alive over the original's schedule and the returned plan's (None: the
+    # original is returned), by kind (`explain.Timeline`: what `plot.plot_timeline` draws)
+    timelines: tuple | None = None
 
     def close(self) -> None:
         if self.weights is not None:

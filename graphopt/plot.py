@@ -1,4 +1,5 @@
-"""Draw the memory-time front of a sweep (`graphopt.sweep.SweepRow`s) as a PNG.
+"""Draw the memory-time front of a sweep (`graphopt.sweep.SweepRow`s) as a PNG, and the memory
+of one step over its schedule (`plot_timeline`).
 
 Measured peak (MiB) against measured step time (seconds): the strategy's front (the
 least-peak plan and each budget's least-time plan) as a line with markers, from the loosest
@@ -12,6 +13,7 @@ import matplotlib
 matplotlib.use("Agg")  # no display; must precede pyplot
 
 import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
 
 # kind -> (marker, colour, legend label)
 _MARKERS = {
@@ -76,4 +78,59 @@ def plot_front(rows, path, title: str | None = None) -> None:
     plt.close(fig)
 
 
-__all__ = ["plot_front"]
+
+# the kinds of report.PEAK_KINDS, bottom to top, and their colours
+_KIND_COLOURS = {"outputs": "tab:purple", "activations": "tab:blue", "recomputed": "tab:green",
+                 "backward": "tab:orange", "unread": "tab:gray", "running": "tab:red"}
+
+
+def plot_timeline(original, returned, path, title: str | None = None):
+    """Draw the predicted bytes alive over the schedule (`explain.Timeline`s) to `path` (PNG or SVG
+    by its suffix): the returned model's by kind, stacked, the original's total as a line on the
+    same axes, each peak marked, the steps that recompute shaded. `returned` None: the original
+    by kind. Returns the figure's data: {label: (x, y)} of every series drawn (MiB)."""
+    shown = returned if returned is not None else original
+    fig, ax = plt.subplots(figsize=(10, 5.5), dpi=110)
+    steps = list(range(len(shown.recomputed)))
+    kinds = [k for k in _KIND_COLOURS if shown.by_kind[k].any()]
+    data = {}
+    stacked = ax.stackplot(steps, *[shown.by_kind[k] / 2**20 for k in kinds],
+                           colors=[_KIND_COLOURS[k] for k in kinds], alpha=0.75,
+                           labels=[f"{k}" + (", returned model" if returned is not None and k == kinds[0] else "")
+                                   for k in kinds])
+    del stacked
+    for k in kinds:
+        data[k] = (steps, list(shown.by_kind[k] / 2**20))
+    total = shown.total / 2**20
+    data["total"] = (steps, list(total))
+    ax.plot(shown.peak_step, shown.peak_bytes / 2**20, "v", color="black", markersize=8,
+            label=f"peak {shown.peak_bytes / 2**20:.1f} MiB" + (" (returned)" if returned is not None else ""))
+    if returned is not None:
+        original_steps = list(range(len(original.recomputed)))
+        original_total = original.total / 2**20
+        ax.plot(original_steps, original_total, "-", color="black", linewidth=1.2, label="original, total")
+        ax.plot(original.peak_step, original.peak_bytes / 2**20, "^", color="black", markerfacecolor="white",
+                markersize=8, label=f"original's peak {original.peak_bytes / 2**20:.1f} MiB")
+        data["original"] = (original_steps, list(original_total))
+        # the recomputing stretches of the returned schedule
+        recomputing = np.flatnonzero(returned.recomputed)
+        if len(recomputing):
+            runs = np.split(recomputing, np.flatnonzero(np.diff(recomputing) > 1) + 1)
+            for k, run in enumerate(runs):
+                ax.axvspan(run[0] - 0.5, run[-1] + 0.5, color="tab:green", alpha=0.12, linewidth=0,
+                           label="recomputing" if k == 0 else None)
+    ax.set_xlabel("step of the schedule (the order ONNX Runtime runs)")
+    ax.set_ylabel("bytes alive (MiB, predicted)")
+    ax.set_title(title or "Memory over one training step")
+    ax.set_xlim(0, max(len(shown.recomputed), len(original.recomputed)) - 1)
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8, loc="upper right", framealpha=0.9)
+    fig.tight_layout()
+    suffix = str(path).rsplit(".", 1)[-1].lower()
+    fig.savefig(path, format="svg" if suffix == "svg" else "png")
+    plt.close(fig)
+    return data
+
+
+__all__ = ["plot_front", "plot_timeline"]

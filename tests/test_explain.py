@@ -180,3 +180,39 @@ def test_optimize_and_analyze_carry_the_explanation(tmp_path):
     assert analysis["peaks_explained"]["original"]["peak_bytes"] == \
         analysis["predicted_peak_bytes"]["original_optimizations_off"]
     assert "least peak the search can reach" in analyzed.stderr
+
+
+@pytest.mark.parametrize("name", ["mlp", "resnet", "densenet", "unet", "transformer", "randwire"])
+def test_the_timeline_drawn_peaks_where_the_report_says(name, tmp_path):
+    """The plotted series read back (not pixels): the total's maximum is the predicted peak, at its
+    step; the kinds at the peak are the explanation's; the original's line peaks at its peak."""
+    from graphopt.examples import training_example
+    from graphopt.optimize import OptimizeOptions, analyze_model
+    from graphopt.plot import plot_timeline
+    model, _ = training_example(name, small=True)
+    analysis = analyze_model(model, OptimizeOptions(), plan=True)
+    original, planned = analysis.timelines
+    data = plot_timeline(original, planned, tmp_path / "timeline.svg")
+    assert (tmp_path / "timeline.svg").stat().st_size > 0
+    explained = analysis.peaks_explained
+    steps, total = data["total"]
+    assert max(total) * 2**20 == pytest.approx(explained.returned.peak_bytes, abs=1)
+    assert total.index(max(total)) == explained.returned.step
+    assert max(data["original"][1]) * 2**20 == pytest.approx(explained.original.peak_bytes, abs=1)
+    assert explained.original.peak_bytes == analysis.predicted_peak_bytes.original_optimizations_off
+    at_peak = {kind: int(round(data[kind][1][explained.returned.step] * 2**20)) for kind in data
+               if kind in PEAK_KINDS}
+    assert at_peak == {k: v for k, v in explained.returned.bytes_by_kind.items() if k in at_peak}
+    assert sum(at_peak.values()) == explained.returned.peak_bytes
+
+
+def test_plot_refuses_what_it_cannot_draw(tmp_path):
+    from graphopt.examples import training_example
+    model, _ = training_example("mlp", small=True)
+    onnx.save(model, tmp_path / "mlp.onnx")
+    for extra, message in ((["--plot", str(tmp_path / "t.pdf")], "must end in .png or .svg"),
+                           (["--plot", str(tmp_path / "t.png"), "--server", "127.0.0.1:1"], "in-process")):
+        done = subprocess.run([sys.executable, "-m", "graphopt.cli", "optimize", str(tmp_path / "mlp.onnx"), "-o",
+                               str(tmp_path / "o.onnx"), *extra], capture_output=True, text=True, timeout=300)
+        assert done.returncode != 0 and message in done.stderr and "Traceback" not in done.stderr
+        assert not (tmp_path / "o.onnx").exists()
