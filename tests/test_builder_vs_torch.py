@@ -64,6 +64,7 @@ EXPECTED_OPS = {
     "randwire": {"Conv", "BatchNormalization", "Add"},
     "fpn": {"Split", "Resize", "Slice", "Pad", "Concat", "LeakyRelu", "Sigmoid"},
     "convs": {"Conv", "ConvTranspose"},
+    "albert": {"Gather", "LayerNormalization", "MatMul", "Softmax"},
 }
 RESULTS: dict[str, dict] = {}   # architecture -> worst errors, seconds (printed with -s)
 

@@ -331,6 +331,35 @@ def bert():
     return ZooEntry("bert", module, {"input_ids": ids}, "cross_entropy", _ce_labels(2, 3, g))
 
 
+class ALBERT(nn.Module):
+    """ALBERT's weight sharing: one transformer layer applied `layers` times (every layer's gradient
+    contributions add up in each shared weight's gradient), a factorized embedding."""
+
+    def __init__(self, vocab=50, seq=8, embed=16, dim=32, heads=4, layers=4, classes=3):
+        super().__init__()
+        self.tokens, self.positions = nn.Embedding(vocab, embed), nn.Embedding(seq, embed)
+        self.project = nn.Linear(embed, dim)
+        self.ln = nn.LayerNorm(embed)
+        self.block = TransformerBlock(dim, heads, 2 * dim, pre_norm=False)
+        self.layers = layers
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, input_ids):
+        t = input_ids.shape[1]
+        x = self.project(self.ln(self.tokens(input_ids) + self.positions(torch.arange(t, device=input_ids.device))))
+        for _ in range(self.layers):
+            x = self.block(x)
+        return self.head(x[:, 0])
+
+
+def albert():
+    g = _gen(15)
+    module = ALBERT()
+    _randomize_norms(module, g)
+    ids = torch.randint(0, 50, (2, 8), generator=g)
+    return ZooEntry("albert", module, {"input_ids": ids}, "cross_entropy", _ce_labels(2, 3, g))
+
+
 class GPT(nn.Module):
     def __init__(self, vocab=40, seq=8, dim=32, heads=4, layers=2):
         super().__init__()
@@ -550,7 +579,7 @@ def convs():
 ZOO: dict[str, Callable[[], ZooEntry]] = {
     "mlp": mlp, "vgg": vgg, "resnet": resnet, "densenet": densenet, "mobilenet": mobilenet,
     "unet": unet, "lstm": lstm, "bert": bert, "gpt": gpt, "vit": vit,
-    "dropout_mlp": dropout_mlp, "randwire": randwire, "fpn": fpn, "convs": convs,
+    "dropout_mlp": dropout_mlp, "randwire": randwire, "fpn": fpn, "convs": convs, "albert": albert,
 }
 
 

@@ -550,3 +550,70 @@ def masks_as_products(model: onnx.ModelProto, loss: str) -> int:
     if replaced:
         _splice(graph, list(graph.node), before, dead)
     return replaced
+
+
+# False: n-ary Sums of gradient contributions stay as onnx-ad writes them (for comparisons)
+SUMS_AS_PRODUCED = True
+
+
+def sums_as_produced(model: onnx.ModelProto, forward: set[str] = frozenset()) -> int:
+    """An n-ary Sum (3 or more inputs: a parameter's gradient contributions, one per use: ALBERT's
+    shared layers, tied embeddings) -> a chain of Adds in the order the contributions are made,
+    each written right after the newer of its inputs, so that each contribution is added as it is
+    produced and freed, as PyTorch accumulates `.grad`, instead of all of them held to one Sum at
+    the end. A contribution that is a view (Reshape, ...) of a tensor made earlier is moved up to
+    right after it. Sums writing a value of `forward` (the model's own, before differentiation)
+    stay. In place; returns how many Sums were chained."""
+    if not SUMS_AS_PRODUCED:
+        return 0
+    graph = model.graph
+    nodes = list(graph.node)
+    available: dict[str, int] = {i.name: -1 for i in graph.input}
+    available.update({t.name: -1 for t in graph.initializer})
+    names = Names(model)
+    chained = 0
+    k = 0
+    while k < len(nodes):
+        node = nodes[k]
+        inputs = [i for i in node.input if i]
+        if not (node.op_type == "Sum" and node.domain in STANDARD_DOMAINS and len(inputs) >= 3
+                and len(set(inputs)) == len(inputs) and node.output[0] not in forward):
+            k += 1
+            continue
+        position = {n_out: j for j, n in enumerate(nodes) for n_out in n.output if n_out}
+        # a contribution that is a view of an earlier tensor moves up to right after that tensor
+        for name in inputs:
+            at = position.get(name)
+            if at is None:
+                continue
+            view = nodes[at]
+            if view.op_type not in ALIAS_OPS or view.domain not in STANDARD_DOMAINS or len(view.output) != 1:
+                continue
+            ready = max((position.get(i, available.get(i, -1)) for i in view.input if i), default=-1)
+            if ready + 1 < at:
+                nodes.insert(ready + 1, nodes.pop(at))
+                position = {n_out: j for j, n in enumerate(nodes) for n_out in n.output if n_out}
+        k = nodes.index(node)
+        order = sorted(inputs, key=lambda name: position.get(name, available.get(name, -1)))
+        del nodes[k]
+        total = order[0]
+        for j, name in enumerate(order[1:], start=1):
+            out = node.output[0] if j == len(order) - 1 else names.fresh(f"{node.output[0]}__acc")
+            add = helper.make_node("Add", [total, name], [out], name=names.fresh(f"{node.name or 'sum'}_add"))
+            nodes.insert(_after_inputs(nodes, add), add)   # right after the newer of its inputs
+            total = out
+        chained += 1
+        k = 0
+    graph.ClearField("node")
+    graph.node.extend(nodes)
+    return chained
+
+
+def _after_inputs(nodes: list, node: onnx.NodeProto) -> int:
+    """The first position where every input of `node` made by `nodes` exists."""
+    needed = {i for i in node.input if i}
+    at = 0
+    for j, other in enumerate(nodes):
+        if needed.intersection(other.output):
+            at = j + 1
+    return at

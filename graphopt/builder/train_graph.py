@@ -40,6 +40,7 @@ from .deterministic import scatter_nd_rows_to_elements, static_shapes
 from .graph_util import Names, infer_shapes, sequence_splits_to_split, skeleton_check, small_constants
 from .embedding_grad import lean_embedding_gradients
 from .lean import (gradients_early, loss_first, masks_as_products, outputs_written_in_place, pads_sum_to_concat,
+                   sums_as_produced,
                    recompute_gelu_intermediates, transposed_products,
                    transposed_weights_into_gemm)
 from .file_order import default_order, leanest_file_order
@@ -510,6 +511,20 @@ def _build(forward, loss, parameters, freeze, labels, class_axis, optimizer, hel
     return model
 
 
+def _forward_values(model, loss) -> set[str]:
+    """The values the loss is computed from (the outputs of its ancestors)."""
+    producers = {o: n for n in model.graph.node for o in n.output if o}
+    values, stack, seen = set(), [loss], set()
+    while stack:
+        node = producers.get(stack.pop())
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        values.update(o for o in node.output if o)
+        stack.extend(i for i in _node_reads(node) if i)
+    return values
+
+
 def _backward_names(model, loss):
     """Names of the nodes that are not ancestors of the loss (the backward and the extras)."""
     producers = {o: n for n in model.graph.node for o in n.output if o}
@@ -619,6 +634,7 @@ def _finish(model, loss, loss_shape, loss_type, params, initializers, extras, ty
         shapes = static_shapes(model)
     if outputs_written_in_place(model, shapes):
         model = cleanup_graph(model)
+    sums_as_produced(model, _forward_values(model, loss))
     gradients_early(model, {o for n in seed_nodes for o in n.output})
     loss_first(model, loss)
     name_nodes(model)
