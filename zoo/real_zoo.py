@@ -279,6 +279,22 @@ def _bert(size: str = "tiny") -> RealModel:
     return _tokens("bert", model, cfg.vocab_size, batch, seq)
 
 
+def _albert(size: str = "tiny") -> RealModel:
+    """ALBERT: every layer shares one layer's weights (12 layers at full size, albert-base's
+    config), so each shared weight's gradient is the sum of every layer's contribution."""
+    import_torchvision()          # transformers imports torchvision
+    from transformers import AlbertConfig, AlbertForMaskedLM
+    torch.manual_seed(SEED)
+    if size == "tiny":
+        cfg = AlbertConfig(num_hidden_layers=4, hidden_size=32, num_attention_heads=2, intermediate_size=64,
+                           embedding_size=16, vocab_size=256, max_position_embeddings=64)
+    else:
+        cfg = AlbertConfig(hidden_size=768, num_attention_heads=12, intermediate_size=3072)   # albert-base-v2
+    batch, seq = {"tiny": (2, 16), "full": (2, 64), "large": (8, 256)}[size]
+    model = AlbertForMaskedLM._from_config(_no_dropout(cfg), attn_implementation="sdpa")
+    return _tokens("albert", model, cfg.vocab_size, batch, seq)
+
+
 def _bert_classifier(size: str = "tiny") -> RealModel:
     import_torchvision()          # transformers imports torchvision
     from transformers import BertForSequenceClassification
@@ -368,6 +384,7 @@ CORPUS: dict[str, Callable[[str], RealModel]] = {
     # transformers
     "gpt2": _gpt2,
     "bert": _bert,
+    "albert": _albert,
     "bert_classifier": _bert_classifier,
     "t5": _t5,
     "llama": _llama,
@@ -377,8 +394,9 @@ CORPUS: dict[str, Callable[[str], RealModel]] = {
 # the models whose tiny forms the tests build against torch on every run (one per kind of
 # structure: residual CNN, depthwise + squeeze-excite + hardswish, windowed attention with
 # strided slices, encoder-decoder with relative position buckets, GQA + RoPE decoder,
-# dilated convolutions under a bilinear-upsampled per-pixel head)
-TEST_SUBSET = ("resnet50", "mobilenet_v3_large", "swin_t", "gpt2", "t5", "llama", "lraspp_mobilenet_v3_large")
+# dilated convolutions under a bilinear-upsampled per-pixel head, layers sharing their weights)
+TEST_SUBSET = ("resnet50", "mobilenet_v3_large", "swin_t", "gpt2", "t5", "llama", "lraspp_mobilenet_v3_large",
+               "albert")
 
 
 def export(model: RealModel, exporter: str = "legacy") -> onnx.ModelProto:
