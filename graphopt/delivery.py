@@ -692,7 +692,7 @@ def _new_report(prepared: Prepared, chosen: Plan, rewritten: onnx.ModelProto, op
         stashed_tensors=len(training.stashed), checkpoints=[], recompute_nodes=0,
         search_seconds=float(chosen.notes.get("search_seconds", 0.0)),
         search_cpu_seconds=chosen.notes.get("search_cpu_seconds"),
-        functions_expanded=dict(prepared.functions_expanded),
+        functions_expanded=dict(prepared.functions_expanded), sums_chained=prepared.sums_chained,
         graph_optimizations=prepared.graph_optimizations,
         predicted=Predicted(PredictedRun(predicted.peak_bytes, prepared.timing.predicted_original_seconds
                                          if prepared.timing is not None else predicted.compute_seconds),

@@ -162,6 +162,7 @@ class Prepared:
     # {"level", "nodes_before", "nodes_after", "op_types": {op type: count added (+) or removed (-)}},
     # or {} when none were applied (option "none", nothing changed, or outputs differed)
     graph_optimizations: GraphOptimizations = field(default_factory=GraphOptimizations)
+    sums_chained: int = 0                # the backward's n-ary Sums written as Adds (`chain_gradient_sums`)
     plans: dict = field(default_factory=dict)   # (graph id, strategy) -> {budget: plan} (`plan`)
     # the cost graph in each order a plan can start from (BASE_ORDERS' labels: `base_graphs`),
     # the label of `graph` among them (the leanest with nothing recomputed) and each one's
@@ -312,6 +313,18 @@ def prepare(model: onnx.ModelProto, options: OptimizeOptions, *, reference: bool
             progress("graph optimizations", 0.12)
             training, annotations, graph_optimized = _apply_graph_optimizations(training, annotations, options,
                                                                                 workspace, reduced)
+        # the backward's n-ary Sums as Adds placed as each contribution arrives: on the graph planned
+        # (after ORT's offline optimizations, which read the original's file); the original, saved
+        # above, stays what is measured and verified against
+        chained = chain_gradient_sums(training)
+        sums_chained = 0
+        if chained is not None:
+            chained, sums_chained = chained
+            name_nodes(chained)
+            training = analyze(chained, options.loss)
+            if annotations is not None:   # (annotated before: the graph optimized, or at reduced batches)
+                annotations = _annotate(training, options, workspace, "sums-chained", reduced)
+        del chained
         if annotations is None:
             progress("annotate", 0.14)
             annotations = first = _annotate(training, options, workspace, "original")
@@ -328,6 +341,7 @@ def prepare(model: onnx.ModelProto, options: OptimizeOptions, *, reference: bool
                                  recompute_factor=recompute_factor(options.threads))
         predicted = simulate(graph, [(name, 0) for name in annotations.execution_order if name in graph])
         prepared = Prepared(working, training, annotations, first, graph, expanded, predicted, inputs, workspace,
+                            sums_chained=sums_chained,
                             graph_optimizations=graph_optimized, original_limit_runs=original_runs,
                             reduced=reduced, full_size_because=full_size_because,
                             overlap=overlap, original_peaks=original_peaks,
@@ -353,6 +367,25 @@ def prepare(model: onnx.ModelProto, options: OptimizeOptions, *, reference: bool
 # session), where forward and backward ops may interleave (`CostGraph.in_order`); the plan's
 # schedule sinks backward ops and inserts recomputation on top (search/plan.py).
 BASE_ORDERS = ("file", "onnxruntime")
+
+
+def chain_gradient_sums(training: TrainingGraph) -> tuple[onnx.ModelProto, int] | None:
+    """The backward's n-ary Sums (a parameter's gradient contributions, one per use, held until
+    one Sum adds them at the end) written as a chain of Adds placed as each contribution arrives
+    (`builder.lean.sums_as_produced`, what graphopt's builder writes): in the file's order the
+    chain holds one sum and the newest contribution where the Sum held them all. A new model and
+    how many Sums were chained (None: none to chain; the weights stay stubs, not copied). Verified
+    with the rest: the returned model's outputs against the original's."""
+    from .builder.lean import sums_as_produced
+    nodes = training.nodes
+    if not any(nodes[name].op_type == "Sum" and len([i for i in nodes[name].input if i]) > 2
+               for name in training.backward):
+        return None
+    model = onnx.ModelProto()
+    model.CopyFrom(training.model)
+    forward = {o for name in training.forward for o in nodes[name].output if o}
+    chained = sums_as_produced(model, forward)
+    return (model, chained) if chained else None
 
 
 def base_order_graphs(graph, execution_order: list[str]) -> dict:

@@ -458,6 +458,9 @@ class Report(_Json):
     solver_exact: bool | None = None    # the plan is optimal under its solver's model (None: not known)
     base_order: BaseOrder | None = None  # the order the plan started from
     functions_expanded: dict[str, int] = field(default_factory=dict)
+    # n-ary Sums of gradient contributions written as a chain of Adds, each placed as its
+    # contribution arrives (pipeline.chain_gradient_sums)
+    sums_chained: int = 0
     graph_optimizations: GraphOptimizations = field(default_factory=GraphOptimizations)
     session: SessionSettings | None = None   # the session settings written in the returned model
     outputs_match: bool | None = None   # None: not verified
@@ -591,6 +594,9 @@ def summary_text(report: Report) -> str:
         lines.append(f"planned from the {base.chosen} order; predicted peaks by order, nothing recomputed / "
                      "planned: " + ", ".join(f"{label} {_mib(b)} / {_mib(base.plan_peak_bytes.get(label, 0))}"
                                            for label, b in base.store_all_peak_bytes.items()))
+    if report.sums_chained:
+        lines.append(f"{report.sums_chained} n-ary Sum(s) of gradient contributions written as Adds, each "
+                     "placed as its contribution arrives")
     applied = report.graph_optimizations
     if applied.applied:
         ops = ", ".join(f"{op} {n:+d}" for op, n in (applied.op_types or {}).items())
