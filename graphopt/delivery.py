@@ -704,7 +704,8 @@ def _new_report(prepared: Prepared, chosen: Plan, rewritten: onnx.ModelProto, op
         provider=annotations.provider, threads=options.threads, session=PLANNED_SETTINGS,
         base_order=BaseOrder(chosen.notes.get("base_order", prepared.base_order), dict(prepared.base_order_peaks),
                              dict(chosen.notes.get("base_order_peak_bytes", {}))),
-        peaks_explained=explain_peaks(prepared.graph, prepared.annotations.execution_order))
+        peaks_explained=explain_peaks(prepared.graph, prepared.annotations.execution_order,
+                                      prepared.base_graphs.values()))
     _describe(report, chosen, rewritten, prepared.graph)
     return report
 

@@ -117,11 +117,13 @@ def explain_floor(graph: CostGraph) -> PeakFloor:
                      advice=_advice(graph, bound_by, by_kind, simulation.peak_bytes, largest))
 
 
-def explain_peaks(graph: CostGraph, original_order: list[str]) -> PeaksExplained:
+def explain_peaks(graph: CostGraph, original_order: list[str], base_graphs=()) -> PeaksExplained:
     """The original's peak in the order ONNX Runtime ran it (`original_order`, the annotation's
-    execution order), and the floor; the returned model's is added once it is known."""
+    execution order), and the floor: the least of `graph`'s and `base_graphs`'s (the same graph in
+    each order plans start from); the returned model's is added once it is known."""
     executed = [(name, 0) for name in original_order if name in graph]
-    return PeaksExplained(original=explain_peak(graph, executed), floor=explain_floor(graph))
+    floors = [explain_floor(g) for g in [graph, *base_graphs]]
+    return PeaksExplained(original=explain_peak(graph, executed), floor=min(floors, key=lambda f: f.floor_bytes))
 
 
 @dataclass

@@ -146,7 +146,8 @@ def analyze_model(model: onnx.ModelProto, options: OptimizeOptions | None = None
             graph_optimizations=prepared.graph_optimizations,
             base_order=AnalysisBaseOrder(chosen=prepared.base_order,
                                          store_all_peak_bytes=dict(prepared.base_order_peaks)),
-            peaks_explained=explain_peaks(prepared.graph, annotations.execution_order))
+            peaks_explained=explain_peaks(prepared.graph, annotations.execution_order,
+                                          prepared.base_graphs.values()))
         if with_plan:
             progress("plan", 0.6)
             chosen = _plan(prepared, options)

@@ -216,3 +216,26 @@ def test_plot_refuses_what_it_cannot_draw(tmp_path):
                                str(tmp_path / "o.onnx"), *extra], capture_output=True, text=True, timeout=300)
         assert done.returncode != 0 and message in done.stderr and "Traceback" not in done.stderr
         assert not (tmp_path / "o.onnx").exists()
+
+
+@pytest.mark.parametrize("name", ["gpt2", "t5", "llama", "albert", "swin_t"])
+def test_corpus_models_explain_their_peak(name):
+    """A real architecture's training graph (zoo/real_zoo.py, tiny): the peak named, its kinds
+    adding up to the predicted peak, the floor's words."""
+    from graphopt_zoo import real_zoo
+    from graphopt.builder.train_graph import build_training_graph
+    from graphopt.optimize import OptimizeOptions, analyze_model
+    real = real_zoo.CORPUS[name]("tiny")
+    forward = real_zoo.export(real, "legacy")
+    train = build_training_graph(forward, loss=real.loss, class_axis=real.class_axis)
+    analysis = analyze_model(train, OptimizeOptions(inputs=real_zoo.model_feeds(real)), plan=True)
+    peaks = analysis.peaks_explained
+    assert peaks.original.peak_bytes == analysis.predicted_peak_bytes.original_optimizations_off
+    assert peaks.returned.peak_bytes == analysis.predicted_peak_bytes.planned
+    node_names = set(analysis.node_seconds) | {n.name for n in train.graph.node}
+    for explained in (peaks.original, peaks.returned):
+        assert sum(explained.bytes_by_kind.values()) == explained.peak_bytes
+        assert explained.node in node_names
+        assert set(explained.bytes_by_kind) == set(PEAK_KINDS)
+    assert peaks.floor.floor_bytes <= peaks.returned.peak_bytes
+    assert peaks.floor.bound_by in PEAK_KINDS and peaks.floor.advice
