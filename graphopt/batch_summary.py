@@ -12,12 +12,18 @@ matplotlib.use("Agg")  # no display; must precede pyplot
 
 import matplotlib.pyplot as plt  # noqa: E402
 
+from .batch import TIMELINE_NAME  # noqa: E402
 from .report import Report  # noqa: E402
 from .sweep import FRONT, ORIGINAL_DEFAULT, ORIGINAL_OFF, SweepRow  # noqa: E402
 
 COLUMNS = ["model", "kind", "status", "nodes", "peak_before_bytes", "peak_before_optimizations_off_bytes",
            "peak_after_bytes", "peak_ratio", "step_time_ratio", "objective", "max_overhead", "objective_met",
-           "strategy", "outputs_match", "outcome", "seconds", "error"]
+           "strategy", "outputs_match", "outcome", "peak_kind", "seconds", "error"]
+
+# a peak's kind in one word (report.PEAK_KINDS -> what a zoo owner acts on): what recomputation
+# helps (activations), what a fused optimizer step helps (gradients), what neither does
+PEAK_WORDS = {"outputs": "gradients", "activations": "activations", "recomputed": "activations",
+              "backward": "backward", "unread": "unread outputs", "running": "transients"}
 
 
 def figures(report: dict) -> dict:
@@ -44,6 +50,11 @@ def figures(report: dict) -> dict:
         if typed.objective is not None:   # its measured overhead is step_time_ratio - 1
             row.update(objective=typed.objective.name, max_overhead=typed.objective.max_overhead,
                        objective_met=typed.objective.met)
+        peaks = typed.peaks_explained
+        if peaks is not None:   # the returned model's peak, the original's when it is returned
+            explained = peaks.returned or peaks.original
+            kind = max(explained.bytes_by_kind, key=explained.bytes_by_kind.get)
+            row["peak_kind"] = PEAK_WORDS.get(kind, kind)
         if typed.measured is not None:
             row.update(peak_before_bytes=typed.measured.original_default_session.peak_bytes,
                        peak_before_optimizations_off_bytes=typed.measured.original_optimizations_off.peak_bytes,
@@ -72,16 +83,28 @@ def _step_time(r: dict) -> str:
     return text
 
 
-def markdown(rows: list[dict]) -> str:
+def _peak(r: dict, out_dir: Path | None) -> str:
+    """The returned model's peak in one word, linked to its timeline when the batch drew one."""
+    word = r.get("peak_kind") or ""
+    if out_dir is not None and r["model"].endswith(".onnx"):
+        timeline = Path(r["model"][:-len(".onnx")]) / TIMELINE_NAME
+        if (out_dir / timeline).is_file():
+            return f"[{word or 'timeline'}]({timeline.as_posix()})"
+    return word
+
+
+def markdown(rows: list[dict], out_dir: Path | None = None) -> str:
     lines = ["| model | nodes | peak before (default session) | peak after | after / before | "
-             "step time ratio | objective | strategy | status |", "|---|---|---|---|---|---|---|---|---|"]
+             "step time ratio | objective | strategy | peak is (timeline) | status |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         status = r["status"] if r["status"] != "failed" else f"failed: {r['error']}"
         if r.get("outcome") == "original":
             status += " (not improved: the original is returned)"
         lines.append(f"| {r['model']} | {r['nodes'] or ''} | {_size(r['peak_before_bytes'])} | "
                      f"{_size(r['peak_after_bytes'])} | {_ratio(r['peak_ratio'])} | {_step_time(r)} | "
-                     f"{r.get('objective') or ''} | {r['strategy'] or ''} | {status.replace('|', '/')} |")
+                     f"{r.get('objective') or ''} | {r['strategy'] or ''} | {_peak(r, out_dir)} | "
+                     f"{status.replace('|', '/')} |")
     return "\n".join(lines)
 
 
@@ -159,7 +182,7 @@ def write_summary(out_dir: Path, reports: list[dict]) -> dict[str, Path]:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
         writer.writeheader()
         writer.writerows(rows)
-    paths["md"].write_text("# Batch summary\n\n" + markdown(rows) + "\n")
+    paths["md"].write_text("# Batch summary\n\n" + markdown(rows, out_dir) + "\n")
     plot_peaks(rows, paths["peaks"])
     plot_saving_vs_time(rows, paths["saving_vs_time"])
     if plot_fronts(out_dir, rows, out_dir / "fronts.png"):

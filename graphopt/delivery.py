@@ -723,11 +723,11 @@ def _objective(prepared: Prepared, chosen: Plan, options: OptimizeOptions) -> Ob
             prepared.timing.optimizations_off_seconds or prepared.timing.default_session_seconds)))
 
 
-def _describe(report: Report, chosen: Plan | None, model: onnx.ModelProto, graph) -> None:
+def _describe(report: Report, chosen: Plan | None, model: onnx.ModelProto, graph=None) -> None:
     """The returned plan in `report` (None: the original is returned); `graph`: the cost graph it
     was planned on."""
     report.nodes.optimized = len(model.graph.node)
-    if report.peaks_explained is not None:
+    if report.peaks_explained is not None and graph is not None:
         report.peaks_explained.returned = (
             None if chosen is None else explain_peak(graph, priority_order(graph, chosen.schedule, distinct_steps=True)))
     if chosen is None:   # nothing of a plan measured and rejected stays: the original has no solver

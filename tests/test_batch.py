@@ -130,6 +130,13 @@ def test_batch_passes_objective_and_max_overhead_to_each_model(tmp_path):
         assert objective["name"] == "bounded-overhead" and objective["max_overhead"] == 0.3
         assert summary[name]["objective"] == "bounded-overhead" and summary[name]["max_overhead"] == 0.3
     assert markdown.count("(limit 1.30x) | bounded-overhead |") == 2, markdown
+    # each model's timeline beside its report, its peak's kind in one word, linked from the summary
+    from graphopt.batch_summary import PEAK_WORDS
+    for name in ("mlp", "classifier"):
+        assert (out / name / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        kind = summary[f"{name}.onnx"]["peak_kind"]
+        assert kind in PEAK_WORDS.values()
+        assert f"[{kind}]({name}/timeline.png)" in markdown
 
     server = ServerProcess(tmp_path / "server", "--workers", "1")
     try:

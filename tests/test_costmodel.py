@@ -17,16 +17,21 @@ import numpy as np
 import pytest
 
 from graphopt.costgraph import CostGraph, Op
-from graphopt.costmodel import check_schedule, priority_order, resolve_versions, simulate
+from graphopt.costmodel import check_schedule, live_at, priority_order, resolve_versions, simulate
 from graphopt.search.plan import schedule_for
 
 from graphopt_zoo.synthetic import branching_cost_graph, training_cost_graph
 
 
 def reference_live_bytes(graph: CostGraph, schedule) -> list[int]:
+    return reference_liveness(graph, schedule)[0]
+
+
+def reference_liveness(graph: CostGraph, schedule) -> tuple[list[int], list[list]]:
+    """Bytes live at each step, and every buffer: [bytes, born, last read, kept, droppable, tensor]."""
     ops = graph.ops
     latest = {}                 # tensor -> buffer id of its latest version (None: resident)
-    buffers = []                # [bytes, born step, last read step, kept, droppable]
+    buffers = []                # [bytes, born step, last read step, kept, droppable, tensor]
     for i, (name, copy) in enumerate(schedule):
         op = ops[name]
         for t in op.inputs:
@@ -47,11 +52,11 @@ def reference_live_bytes(graph: CostGraph, schedule) -> list[int]:
                     continue
             latest[t] = len(buffers)
             buffers.append([graph.tensor_bytes.get(t, 0), i, i, copy == 0 and t in graph.kept,
-                            t in graph.droppable])
+                            t in graph.droppable, t])
     live = []
     for i, (name, _) in enumerate(schedule):
         total = graph.ops[name].workspace_bytes
-        for nbytes, born, last, kept, droppable in buffers:
+        for nbytes, born, last, kept, droppable, _ in buffers:
             if born > i:
                 continue
             never_read = last == born
@@ -60,7 +65,20 @@ def reference_live_bytes(graph: CostGraph, schedule) -> list[int]:
             if never_read or kept or last >= i:
                 total += nbytes
         live.append(total)
-    return live
+    return live, buffers
+
+
+def reference_alive(graph: CostGraph, schedule, step: int) -> list[tuple]:
+    """(tensor, copy, bytes, producer, born, last read, output) of each buffer live at `step`."""
+    _, buffers = reference_liveness(graph, schedule)
+    alive = []
+    for nbytes, born, last, kept, droppable, tensor in buffers:
+        never_read = last == born
+        if born > step or (never_read and droppable):
+            continue
+        if never_read or kept or last >= step:
+            alive.append((tensor, schedule[born][1], nbytes, schedule[born][0], born, last, kept))
+    return sorted(alive)
 
 
 def reference_order(graph: CostGraph, schedule):
@@ -147,6 +165,19 @@ def test_simulate_and_order_equal_step_by_step_references(graph):
         k = g.recompute_factor
         assert sim.compute_seconds == pytest.approx(sum(g.ops[n].seconds * (k if c else 1) for n, c in executed))
         assert sim.recompute_seconds == pytest.approx(sum(g.ops[n].seconds * k for n, c in executed if c))
+        # what is live at a step, buffer by buffer (the peak's, and two others)
+        for step in {sim.peak_step, random.Random(trial).randrange(len(executed)), len(executed) - 1}:
+            buffers, workspace = live_at(g, executed, step)
+            assert workspace == g.ops[executed[step][0]].workspace_bytes
+            assert sorted((b.tensor, b.copy, b.bytes, b.producer, b.born, b.last_read, b.output)
+                          for b in buffers) == reference_alive(g, executed, step)
+            assert [b.bytes for b in buffers] == sorted((b.bytes for b in buffers), reverse=True)
+            assert sum(b.bytes for b in buffers) + workspace == live[step]
+            # with sizes of its own (what the floor zeroes): what simulate counts with them
+            sizes = g.tensor_bytes_by_id.copy()
+            sizes[::2] = 0
+            buffers, workspace = live_at(g, executed, step, sizes)
+            assert sum(b.bytes for b in buffers) + workspace == simulate(g, executed, sizes).live_bytes[step]
 
 
 @pytest.mark.parametrize("graph", list(_graphs())[::3], ids=lambda g: repr(g))
