@@ -511,31 +511,28 @@ def _build(forward, loss, parameters, freeze, labels, class_axis, optimizer, hel
     return model
 
 
-def _forward_values(model, loss) -> set[str]:
-    """The values the loss is computed from (the outputs of its ancestors)."""
+def _loss_ancestors(model, loss) -> list:
+    """The nodes the loss is computed from."""
     producers = {o: n for n in model.graph.node for o in n.output if o}
-    values, stack, seen = set(), [loss], set()
+    found, stack, seen = [], [loss], set()
     while stack:
         node = producers.get(stack.pop())
         if node is None or id(node) in seen:
             continue
         seen.add(id(node))
-        values.update(o for o in node.output if o)
+        found.append(node)
         stack.extend(i for i in _node_reads(node) if i)
-    return values
+    return found
+
+
+def _forward_values(model, loss) -> set[str]:
+    """The values the loss is computed from (the outputs of its ancestors)."""
+    return {o for node in _loss_ancestors(model, loss) for o in node.output if o}
 
 
 def _backward_names(model, loss):
     """Names of the nodes that are not ancestors of the loss (the backward and the extras)."""
-    producers = {o: n for n in model.graph.node for o in n.output if o}
-    forward, stack = set(), [loss]
-    while stack:
-        node = producers.get(stack.pop())
-        if node is None or node.name in forward:
-            continue
-        forward.add(node.name)
-        stack.extend(i for i in _node_reads(node) if i)
-    return {n.name for n in model.graph.node} - forward
+    return {n.name for n in model.graph.node} - {n.name for n in _loss_ancestors(model, loss)}
 
 
 def _downstream(model, params):
