@@ -33,16 +33,22 @@ def module_path(node_name: str) -> str | None:
     return ".".join(kept) or None
 
 
+def _held_kind(graph: CostGraph, copy: int, output: bool, unread: bool, producer: str) -> str:
+    """The kind of a buffer held after the step that made it (`report.PEAK_KINDS`; while that step
+    runs, it is "running")."""
+    if copy > 0:
+        return "recomputed"
+    if output:
+        return "outputs"
+    if unread:               # kept to the end though no output: nothing reads it
+        return "unread"
+    return "activations" if graph.phase(producer) == FORWARD else "backward"
+
+
 def _kind(graph: CostGraph, buffer, step: int) -> str:
     if buffer.born == step:
         return "running"
-    if buffer.copy > 0:
-        return "recomputed"
-    if buffer.output:
-        return "outputs"
-    if buffer.last_read == buffer.born:   # kept to the end though no output: nothing reads it
-        return "unread"
-    return "activations" if graph.phase(buffer.producer) == FORWARD else "backward"
+    return _held_kind(graph, buffer.copy, buffer.output, buffer.last_read == buffer.born, buffer.producer)
 
 
 def _at(graph: CostGraph, schedule: list[Step], step: int, sizes=None) -> tuple[dict[str, int], list[LiveTensor]]:
@@ -149,15 +155,8 @@ def timeline(graph: CostGraph, executed: list[Step]) -> Timeline:
     end = np.where(live.storage_freed, live.storage_last, n - 1)
     for k in np.flatnonzero(live.storage_allocated):
         born, size = int(live.storage_born[k]), int(live.storage_bytes[k])
-        producer = executed[born][0]
-        if live.copies[born] > 0:
-            kind = "recomputed"
-        elif live.storage_output[k]:
-            kind = "outputs"
-        elif live.storage_last[k] == born:
-            kind = "unread"
-        else:
-            kind = "activations" if graph.phase(producer) == FORWARD else "backward"
+        kind = _held_kind(graph, int(live.copies[born]), bool(live.storage_output[k]),
+                          int(live.storage_last[k]) == born, executed[born][0])
         by_kind["running"][born] += size
         by_kind["running"][born + 1] -= size
         by_kind[kind][born + 1] += size
