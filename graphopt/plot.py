@@ -95,9 +95,9 @@ def plot_timeline(original, returned, path, title: str | None = None):
     kinds = [k for k in _KIND_COLOURS if shown.by_kind[k].any()]
     data = {}
     ax.stackplot(steps, *[shown.by_kind[k] / 2**20 for k in kinds],
-                           colors=[_KIND_COLOURS[k] for k in kinds], alpha=0.75,
-                           labels=[f"{k}" + (", returned model" if returned is not None and k == kinds[0] else "")
-                                   for k in kinds])
+                 colors=[_KIND_COLOURS[k] for k in kinds], alpha=0.75,
+                 labels=[f"{k}" + (", returned model" if returned is not None and k == kinds[0] else "")
+                         for k in kinds])
     for k in kinds:
         data[k] = (steps, list(shown.by_kind[k] / 2**20))
     total = shown.total / 2**20
