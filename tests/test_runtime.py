@@ -7,6 +7,7 @@ import inspect
 import json
 import math
 import statistics
+import time
 
 import numpy as np
 import onnx
@@ -281,11 +282,15 @@ def _check_topological(model, order):
 def test_annotate_training_graph():
     m = mlp_training_graph(layers=3, batch=8, width=16, sym_batch=True)
     feeds = synthesize_inputs(m, {"x": [8, 16]})
+    started = time.perf_counter()
     ann = annotate(m, feeds, NO_OPT)
+    elapsed = time.perf_counter() - started
     names = [n.name for n in m.graph.node]
     assert sorted(ann.execution_order) == sorted(names)  # every node exactly once
     _check_topological(m, ann.execution_order)
     assert set(ann.node_seconds) == set(names) and all(v >= 0 for v in ann.node_seconds.values())
+    # seconds (not ONNX Runtime's microseconds), of kernels that ran inside the annotate call
+    assert 0 < sum(ann.node_seconds.values()) < elapsed, (sum(ann.node_seconds.values()), elapsed)
     assert ann.provider == "CPUExecutionProvider" and ann.settings == NO_OPT
     values = {o for n in m.graph.node for o in n.output} | set(feeds)
     assert values <= set(ann.tensor_bytes)
@@ -306,6 +311,38 @@ def test_annotate_training_graph():
     assert len(vi) == len({v.name for v in m2.graph.value_info})
     onnx.checker.check_model(m2)
     assert read_annotations(mlp_training_graph()) is None
+
+
+def test_the_kernel_events_read_are_the_last_runs_alone(tmp_path):
+    """A profile holds the kernel events of every run of its session (annotate's warm-up and its
+    profiled run; here three runs): `kernel_events` and `last_run_order_and_seconds` keep the last
+    run's. Oracle: the profile parsed here (json.load), the kernel events inside the span of the
+    latest model_run; were every run's kept, each node's seconds would be about three runs'."""
+    from graphopt.runtime.profile import kernel_events, last_run_order_and_seconds
+    m = mlp_training_graph(layers=3, batch=64, width=32)
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    so.enable_profiling = True
+    so.profile_file_prefix = str(tmp_path / "p")
+    sess = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    feeds = mlp_inputs(m)
+    for _ in range(3):
+        sess.run(None, feeds)
+    path = sess.end_profiling()
+    with open(path) as f:
+        events = json.load(f)
+    runs = sorted((e for e in events if e.get("name") == "model_run"), key=lambda e: e["ts"])
+    every = [e for e in events if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")]
+    last = [e for e in every if runs[-1]["ts"] <= e["ts"] <= runs[-1]["ts"] + runs[-1]["dur"]]
+    names = [n.name for n in m.graph.node]
+    assert len(runs) == 3 and len(every) == 3 * len(names) and len(last) == len(names)
+    got = kernel_events(path)
+    assert [(e["name"], e["ts"], e["dur"]) for e in got] == sorted(
+        ((e["name"], e["ts"], e["dur"]) for e in last), key=lambda k: k[1])
+    order, seconds = last_run_order_and_seconds(path)
+    by_time = sorted(last, key=lambda e: e["ts"])
+    assert order == [e["name"][: -len("_kernel_time")] for e in by_time]
+    assert seconds == pytest.approx({e["name"][: -len("_kernel_time")]: e["dur"] * 1e-6 for e in last})
 
 
 def test_annotate_records_optimized_names_and_disabled_optimizers():
@@ -414,7 +451,10 @@ def test_time_steps_times_sessions_in_turn_one_of_them_profiled(tmp_path):
     # for the steps timed (its cost must not be in the step times)
     from graphopt.runtime._timing_worker import PROFILE_STEPS
     assert times.profiled_runs == [PROFILE_STEPS], times.profiled_runs
+    # each node's median over the profiled steps: together about one step of that session (1.01-1.06x
+    # its median timed step in three runs here; the sum of the PROFILE_STEPS steps would be ~3x)
     assert all(v >= 0 for v in nodes.values())
+    assert 0 < sum(nodes.values()) <= 2.5 * times.step_seconds[1], (sum(nodes.values()), times.step_seconds)
     assert times.provider == "CPUExecutionProvider"
 
 
