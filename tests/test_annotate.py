@@ -277,3 +277,25 @@ def test_sizes_of_every_element_type_are_onnxs_own_item_sizes():
     # the sizes under test are the profile's (the inputs' and the initializer's: from their arrays)
     assert {name for name in expected if sizes.sources[name] != "profile"} == {"i", "w"}, sizes.sources
     assert sizes.sources["i"] == "input" and sizes.sources["w"] == "initializer"
+
+
+def test_the_timed_run_follows_a_warm_up_run_of_its_session():
+    """annotate times the second run of its session (the first is a warm-up: ONNX Runtime plans
+    its memory pattern on a session's first run). Counted without a clock: a seeded
+    RandomUniformLike draws the next values at each run of a session, so the outputs of the timed
+    run (`outputs_into`) say which run it was. Oracle: the second run of a plain InferenceSession,
+    whose first differs."""
+    vi = h.make_tensor_value_info
+    graph = h.make_graph([h.make_node("RandomUniformLike", ["x"], ["noise"], name="draw", seed=3.0),
+                          h.make_node("Add", ["x", "noise"], ["y"], name="add")],
+                         "draws", [vi("x", T.FLOAT, [4, 6])], [vi("y", T.FLOAT, [4, 6])])
+    model = h.make_model(graph, opset_imports=OPSET)
+    inputs = {"x": np.zeros((4, 6), np.float32)}
+    plain = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    first, second = (plain.run(None, inputs)[0] for _ in range(2))
+    assert not np.array_equal(first, second)
+    for settings in (NO_OPT, SessionSettings()):
+        timed: dict = {}
+        ann = annotate(model, inputs, settings, outputs_into=timed)
+        np.testing.assert_array_equal(timed["y"], second, err_msg=str(settings))
+        assert ann.execution_order == ["draw", "add"]
