@@ -72,6 +72,34 @@ def test_the_cap_refuses_the_step_past_it_as_measured_outside_it(tmp_path):
     assert run_within_limit(path, inputs_path, outside + step * 3 // 2, DEFAULT_SETTINGS).fits
 
 
+def test_the_state_buffers_a_trainer_binds_count_against_the_limit_outside_the_cap(tmp_path):
+    """A fused AdamW step (the MLP example at batch 4: 9.9 MB of parameters and moments, a step
+    of about 5 MB in ONNX Runtime's default session): a trainer writes the updated parameters and
+    moments into buffers of its own, as large again as the state they replace, held beside the
+    weights and inputs for the whole step. Oracle: their bytes from the arrays of the inputs they
+    replace (numpy's nbytes), not the graph's declared outputs. Under a limit 1 MiB short of weights,
+    inputs and those buffers the step cannot run, and with 1 MiB for the arena ONNX Runtime refuses
+    it; uncounted, those buffers' 9.9 MB would be given to the arena and both would run."""
+    from graphopt.runtime.step_state import fed_back_outputs
+    forward = forward_example("mlp", batch=4, width=512, depth=4, d_in=64)
+    model = build_training_graph(forward, optimizer=OptimizerSpec("adamw", lr=1e-3))
+    inputs = example_inputs(forward)
+    path, inputs_path = _saved(tmp_path, model, inputs)
+    held = {t.name: numpy_helper.to_array(t).nbytes for t in model.graph.initializer}
+    replaced = list(fed_back_outputs(model).values())
+    # 5 Gemms' weight and bias, each with its two moments, and the optimizer's step count
+    assert len(replaced) == 10 * 3 + 1 and "optimizer.step" in replaced
+    state = sum(held[name] for name in replaced)
+    outside = sum(held.values()) + sum(v.nbytes for v in inputs.values()) + state
+    short = run_within_limit(path, inputs_path, outside - MIB)
+    assert (short.fits, short.outside_bytes, short.cap_bytes) == (False, outside, -MIB), short
+    assert "state buffers" in short.error
+    tight = run_within_limit(path, inputs_path, outside + MIB)
+    assert not tight.fits and tight.cap_bytes == MIB and "Available memory of" in tight.error, tight
+    room = run_within_limit(path, inputs_path, outside + 16 * MIB)
+    assert room.fits and room.cap_bytes == 16 * MIB and room.outside_bytes == outside, room
+
+
 @pytest.fixture(scope="module")
 def limited(tmp_path_factory):
     """The MLP example optimized under a limit of 0.62x what its original needs in
