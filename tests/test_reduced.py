@@ -124,6 +124,44 @@ def test_annotations_at_two_reduced_batches_are_the_full_size_ones(name, low, hi
     if low is None:
         # from batch 1 of 8, every node ORT ran at full size has its seconds scaled up from the
         # twin's. How close their sum comes to the full step's is a timing (it read 0.32 once,
-        # with another test's sessions running beside it), so it is not asserted.
+        # with another test's sessions running beside it), so it is not asserted here
+        # (test_node_seconds_from_twins_come_near_the_full_steps does, on a step of heavier kernels);
+        # each node's scale, by its largest tensor's bytes at full size (the full step's, annotated
+        # above) over the twin's, is: 8 wherever the node reads or writes the batch
         assert set(reduced.node_seconds) == set(full.node_seconds)
-        assert all(seconds >= 0 for seconds in reduced.node_seconds.values())
+        twin = measured[1]
+        nodes = {n.name: n for n in model.graph.node}
+        scale = {name: max([full.tensor_bytes[t] / twin.tensor_bytes[t] for t in [*nodes[name].input,
+                                                                                  *nodes[name].output]
+                            if twin.tensor_bytes.get(t) and t in full.tensor_bytes], default=1.0)
+                 for name in twin.node_seconds if name in nodes}
+        assert reduced.node_seconds == pytest.approx({name: seconds * scale.get(name, 1.0)
+                                                      for name, seconds in twin.node_seconds.items()})
+        assert sum(v == 8 for v in scale.values()) > 0.5 * len(scale), sorted(scale.values())
+
+
+def test_node_seconds_from_twins_come_near_the_full_steps():
+    """The MLP example at batch 512 (Gemms of 256 features), annotated from its twins at 8 and
+    16: each node's seconds are the batch-16 twin's scaled to the full batch. Oracle: the step
+    annotated natively at 512. Each sum the least of three annotations (a run slowed by a test
+    beside it reads high), the twins' scaled sum read 0.51-1.55x the full step's in 16 runs on a
+    2-core machine, two at a time; the twin's own, unscaled, 0.017-0.052x. Within 5x either way
+    holds the first and not the second."""
+    from graphopt.annotate import annotate
+    from graphopt.examples import training_example
+    from graphopt.reduced import full_size_annotations
+    from graphopt.runtime.session import UNOPTIMIZED_SETTINGS
+    model, feeds = training_example("mlp", batch=512, width=256, depth=4, d_in=256)
+    inferred = full_shapes(model)
+    keep = set(analyze(model).parameters)
+    twins = {b: make_twin(model, feeds, b, keep=keep, shapes=inferred) for b in (8, 16)}
+    full_sums, reduced_sums = [], []
+    for _ in range(3):
+        full = annotate(model, feeds, UNOPTIMIZED_SETTINGS)
+        low, high = (annotate(twins[b].model, twins[b].inputs, UNOPTIMIZED_SETTINGS) for b in (8, 16))
+        reduced = full_size_annotations(model, low, high, 8, 16, 512, inferred, twins[16].positions)
+        assert set(reduced.node_seconds) == set(full.node_seconds)
+        full_sums.append(sum(full.node_seconds.values()))
+        reduced_sums.append(sum(reduced.node_seconds.values()))
+    ratio = min(reduced_sums) / min(full_sums)
+    assert 0.2 < ratio < 5, (reduced_sums, full_sums)
