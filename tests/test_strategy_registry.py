@@ -24,7 +24,12 @@ def graph():
 
 
 def test_the_registry_lists_each_strategy_under_its_own_name_and_auto_is_the_default():
-    assert all(isinstance(s, Strategy) and s.name == name for name, s in STRATEGIES.items())
+    # the strategies in the registry's order (the order error messages name them in), each name
+    # calling the solver of that name
+    names = ["auto", "feng-huang", "kusumoto", "kusumoto-approx", "chain", "greedy", "chen-greedy", "chen-sqrt",
+             "store-all", "milp"]
+    assert {name: s.solve.__name__ for name, s in STRATEGIES.items()} == {n: n.replace("-", "_") for n in names}
+    assert list(STRATEGIES) == names and all(isinstance(s, Strategy) for s in STRATEGIES.values())
     assert {name for name, s in STRATEGIES.items() if not s.takes_budget} == NO_BUDGET
     assert DEFAULT_STRATEGY == "auto" and STRATEGIES[DEFAULT_STRATEGY].takes_budget
 
