@@ -118,7 +118,8 @@ class Liveness:
     """The buffers ("storages") a schedule allocates: per storage its bytes, the step that makes it,
     the step of its last read, and whether it is counted from then on (allocated) and freed after
     its last read (else kept to the end); the tensor and copy that made it; per step the bytes
-    live while it runs (its work buffer included)."""
+    live while it runs (its work buffer included), and the bytes live after it, once it has
+    freed what it read last (`resting`)."""
     ops: np.ndarray
     copies: np.ndarray
     storage_tensor: np.ndarray
@@ -129,6 +130,7 @@ class Liveness:
     storage_freed: np.ndarray
     storage_output: np.ndarray
     running: np.ndarray
+    resting: np.ndarray
 
 
 def liveness(graph: CostGraph, schedule: list[Step], tensor_bytes_by_id: np.ndarray | None = None) -> Liveness:
@@ -204,8 +206,9 @@ def liveness(graph: CostGraph, schedule: list[Step], tensor_bytes_by_id: np.ndar
     freed = np.bincount(storage_last[freeing], weights=storage_bytes[freeing], minlength=n)
     live_before_free = np.cumsum(allocated) - np.concatenate(([0.0], np.cumsum(freed)[:-1]))
     running = live_before_free.astype(np.int64) + graph.op_workspace_bytes[ops]
+    resting = (np.cumsum(allocated) - np.cumsum(freed)).astype(np.int64)
     return Liveness(ops, copies, w_tensor[creating], storage_bytes, storage_born, storage_last, allocated_mask,
-                     freeing, storage_kept, running)
+                     freeing, storage_kept, running, resting)
 
 
 def simulate(graph: CostGraph, schedule: list[Step], tensor_bytes_by_id: np.ndarray | None = None) -> Simulation:

@@ -137,3 +137,164 @@ def default_order(model: onnx.ModelProto) -> list[int]:
         stack.append((i, True))
         stack.extend((p, False) for p in producers[i] if p not in visited)
     return order
+
+
+def peak_places(model: onnx.ModelProto) -> list[tuple[int, str]]:
+    """(peak bytes, the node running there) of the model run in file order (PRIORITY_BASED) and
+    of the least peak a plan can reach on it (`search.plan.floor_schedule_and_sizes`), by the
+    cost model with sizes from ONNX shape inference."""
+    from graphopt.analyze import analyze
+    from graphopt.costmodel import priority_order, simulate
+    from graphopt.op_rules import build_cost_graph
+    from graphopt.search.plan import floor_schedule_and_sizes
+
+    cost_graph = build_cost_graph(analyze(model), static_tensor_bytes(model), {})
+    in_file = priority_order(cost_graph, [(n.name, 0) for n in model.graph.node if n.name in cost_graph])
+    floor_schedule, zeroed = floor_schedule_and_sizes(cost_graph)
+    floor_schedule = priority_order(cost_graph, floor_schedule)
+    places = []
+    for schedule, sizes in ((in_file, None), (floor_schedule, zeroed)):
+        simulation = simulate(cost_graph, schedule, sizes)
+        places.append((simulation.peak_bytes, schedule[simulation.peak_step][0]))
+    return places
+
+
+
+def place_updates(model: onnx.ModelProto, chains: list[list[str]]) -> int:
+    """In place: move each chain of nodes (an optimizer's update of one parameter: nodes whose
+    outputs only the chain itself reads, or graph outputs) to where in the file the cost model
+    gives the least peak for running it there, in one piece, in the order given (the largest
+    first, each placed with the others where they are). Returns how many chains moved.
+
+    A chain placed later holds what it reads (the gradient) longer, and runs where less else is
+    alive: an embedding's update run where the backward pass still holds the activations that
+    the weight gradients after it read costs more than the same update run after them. The
+    chain goes no earlier than right after the last node that makes or reads what it reads and
+    frees, so that it frees all of that. Sizes from ONNX shape inference (`static_tensor_bytes`);
+    the order the cost model runs is the file's, as PRIORITY_BASED runs a file written in a
+    topological order. For position t among the other nodes (S, n of them) and the chain
+    simulated at the end: the peak before t is S's, the chain's own is the bytes resting after
+    step t-1 plus its rise over what rests before it, and after t it is S's less what the
+    chain frees."""
+    from graphopt.analyze import analyze
+    from graphopt.costmodel import liveness
+    from graphopt.op_rules import build_cost_graph
+
+    cost_graph = build_cost_graph(analyze(model), static_tensor_bytes(model), {})
+    by_name = {n.name: n for n in model.graph.node}
+    order = [n.name for n in model.graph.node]
+    moved = 0
+    graph_outputs = {v.name for v in model.graph.output}
+    for chain in chains:
+        chain = _with_exclusive_producers(chain, by_name, graph_outputs)
+        members = set(chain)
+        rest = [name for name in order if name not in members]
+        in_chain = [name for name in order if name in members]
+        rest_steps = [name for name in rest if name in cost_graph]
+        chain_steps = [name for name in in_chain if name in cost_graph]
+        if not chain_steps or not rest_steps:
+            continue
+        n = len(rest_steps)
+        at_end = liveness(cost_graph, [(name, 0) for name in rest_steps + chain_steps])
+        without = liveness(cost_graph, [(name, 0) for name in rest_steps])
+        born_before = np.flatnonzero(at_end.storage_born < n)
+        read_in_chain = born_before[at_end.storage_last[born_before] >= n]
+        held = read_in_chain[at_end.storage_freed[read_in_chain]]
+        held_bytes = at_end.storage_bytes[held].astype(np.int64)
+        # read elsewhere last at step held_last (its birth when only the chain reads it): with the
+        # chain at t, freed by the chain when held_last < t, else after step held_last
+        held_last = without.storage_last[held]
+        earliest = max([int(at_end.storage_born[k]) + 1 for k in read_in_chain] + [1])
+        running, resting = at_end.running[:n].astype(np.int64), at_end.resting
+        rise = int(at_end.running[n:].max()) - int(resting[n - 1])
+        # steps i >= t hold what the chain frees only until its last other read
+        freed_by = np.zeros(n + 1, dtype=np.int64)
+        np.add.at(freed_by, np.minimum(held_last + 1, n), held_bytes)
+        after = np.concatenate((np.maximum.accumulate((running - np.cumsum(freed_by)[:n])[::-1])[::-1],
+                                [np.iinfo(np.int64).min]))
+        before = np.maximum.accumulate(running)                       # before[t-1]: steps < t
+        positions = np.arange(earliest, n + 1)
+        # during the chain, what it would free but is read later still (conservative)
+        still_read = _bytes_read_from(held_last, held_bytes, positions)
+        peaks = np.maximum(np.maximum(before[positions - 1], resting[positions - 1] + rise + still_read),
+                           after[positions])
+        following = _next_step(order, in_chain, cost_graph, members)
+        current = rest_steps.index(following) if following is not None else n
+        least = peaks.min()
+        at_least = positions[peaks == least]
+        best = current if current in set(at_least.tolist()) else int(at_least[0])
+        # the chain goes right before rest_steps[best] (or last)
+        anchor = rest_steps[best] if best < n else None
+        placed = []
+        for name in rest:
+            if name == anchor:
+                placed.extend(in_chain)
+            placed.append(name)
+        if anchor is None:
+            placed.extend(in_chain)
+        if placed != order and _topological([by_name[name] for name in placed]):
+            moved += 1
+            order = placed
+    model.graph.ClearField("node")
+    model.graph.node.extend(by_name[name] for name in order)
+    return moved
+
+
+def _with_exclusive_producers(chain: list[str], by_name: dict, graph_outputs: set[str]) -> list[str]:
+    """`chain` and, transitively, every node whose outputs only the chain reads (none a graph
+    output, none holding a subgraph): what makes the gradient an update reads moves with it."""
+    members = set(chain)
+    readers: dict[str, set[str]] = {}
+    producer: dict[str, str] = {}
+    for name, node in by_name.items():
+        for t in list(node.input) + list(implicit_inputs(node)):
+            if t:
+                readers.setdefault(t, set()).add(name)
+        for o in node.output:
+            if o:
+                producer[o] = name
+    stack = list(chain)
+    while stack:
+        node = by_name[stack.pop()]
+        for t in list(node.input) + list(implicit_inputs(node)):
+            name = producer.get(t)
+            if name is None or name in members:
+                continue
+            candidate = by_name[name]
+            outputs = [o for o in candidate.output if o]
+            if (outputs and not any(o in graph_outputs for o in outputs)
+                    and all(readers.get(o, set()) <= members for o in outputs)
+                    and not any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+                                for a in candidate.attribute)):
+                members.add(name)
+                stack.append(name)
+    return [name for name in by_name if name in members]
+
+
+def _bytes_read_from(last: np.ndarray, sizes: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """For each position t: the bytes of `sizes` whose `last` read is at step t or later."""
+    if not len(last):
+        return np.zeros(len(positions), dtype=np.int64)
+    order = np.argsort(last)
+    suffix = np.concatenate((np.cumsum(sizes[order][::-1])[::-1], [0]))
+    return suffix[np.searchsorted(last[order], positions, side="left")]
+
+
+def _next_step(order: list[str], chain: list[str], cost_graph, members: set[str]) -> str | None:
+    """The first node after the chain's last one (in `order`) that the cost graph runs."""
+    for name in order[order.index(chain[-1]) + 1:]:
+        if name not in members and name in cost_graph:
+            return name
+    return None
+
+
+def _topological(nodes: list[onnx.NodeProto]) -> bool:
+    """Whether every node comes after the nodes that make what it reads."""
+    made = {o for n in nodes for o in n.output if o}
+    seen: set[str] = set()
+    for node in nodes:
+        if any(t in made and t not in seen for t in list(node.input) + list(implicit_inputs(node)) if t):
+            return False
+        seen.update(o for o in node.output if o)
+    return True
+

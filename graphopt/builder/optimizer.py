@@ -100,21 +100,41 @@ class OptimizerSpec:
 METADATA_KEY = "graphopt.optimizer"
 
 
+# a parameter's AdamW moments made in blocks of rows (`fuse_optimizer`'s chunks) are made in
+# blocks of about this many bytes
+CHUNK_BYTES = 2 << 20
+
+
 @dataclass(frozen=True)
 class FusedUpdates:
     """Where `fuse_optimizer` wrote its nodes: `head` (the step count and bias corrections,
-    first in the file) and, by the name of the node that completes a gradient, the update
-    nodes written right after it, in their order."""
+    first in the file), by the name of the node that completes a gradient the update nodes
+    written right after it, in their order, and by parameter the nodes of its update."""
     head: list[str]
     after: dict[str, list[str]]
+    by_param: dict[str, list[str]]
 
 
-def fuse_optimizer(model: onnx.ModelProto, params: list[str], spec: OptimizerSpec) -> FusedUpdates:
+def chunk_rows(rows: int, pieces: int) -> list:
+    """[(start, end)] of `pieces` blocks of `rows` rows, as even as can be (at most `rows`
+    blocks; [None]: one piece, the whole tensor)."""
+    pieces = max(1, min(int(pieces), rows))
+    if pieces == 1:
+        return [None]
+    edges = [rows * k // pieces for k in range(pieces + 1)]
+    return list(zip(edges[:-1], edges[1:]))
+
+
+def fuse_optimizer(model: onnx.ModelProto, params: list[str], spec: OptimizerSpec,
+                   chunks: dict[str, int] | None = None) -> FusedUpdates:
     """In place, on a finished training graph whose outputs are ``loss``, ``<p>_grad`` for each of
     `params` (in that order) and extras: the update of each parameter in the graph (see the
     module docstring), each right after the node that completes its gradient, in the order
-    it should run. Raises InvalidModelError when a name it needs is taken."""
+    it should run. `chunks`: parameter -> the number of blocks of rows its AdamW moments are
+    made in (see `update`; others in one). Raises InvalidModelError when a name it needs is
+    taken."""
     spec.check()
+    chunks = dict(chunks or {})
     graph = model.graph
     outputs = list(graph.output)
     grads = [p + GRAD for p in params]
@@ -165,6 +185,13 @@ def fuse_optimizer(model: onnx.ModelProto, params: list[str], spec: OptimizerSpe
         new_initializers.append(numpy_helper.from_array(
             np.array(value, dtype=helper.tensor_dtype_to_np_dtype(elem_type)), name))
         return name
+
+    row_constants: dict[int, str] = {}
+
+    def row_constant(value: int) -> str:
+        if value not in row_constants:
+            row_constants[value] = const([value], TensorProto.INT64, "optimizer/rows")
+        return row_constants[value]
 
     def node(op, inputs, stem, **attrs) -> tuple[str, onnx.NodeProto]:
         out = names.fresh(stem)
@@ -239,13 +266,39 @@ def fuse_optimizer(model: onnx.ModelProto, params: list[str], spec: OptimizerSpe
             # late as its inputs allow, so that at most the gradient and two parameter-sized
             # temporaries are alive at once: the first moment, then the second (the gradient's
             # last reader), the denominator, the step, and the parameter's decay last.
+            # A parameter in `chunks` has its moments made piece by piece, each a block of rows
+            # joined (Concat) into the buffer the caller binds: the gradient, one parameter's
+            # size of pieces and a few pieces' temporaries are alive at once, not the gradient
+            # and two parameter-sized temporaries. The arithmetic is the same element by element.
+            pieces = chunk_rows(int(initializers[p].dims[0]), chunks.get(p, 1)) \
+                if initializers[p].dims else [None]
+
+            def piece(x, rows, stem):
+                if rows is None:
+                    return x
+                return emit("Slice", [x, row_constant(rows[0]), row_constant(rows[1]), row_constant(0)],
+                            f"{stem}_rows{rows[0]}")
+
+            def joined(parts, stem, out):
+                return parts[0] if len(parts) == 1 else emit("Concat", parts, stem, out=out, axis=0)
+
             # exp_avg.lerp_(grad, 1 - beta1) = m + (1 - beta1) * (g - m)
-            m_new = emit("Add", [m, emit("Mul", [emit("Sub", [g, m], "grad_minus_avg"), one_minus_b1], "lerp")],
-                         "exp_avg", out=m + UPDATED)
+            m_out = m + UPDATED if pieces == [None] else None
+            m_parts = []
+            for rows in pieces:
+                g_k, m_k = piece(g, rows, "grad"), piece(m, rows, "exp_avg_rows")
+                m_parts.append(emit("Add", [m_k, emit("Mul", [emit("Sub", [g_k, m_k], "grad_minus_avg"),
+                                                             one_minus_b1], "lerp")], "exp_avg", out=m_out))
+            m_new = joined(m_parts, "exp_avg", m + UPDATED)
             # exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-            scaled = emit("Mul", [emit("Mul", [g, one_minus_b2], "grad_scaled"), g], "grad_sq")
-            v_new = emit("Add", [emit("Mul", [v, b2_const], "avg_sq_decayed"), scaled], "exp_avg_sq",
-                         out=v + UPDATED)
+            v_out = v + UPDATED if pieces == [None] else None
+            v_parts = []
+            for rows in pieces:
+                g_k, v_k = piece(g, rows, "grad"), piece(v, rows, "exp_avg_sq_rows")
+                scaled = emit("Mul", [emit("Mul", [g_k, one_minus_b2], "grad_scaled"), g_k], "grad_sq")
+                v_parts.append(emit("Add", [emit("Mul", [v_k, b2_const], "avg_sq_decayed"), scaled], "exp_avg_sq",
+                                    out=v_out))
+            v_new = joined(v_parts, "exp_avg_sq", v + UPDATED)
             # denom = exp_avg_sq.sqrt() / bias_correction2_sqrt + eps
             denom = emit("Add", [emit("Div", [emit("Sqrt", [v_new], "root"), correction2_sqrt], "root_corrected"),
                                  eps], "denom")
@@ -258,16 +311,20 @@ def fuse_optimizer(model: onnx.ModelProto, params: list[str], spec: OptimizerSpe
     # each update right after the node that completes its gradient
     producer_index = {o: k for k, n in enumerate(graph.node) for o in n.output if o}
     after: dict[int, list] = {}
+    by_param: dict[str, list[str]] = {}
     for p, g in zip(params, grads):
         if g not in producer_index:
             raise InvalidModelError(f"the gradient {g!r} is not computed by any node")
-        after.setdefault(producer_index[g], []).extend(update(p))
+        written_for_p = update(p)
+        by_param[p] = [n.name for n in written_for_p]
+        after.setdefault(producer_index[g], []).extend(written_for_p)
     nodes = list(head)
     for k, n in enumerate(graph.node):
         nodes.append(n)
         nodes.extend(after.get(k, ()))
     written = FusedUpdates(head=[n.name for n in head],
-                           after={graph.node[k].name: [n.name for n in chain] for k, chain in after.items()})
+                           after={graph.node[k].name: [n.name for n in chain] for k, chain in after.items()},
+                           by_param=by_param)
     graph.ClearField("node")
     graph.node.extend(nodes)
     graph.initializer.extend(new_initializers)

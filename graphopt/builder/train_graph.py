@@ -43,8 +43,8 @@ from .lean import (gradients_early, loss_first, masks_as_products, outputs_writt
                    sums_as_produced,
                    recompute_gelu_intermediates, transposed_products,
                    transposed_weights_into_gemm)
-from .file_order import default_order, leanest_file_order
-from .optimizer import OptimizerSpec, fuse_optimizer
+from .file_order import default_order, leanest_file_order, peak_places, place_updates
+from .optimizer import CHUNK_BYTES, OptimizerSpec, fuse_optimizer
 from .losses import LOSS_NAME, attach_loss_parts, cross_entropy_seed, parse_loss
 from .training_mode import batchnorm_training, copy_statistics_inputs, dropout_training
 from graphopt.onnx_ops import FLOAT_TYPES, STANDARD_DOMAINS
@@ -495,20 +495,83 @@ def _build(forward, loss, parameters, freeze, labels, class_axis, optimizer, hel
         # graph's file order and the order ORT's DEFAULT walk runs it in (each gradient late,
         # right before the walk needs it), each with the updates right after their gradients;
         # and the order ORT's DEFAULT walk would run the fused graph in (what it ran before).
-        constants = [n.name for n in model.graph.node if n.op_type == "Constant"]
-        walked = [model.graph.node[k].name for k in default_order(model)]
-        fused = fuse_optimizer(model, params, optimizer)
-        name_nodes(model)
-        in_file = [n.name for n in model.graph.node]
-        in_walk = constants + fused.head + [x for name in walked for x in [name] + fused.after.get(name, [])]
-        fused_walk = [model.graph.node[k].name for k in default_order(model)]
-        leanest_file_order(model, [in_file, in_walk, constants + fused_walk])
+        model = _fused(model, params, optimizer)
         write_settings(model, dataclasses.replace(UNOPTIMIZED_SETTINGS, execution_order="PRIORITY_BASED"))
         try:
             skeleton_check(model)
         except onnx.checker.ValidationError as exc:  # pragma: no cover - a bug if it happens
             raise InvalidModelError("the training graph with its optimizer fails onnx.checker: %s" % exc) from exc
     return model
+
+
+# at most this many rounds of `_fused` making the moments of one more parameter in blocks of rows
+CHUNKED_ROUNDS = 4
+# the updates of parameters of at least this many bytes are placed where the peak is least
+PLACED_MIN_BYTES = 1 << 20
+
+
+def _fused(training: onnx.ModelProto, params: list[str], optimizer: OptimizerSpec) -> onnx.ModelProto:
+    """`training` (outputs: loss, gradients) with `optimizer`'s step inside (`fuse_optimizer`),
+    its nodes in the leanest of three candidate file orders.
+
+    The fused graph runs in file order (PRIORITY_BASED), so that each update runs where it is
+    written. The candidates (the cost model keeps the leanest): the training graph's file order
+    and the order ORT's DEFAULT walk runs it in (each gradient late, right before the walk needs
+    it), each with the updates right after their gradients; and the order ORT's DEFAULT walk
+    would run the fused graph in.
+
+    Where the cost model puts the peak inside a parameter's AdamW update, or the least peak a
+    plan can reach there (`search.plan.peak_floor_bytes`: the gradient and two temporaries of
+    the parameter's size on top of what else is alive, against the gradient alone in a graph
+    that returns it), that parameter's moments are made in blocks of rows
+    (`optimizer.chunk_rows`, CHUNK_BYTES each), and kept if that lowers either peak; up to
+    CHUNKED_ROUNDS parameters, the largest such first."""
+    constants = [n.name for n in training.graph.node if n.op_type == "Constant"]
+    walked = [training.graph.node[k].name for k in default_order(training)]
+    chunks: dict[str, int] = {}
+    initializers = {t.name: t for t in training.graph.initializer}
+    sizes = {p: int(np.prod(initializers[p].dims, dtype=np.int64))
+             * helper.tensor_dtype_to_np_dtype(initializers[p].data_type).itemsize for p in params}
+
+    def fused_with(chunks):
+        model = onnx.ModelProto()
+        model.CopyFrom(training)
+        fused = fuse_optimizer(model, params, optimizer, chunks)
+        name_nodes(model)
+        in_file = [n.name for n in model.graph.node]
+        in_walk = constants + fused.head + [x for name in walked for x in [name] + fused.after.get(name, [])]
+        fused_walk = [model.graph.node[k].name for k in default_order(model)]
+        leanest_file_order(model, [in_file, in_walk, constants + fused_walk])
+        large = sorted((p for p in params if sizes[p] >= PLACED_MIN_BYTES), key=lambda p: -sizes[p])
+        place_updates(model, [fused.by_param[p] for p in large])
+        return model, fused
+
+    model, fused = fused_with(chunks)
+    if optimizer.kind != "adamw":
+        return model
+    peaks = peak_places(model)
+    for _ in range(CHUNKED_ROUNDS):
+        owner = {name: p for p, names in fused.by_param.items() for name in names}
+        found = [owner[node] for _, node in peaks if node in owner]
+        found = [p for p in found if p not in chunks and rows_of(model, p) > 1 and sizes.get(p, 0) > CHUNK_BYTES]
+        if not found:
+            break
+        p = max(found, key=sizes.__getitem__)
+        trial = {**chunks, p: -(-sizes[p] // CHUNK_BYTES)}
+        trial_model, trial_fused = fused_with(trial)
+        trial_peaks = peak_places(trial_model)
+        if not any(new < old for (new, _), (old, _) in zip(trial_peaks, peaks)):
+            break
+        model, fused, peaks, chunks = trial_model, trial_fused, trial_peaks, trial
+    return model
+
+
+def rows_of(model: onnx.ModelProto, name: str) -> int:
+    """The first dimension of initializer `name` (1 for a scalar)."""
+    for t in model.graph.initializer:
+        if t.name == name:
+            return int(t.dims[0]) if t.dims else 1
+    return 1
 
 
 def _loss_ancestors(model, loss) -> list:
