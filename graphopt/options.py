@@ -110,7 +110,9 @@ class OptimizeOptions:
              "(default: the profile on the CPU provider, whose profile times the kernels; replay on any "
              "other, whose profile times the launches)")
     tolerance: float = option(1e-5, proto=14, analyze=False, metavar="REL",
-                              help="relative output difference accepted (default 1e-5)")
+                              help="relative output difference accepted (default 1e-5): per output, max |a - b| "
+                                   "over its largest value, or over a hundredth of the largest value of its kind "
+                                   "(gradients, updated parameters, each optimizer state) where that is larger")
     progress: Progress | None = option(None, flag="", help="called with each stage and the fraction done")
 
     def check(self) -> None:

@@ -226,7 +226,7 @@ class OverheadAttempt(_Json):
 @dataclass
 class OutputsDiffer(_Json):
     output: str
-    relative_difference: float
+    relative_difference: float   # as in Report.max_relative_difference, above the tolerance
     reason: str
 
 
@@ -464,6 +464,8 @@ class Report(_Json):
     graph_optimizations: GraphOptimizations = field(default_factory=GraphOptimizations)
     session: SessionSettings | None = None   # the session settings written in the returned model
     outputs_match: bool | None = None   # None: not verified
+    # the worst output's difference as verify.compare_outputs measures it: max |a - b| over the output's
+    # largest value, or over a hundredth of the largest value of its kind where that is larger
     max_relative_difference: float | None = None
     outputs_differ: OutputsDiffer | None = None
     rejected_for_outputs: list[RejectedForOutputs] = field(default_factory=list)
