@@ -12,7 +12,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from graphopt.builder.optimizer import METADATA_KEY, STEP_NAME, OptimizerSpec, fuse_optimizer
+from graphopt.builder.optimizer import METADATA_KEY, STEP_NAME, OptimizerSpec, chunk_rows, fuse_optimizer
 from graphopt.errors import InvalidModelError, InvalidOptionError
 
 SHAPES = {"w": (3, 4), "b": (4,)}
@@ -66,10 +66,10 @@ def _one_thread() -> ort.SessionOptions:
     return options
 
 
-def _run_fused(spec, dtype=np.float32):
+def _run_fused(spec, dtype=np.float32, chunks=None):
     """The fused graph run STEPS times in ONNX Runtime: per step, name -> value after it."""
     model = _training_graph(dtype)
-    fuse_optimizer(model, list(SHAPES), spec)
+    fuse_optimizer(model, list(SHAPES), spec, chunks)
     onnx.checker.check_model(model)
     values = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
     names = [i.name for i in model.graph.input]
@@ -166,6 +166,43 @@ def test_fused_adamw_steps_equal_the_float64_reference(case):
                        "stat.negated"]
     assert float(start[STEP_NAME]) == 0.0 and start[STEP_NAME].dtype == np.float32
     assert all(not np.any(start[f"{p}.{s}"]) for p in SHAPES for s in ("exp_avg", "exp_avg_sq"))
+
+
+@pytest.mark.parametrize("chunks", [{"w": 3, "b": 2}, {"w": 2}, {"b": 4, "w": 7}])
+def test_adamw_moments_made_in_blocks_of_rows_are_the_same_bits(chunks):
+    """The moments of a parameter made block by block (Slice, the same arithmetic, Concat) equal
+    the float64 reference, and bit for bit the moments made whole: the same operations on the
+    same elements."""
+    kwargs = ADAMW_CASES["explicit"]
+    model, start, got = _run_fused(OptimizerSpec("adamw", **kwargs), chunks=chunks)
+    _assert_steps_equal(got, _reference("adamw", start, **kwargs))
+    _, _, whole = _run_fused(OptimizerSpec("adamw", **kwargs))
+    for step, (a, b) in enumerate(zip(got, whole)):
+        assert sorted(a) == sorted(b)
+        for name in a:
+            assert np.array_equal(a[name], b[name]), (step, name)
+    concats = [n for n in model.graph.node if n.op_type == "Concat"]
+    slices = [n for n in model.graph.node if n.op_type == "Slice"]
+    pieces = {p: min(k, SHAPES[p][0]) for p, k in chunks.items()}
+    # per blocked parameter: exp_avg and exp_avg_sq joined; a gradient and a state block read per block, twice
+    assert sorted(o for n in concats for o in n.output) == sorted(
+        f"{p}.{s}_updated" for p in pieces for s in ("exp_avg", "exp_avg_sq"))
+    assert len(slices) == sum(4 * k for k in pieces.values())
+    assert all(len(n.input) == pieces[n.output[0].split(".")[0]] for n in concats)
+
+
+def test_blocks_of_rows_cover_the_rows_once_as_evenly_as_can_be():
+    for rows in (1, 2, 5, 7, 64, 1000):
+        for pieces in (1, 2, 3, 8, 2000):
+            blocks = chunk_rows(rows, pieces)
+            if min(pieces, rows) == 1:
+                assert blocks == [None]
+                continue
+            assert len(blocks) == min(pieces, rows)
+            assert blocks[0][0] == 0 and blocks[-1][1] == rows
+            assert all(a[1] == b[0] for a, b in zip(blocks, blocks[1:]))
+            sizes = [end - start for start, end in blocks]
+            assert max(sizes) - min(sizes) <= 1 and min(sizes) >= 1
 
 
 def test_the_defaults_are_torchs():
