@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from .errors import GraphoptError
+from .errors import GraphoptError, InvalidModelError
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
@@ -215,6 +215,8 @@ def cmd_measure(args) -> int:
     from .runtime.measure import measure
     from .runtime.session import DEFAULT_SETTINGS, read_settings
     model = load_model(args.model, weights_on_disk=True)     # the graph; the run reads the weights from disk
+    if not model.graph.output:
+        raise InvalidModelError(f"{args.model}: the model has no outputs, so a step computes nothing to measure")
     settings = {"model": read_settings(model) or DEFAULT_SETTINGS, "default": DEFAULT_SETTINGS,
                 "off": ORIGINAL_UNOPTIMIZED}[args.session]
     inputs = _load_inputs(args, model)

@@ -1,7 +1,9 @@
-"""Ingest: load a model safely (limits, external data confined to the model's folder)
-and give every node a unique name so that profiles and plans can refer to nodes."""
+"""Ingest: load a model safely (limits, versions the installed ONNX Runtime reads, external data
+confined to the model's folder) and give every node a unique name so that profiles and plans can
+refer to nodes."""
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -43,6 +45,77 @@ def check_external_data(model: onnx.ModelProto, base_dir: str | os.PathLike) -> 
                 f"initializer {tensor.name!r}: external data file {location!r} does not exist")
 
 
+# the operator set paired with an IR version when only the IR version is probed: ai.onnx 1, which
+# every ONNX Runtime reads
+_ANY_OPSET = (("", 1),)
+
+
+@functools.lru_cache(maxsize=None)
+def _onnxruntime_loads(ir_version: int, opsets: tuple) -> str | None:
+    """None where the installed ONNX Runtime loads a model of this IR version importing these
+    (domain, version) operator sets (a graph of no node, its input its output, read on the CPU
+    provider), else its reason, the first line of its error."""
+    import onnxruntime as ort
+
+    from .runtime.session import LOAD_ERRORS
+    graph = onnx.helper.make_graph([], "versions", [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])],
+                                   [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])])
+    probe = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid(d, v) for d, v in opsets])
+    probe.ir_version = ir_version
+    options = ort.SessionOptions()
+    options.log_severity_level = 4
+    options.intra_op_num_threads = options.inter_op_num_threads = 1
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    try:
+        ort.InferenceSession(probe.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    except LOAD_ERRORS as exc:
+        return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return None
+
+
+def _highest(loads, above: int) -> int | None:
+    """The highest version below `above` that `loads` (a version -> bool that holds up to some
+    version and not above it), by bisection; None when not even 0 does."""
+    if not loads(0):
+        return None
+    low, high = 0, above
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if loads(middle) else (low, middle)
+    return low
+
+
+def check_versions(model: onnx.ModelProto) -> None:
+    """Refuse a model whose IR version or operator sets the installed ONNX Runtime cannot load,
+    naming the model's version and the highest ONNX Runtime supports, before any work starts (it
+    would otherwise fail in the first child process that opens it). What ONNX Runtime supports
+    is asked of it: it loads a graph of no node carrying the model's versions (`_onnxruntime_loads`,
+    once per distinct set of versions in a process), and where it refuses, the highest it
+    loads is found by bisection. (onnxruntime's Python API does not state its highest IR
+    version, and the onnx package's `IR_VERSION` is that of the onnx installed beside it, which
+    need not be the one ONNX Runtime was built with.)"""
+    import onnxruntime as ort
+    ir_version = int(model.ir_version)
+    opsets = tuple(sorted((o.domain, int(o.version)) for o in model.opset_import))
+    why = _onnxruntime_loads(ir_version, opsets)
+    if why is None:
+        return
+    installed = f"the installed onnxruntime {ort.__version__}"
+    if _onnxruntime_loads(ir_version, _ANY_OPSET) is not None:
+        top = _highest(lambda v: _onnxruntime_loads(v, _ANY_OPSET) is None, ir_version)
+        raise InvalidModelError(f"the model's IR version is {ir_version}, newer than {installed} reads "
+                                f"(IR versions up to {top})")
+    for domain, version in opsets:
+        if _onnxruntime_loads(ir_version, ((domain, version),)) is not None:
+            top = _highest(lambda v: _onnxruntime_loads(ir_version, ((domain, v),)) is None, version)
+            raise InvalidModelError(
+                f"the model imports operator set {domain or 'ai.onnx'!r} version {version}, newer than "
+                f"{installed} supports ({'none' if top is None else f'versions up to {top}'})")
+    imported = ", ".join(f"{domain or 'ai.onnx'!r} {version}" for domain, version in opsets)
+    raise InvalidModelError(f"{installed} cannot load a model of IR version {ir_version} importing operator "
+                            f"sets {imported}: {why}")
+
+
 def external_data_files(model_path: str | os.PathLike) -> list[str]:
     """The external-data files a model file references, as distinct relative locations in
     first-use order, each checked to be inside the model's folder and to exist."""
@@ -78,6 +151,7 @@ def load_model(path: str | os.PathLike, *, max_bytes: int | None = None,
         raise InvalidModelError(f"{str(path)!r} is not a readable ONNX model: {exc}") from exc
     if not model.HasField("graph"):  # protobuf parses an empty file (and more) as a ModelProto
         raise InvalidModelError(f"{str(path)!r} is not an ONNX model: it has no graph")
+    check_versions(model)
     check_external_data(model, path.parent)
     if weights_on_disk:
         # the small ones inline all the same: shapes and axes are what graph work reads (and what
@@ -118,6 +192,7 @@ def parse_model(data: bytes) -> onnx.ModelProto:
         raise InvalidModelError(f"not a serialized ONNX model: {exc}") from exc
     if not model.HasField("graph"):
         raise InvalidModelError("not an ONNX model: it has no graph")
+    check_versions(model)
     return model
 
 

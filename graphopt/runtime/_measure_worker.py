@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     from graphopt.runtime.arrays import load_arrays
     from graphopt.runtime.rss import mark_session_start, rss_bytes, session_footprint
     from graphopt.runtime.session import (
-        DEFAULT_SETTINGS, SessionSettings, default_providers, read_settings, session_options,
+        DEFAULT_SETTINGS, LOAD_ERRORS, SessionSettings, default_providers, read_settings, session_options,
     )
 
     start_bytes = rss_bytes()   # after the imports, before anything is loaded
@@ -222,7 +222,11 @@ def main(argv: list[str] | None = None) -> int:
     if settings.disabled_optimizers:
         kwargs["disabled_optimizers"] = list(settings.disabled_optimizers)
     mark_session_start()
-    sess = ort.InferenceSession(args.model, so, providers=providers, **kwargs)
+    try:
+        sess = ort.InferenceSession(args.model, so, providers=providers, **kwargs)
+    except LOAD_ERRORS as exc:   # a model ONNX Runtime refuses: bad input, said in a line, no traceback
+        print(f"onnxruntime cannot load the model: {str(exc).strip()}", file=sys.stderr)
+        return 2
     if sess.get_providers()[0] != provider:
         raise RuntimeError(f"provider {provider} not used; session has {sess.get_providers()}")
 

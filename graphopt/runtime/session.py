@@ -184,6 +184,13 @@ def _set_metadata(model: onnx.ModelProto, key: str, value: str) -> None:
 # ONNX Runtime's session config key: "0" makes idle intra-op threads sleep instead of spin
 ALLOW_SPINNING_CONFIG = "session.intra_op.allow_spinning"
 
+# what ONNX Runtime raises when it refuses a model at load (bad input, not a fault of graphopt's)
+LOAD_ERRORS = (ort.capi.onnxruntime_pybind11_state.Fail,
+               ort.capi.onnxruntime_pybind11_state.InvalidGraph,
+               ort.capi.onnxruntime_pybind11_state.InvalidArgument,
+               ort.capi.onnxruntime_pybind11_state.NoSuchFile,
+               ort.capi.onnxruntime_pybind11_state.InvalidProtobuf)
+
 
 def session_options(
     settings: SessionSettings,
@@ -309,9 +316,5 @@ def open_session(
             return ort.InferenceSession(path, so, providers=providers, **kwargs)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-    except (ort.capi.onnxruntime_pybind11_state.Fail,
-            ort.capi.onnxruntime_pybind11_state.InvalidGraph,
-            ort.capi.onnxruntime_pybind11_state.InvalidArgument,
-            ort.capi.onnxruntime_pybind11_state.NoSuchFile,
-            ort.capi.onnxruntime_pybind11_state.InvalidProtobuf) as e:
+    except LOAD_ERRORS as e:
         raise InvalidModelError(f"onnxruntime cannot load the model: {e}") from e
