@@ -172,15 +172,20 @@ def place_updates(model: onnx.ModelProto, chains: list[list[str]]) -> int:
     chain goes no earlier than right after the last node that makes or reads what it reads and
     frees, so that it frees all of that. Sizes from ONNX shape inference (`static_tensor_bytes`);
     the order the cost model runs is the file's, as PRIORITY_BASED runs a file written in a
-    topological order. For position t among the other nodes (S, n of them) and the chain
-    simulated at the end: the peak before t is S's, the chain's own is the bytes resting after
-    step t-1 plus its rise over what rests before it, and after t it is S's less what the
-    chain frees."""
+    topological order. The place chosen has the least peak with the sizes of the floor
+    (`search.plan.floor_schedule_and_sizes`: the activations a plan can recompute take nothing,
+    so this is what recomputation leaves), then the least peak with every activation kept, then
+    the least bytes alive while the chain runs (each with both sizes); among equals the place it
+    has, else the earliest. For position t among the other nodes (S, n of them) and the chain
+    simulated at the end (`_peaks_by_position`): the peak before t is S's, the chain's own is
+    the bytes resting after step t-1 plus its rise over what rests before it, and after t it is
+    S's less what the chain frees."""
     from graphopt.analyze import analyze
-    from graphopt.costmodel import liveness
     from graphopt.op_rules import build_cost_graph
+    from graphopt.search.plan import floor_schedule_and_sizes
 
     cost_graph = build_cost_graph(analyze(model), static_tensor_bytes(model), {})
+    _, zeroed = floor_schedule_and_sizes(cost_graph)
     by_name = {n.name: n for n in model.graph.node}
     order = [n.name for n in model.graph.node]
     moved = 0
@@ -195,34 +200,14 @@ def place_updates(model: onnx.ModelProto, chains: list[list[str]]) -> int:
         if not chain_steps or not rest_steps:
             continue
         n = len(rest_steps)
-        at_end = liveness(cost_graph, [(name, 0) for name in rest_steps + chain_steps])
-        without = liveness(cost_graph, [(name, 0) for name in rest_steps])
-        born_before = np.flatnonzero(at_end.storage_born < n)
-        read_in_chain = born_before[at_end.storage_last[born_before] >= n]
-        held = read_in_chain[at_end.storage_freed[read_in_chain]]
-        held_bytes = at_end.storage_bytes[held].astype(np.int64)
-        # read elsewhere last at step held_last (its birth when only the chain reads it): with the
-        # chain at t, freed by the chain when held_last < t, else after step held_last
-        held_last = without.storage_last[held]
-        earliest = max([int(at_end.storage_born[k]) + 1 for k in read_in_chain] + [1])
-        running, resting = at_end.running[:n].astype(np.int64), at_end.resting
-        rise = int(at_end.running[n:].max()) - int(resting[n - 1])
-        # steps i >= t hold what the chain frees only until its last other read
-        freed_by = np.zeros(n + 1, dtype=np.int64)
-        np.add.at(freed_by, np.minimum(held_last + 1, n), held_bytes)
-        after = np.concatenate((np.maximum.accumulate((running - np.cumsum(freed_by)[:n])[::-1])[::-1],
-                                [np.iinfo(np.int64).min]))
-        before = np.maximum.accumulate(running)                       # before[t-1]: steps < t
-        positions = np.arange(earliest, n + 1)
-        # during the chain, what it would free but is read later still (conservative)
-        still_read = _bytes_read_from(held_last, held_bytes, positions)
-        peaks = np.maximum(np.maximum(before[positions - 1], resting[positions - 1] + rise + still_read),
-                           after[positions])
+        positions, peaks, own = _peaks_by_position(cost_graph, rest_steps, chain_steps, None)
+        _, floor_peaks, floor_own = _peaks_by_position(cost_graph, rest_steps, chain_steps, zeroed)
         following = _next_step(order, in_chain, cost_graph, members)
         current = rest_steps.index(following) if following is not None else n
-        least = peaks.min()
-        at_least = positions[peaks == least]
-        best = current if current in set(at_least.tolist()) else int(at_least[0])
+        # the least peak with every activation kept and with none (the floor a plan can reach),
+        # then where the chain itself holds least; the place it has among equals
+        keys = np.stack([floor_peaks, peaks, floor_own, own, positions != current])
+        best = int(positions[np.lexsort(keys[::-1])[0]])
         # the chain goes right before rest_steps[best] (or last)
         anchor = rest_steps[best] if best < n else None
         placed = []
@@ -238,6 +223,38 @@ def place_updates(model: onnx.ModelProto, chains: list[list[str]]) -> int:
     model.graph.ClearField("node")
     model.graph.node.extend(by_name[name] for name in order)
     return moved
+
+
+def _peaks_by_position(cost_graph, rest_steps: list[str], chain_steps: list[str], sizes_by_id):
+    """For the chain run right before rest_steps[t] (t = len: last), for every t it can go
+    (after what it reads is made): (t, the peak, the peak while the chain runs), by the cost
+    model with tensor sizes `sizes_by_id` (None: the graph's), from two simulations: the chain
+    at the end and the rest alone."""
+    from graphopt.costmodel import liveness
+
+    n = len(rest_steps)
+    at_end = liveness(cost_graph, [(name, 0) for name in rest_steps + chain_steps], sizes_by_id)
+    without = liveness(cost_graph, [(name, 0) for name in rest_steps], sizes_by_id)
+    born_before = np.flatnonzero(at_end.storage_born < n)
+    read_in_chain = born_before[at_end.storage_last[born_before] >= n]
+    held = read_in_chain[at_end.storage_freed[read_in_chain]]
+    held_bytes = at_end.storage_bytes[held].astype(np.int64)
+    # read elsewhere last at step held_last (its birth when only the chain reads it): with the
+    # chain at t, freed by the chain when held_last < t, else after step held_last
+    held_last = without.storage_last[held]
+    earliest = max([int(at_end.storage_born[k]) + 1 for k in read_in_chain] + [1])
+    running, resting = at_end.running[:n].astype(np.int64), at_end.resting
+    rise = int(at_end.running[n:].max()) - int(resting[n - 1])
+    # steps i >= t hold what the chain frees only until its last other read
+    freed_by = np.zeros(n + 1, dtype=np.int64)
+    np.add.at(freed_by, np.minimum(held_last + 1, n), held_bytes)
+    after = np.concatenate((np.maximum.accumulate((running - np.cumsum(freed_by)[:n])[::-1])[::-1],
+                            [np.iinfo(np.int64).min]))
+    before = np.maximum.accumulate(running)                       # before[t-1]: steps < t
+    positions = np.arange(earliest, n + 1)
+    # during the chain, what it would free but is read later still (conservative)
+    own = resting[positions - 1] + rise + _bytes_read_from(held_last, held_bytes, positions)
+    return positions, np.maximum(np.maximum(before[positions - 1], own), after[positions]), own
 
 
 def _with_exclusive_producers(chain: list[str], by_name: dict, graph_outputs: set[str]) -> list[str]:
