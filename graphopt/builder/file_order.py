@@ -83,8 +83,10 @@ def sink_to_readers(nodes: list[onnx.NodeProto], sizes: dict[str, int], resident
 def leanest_file_order(model: onnx.ModelProto, candidates: list[list[str]]) -> float:
     """In place: write the model's nodes in the candidate order (node names, each a
     topological order of all of them) whose run in file order (PRIORITY_BASED) the cost model
-    gives the least peak, after `sink_to_readers` (the first of equally lean ones); sizes from ONNX shape inference (a tensor of
-    unknown size counts 0). Returns that peak in bytes."""
+    gives the least peak, after `sink_to_readers` (the first of equally lean ones): the least
+    peak a plan can reach from it (`search.plan.peak_floor_bytes`: what recomputation leaves)
+    first, then its peak with every activation kept; sizes from ONNX shape inference (a tensor
+    of unknown size counts 0). Returns that last peak in bytes."""
     from graphopt.analyze import analyze
     from graphopt.costmodel import priority_order, simulate
     from graphopt.op_rules import build_cost_graph
@@ -97,16 +99,27 @@ def leanest_file_order(model: onnx.ModelProto, candidates: list[list[str]]) -> f
     resident = {v.name for v in graph.input} | {t.name for t in graph.initializer}
     outputs = {v.name for v in graph.output}
     cost_graph = build_cost_graph(analyze(model), sizes, {})
-    best, best_peak = None, None
+    best, best_key = None, None
     for names in candidates:
         nodes = sink_to_readers([by_name[n] for n in names], sizes, resident, outputs)
         schedule = [(n.name, 0) for n in nodes if n.name in cost_graph]
         peak = simulate(cost_graph, priority_order(cost_graph, schedule)).peak_bytes
-        if best_peak is None or peak < best_peak:
-            best, best_peak = nodes, peak
+        key = (_floor_peak(cost_graph, [name for name, _ in schedule]), peak)
+        if best_key is None or key < best_key:
+            best, best_key = nodes, key
     graph.ClearField("node")
     graph.node.extend(best)
-    return best_peak
+    return best_key[1]
+
+
+def _floor_peak(cost_graph, order: list[str]) -> int:
+    """The least peak a plan can reach from the graph in `order` (`search.plan.peak_floor_bytes`),
+    0 where that order is no topological order of the cost graph's ops."""
+    from graphopt.search.plan import peak_floor_bytes
+    try:
+        return peak_floor_bytes(cost_graph.in_order(order))
+    except ValueError:
+        return 0
 
 
 def default_order(model: onnx.ModelProto) -> list[int]:
