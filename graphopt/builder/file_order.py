@@ -80,7 +80,7 @@ def sink_to_readers(nodes: list[onnx.NodeProto], sizes: dict[str, int], resident
     return [nodes[i] for i in sorted(range(len(nodes)), key=lambda i: (key[i], i))]
 
 
-def leanest_file_order(model: onnx.ModelProto, candidates: list[list[str]]) -> float:
+def leanest_file_order(model: onnx.ModelProto, candidates: list[list[str]], cost_graph=None) -> float:
     """In place: write the model's nodes in the candidate order (node names, each a
     topological order of all of them) whose run in file order (PRIORITY_BASED) the cost model
     gives the least peak, after `sink_to_readers` (the first of equally lean ones): the least
@@ -98,7 +98,8 @@ def leanest_file_order(model: onnx.ModelProto, candidates: list[list[str]]) -> f
     sizes = static_tensor_bytes(model)
     resident = {v.name for v in graph.input} | {t.name for t in graph.initializer}
     outputs = {v.name for v in graph.output}
-    cost_graph = build_cost_graph(analyze(model), sizes, {})
+    if cost_graph is None:
+        cost_graph = build_cost_graph(analyze(model), sizes, {})
     best, best_key = None, None
     for names in candidates:
         nodes = sink_to_readers([by_name[n] for n in names], sizes, resident, outputs)
@@ -152,7 +153,7 @@ def default_order(model: onnx.ModelProto) -> list[int]:
     return order
 
 
-def peak_places(model: onnx.ModelProto) -> list[tuple[int, str]]:
+def peak_places(model: onnx.ModelProto, cost_graph=None) -> list[tuple[int, str]]:
     """(peak bytes, the node running there) of the model run in file order (PRIORITY_BASED) and
     of the least peak a plan can reach on it (`search.plan.floor_schedule_and_sizes`), by the
     cost model with sizes from ONNX shape inference."""
@@ -161,7 +162,9 @@ def peak_places(model: onnx.ModelProto) -> list[tuple[int, str]]:
     from graphopt.op_rules import build_cost_graph
     from graphopt.search.plan import floor_schedule_and_sizes
 
-    cost_graph = build_cost_graph(analyze(model), static_tensor_bytes(model), {})
+    order = [n.name for n in model.graph.node]
+    cost_graph = build_cost_graph(analyze(model), static_tensor_bytes(model), {}) if cost_graph is None \
+        else cost_graph.in_order(order)
     in_file = priority_order(cost_graph, [(n.name, 0) for n in model.graph.node if n.name in cost_graph])
     floor_schedule, zeroed = floor_schedule_and_sizes(cost_graph)
     floor_schedule = priority_order(cost_graph, floor_schedule)
@@ -173,7 +176,7 @@ def peak_places(model: onnx.ModelProto) -> list[tuple[int, str]]:
 
 
 
-def place_updates(model: onnx.ModelProto, chains: list[list[str]]) -> int:
+def place_updates(model: onnx.ModelProto, chains: list[list[str]], cost_graph=None) -> int:
     """In place: move each chain of nodes (an optimizer's update of one parameter: nodes whose
     outputs only the chain itself reads, or graph outputs) to where in the file the cost model
     gives the least peak for running it there, in one piece, in the order given (the largest
@@ -197,14 +200,24 @@ def place_updates(model: onnx.ModelProto, chains: list[list[str]]) -> int:
     from graphopt.op_rules import build_cost_graph
     from graphopt.search.plan import floor_schedule_and_sizes
 
-    cost_graph = build_cost_graph(analyze(model), static_tensor_bytes(model), {})
+    if cost_graph is None:
+        cost_graph = build_cost_graph(analyze(model), static_tensor_bytes(model), {})
     _, zeroed = floor_schedule_and_sizes(cost_graph)
     by_name = {n.name: n for n in model.graph.node}
     order = [n.name for n in model.graph.node]
     moved = 0
     graph_outputs = {v.name for v in model.graph.output}
+    readers: dict[str, set[str]] = {}
+    producer: dict[str, str] = {}
+    for name, node in by_name.items():
+        for t in list(node.input) + list(implicit_inputs(node)):
+            if t:
+                readers.setdefault(t, set()).add(name)
+        for o in node.output:
+            if o:
+                producer[o] = name
     for chain in chains:
-        chain = _with_exclusive_producers(chain, by_name, graph_outputs)
+        chain = _with_exclusive_producers(chain, by_name, graph_outputs, readers, producer)
         members = set(chain)
         rest = [name for name in order if name not in members]
         in_chain = [name for name in order if name in members]
@@ -230,7 +243,7 @@ def place_updates(model: onnx.ModelProto, chains: list[list[str]]) -> int:
             placed.append(name)
         if anchor is None:
             placed.extend(in_chain)
-        if placed != order and _topological([by_name[name] for name in placed]):
+        if placed != order and _topological(placed, by_name, members, readers, producer):
             moved += 1
             order = placed
     model.graph.ClearField("node")
@@ -270,19 +283,12 @@ def _peaks_by_position(cost_graph, rest_steps: list[str], chain_steps: list[str]
     return positions, np.maximum(np.maximum(before[positions - 1], own), after[positions]), own
 
 
-def _with_exclusive_producers(chain: list[str], by_name: dict, graph_outputs: set[str]) -> list[str]:
+def _with_exclusive_producers(chain: list[str], by_name: dict, graph_outputs: set[str],
+                              readers: dict[str, set[str]], producer: dict[str, str]) -> list[str]:
     """`chain` and, transitively, every node whose outputs only the chain reads (none a graph
-    output, none holding a subgraph): what makes the gradient an update reads moves with it."""
+    output, none holding a subgraph): what makes the gradient an update reads moves with it.
+    `readers`: tensor -> the nodes reading it; `producer`: tensor -> the node making it."""
     members = set(chain)
-    readers: dict[str, set[str]] = {}
-    producer: dict[str, str] = {}
-    for name, node in by_name.items():
-        for t in list(node.input) + list(implicit_inputs(node)):
-            if t:
-                readers.setdefault(t, set()).add(name)
-        for o in node.output:
-            if o:
-                producer[o] = name
     stack = list(chain)
     while stack:
         node = by_name[stack.pop()]
@@ -318,13 +324,17 @@ def _next_step(order: list[str], chain: list[str], cost_graph, members: set[str]
     return None
 
 
-def _topological(nodes: list[onnx.NodeProto]) -> bool:
-    """Whether every node comes after the nodes that make what it reads."""
-    made = {o for n in nodes for o in n.output if o}
-    seen: set[str] = set()
-    for node in nodes:
-        if any(t in made and t not in seen for t in list(node.input) + list(implicit_inputs(node)) if t):
-            return False
-        seen.update(o for o in node.output if o)
+def _topological(order: list[str], by_name: dict, moved: set[str], readers: dict[str, set[str]],
+                 producer: dict[str, str]) -> bool:
+    """Whether in `order` the `moved` nodes come after the nodes that make what they read, and
+    before the nodes that read what they make (the rest kept their order among themselves)."""
+    position = {name: k for k, name in enumerate(order)}
+    for name in moved:
+        node = by_name[name]
+        for t in list(node.input) + list(implicit_inputs(node)):
+            if t in producer and position[producer[t]] > position[name]:
+                return False
+        for o in node.output:
+            if any(position[r] < position[name] for r in readers.get(o, ())):
+                return False
     return True
-

@@ -43,7 +43,7 @@ from .lean import (gradients_early, loss_first, masks_as_products, outputs_writt
                    sums_as_produced,
                    recompute_gelu_intermediates, transposed_products,
                    transposed_weights_into_gemm)
-from .file_order import default_order, leanest_file_order, peak_places, place_updates
+from .file_order import default_order, leanest_file_order, peak_places, place_updates, static_tensor_bytes
 from .optimizer import CHUNK_BYTES, OptimizerSpec, fuse_optimizer
 from .losses import LOSS_NAME, attach_loss_parts, cross_entropy_seed, parse_loss
 from .training_mode import batchnorm_training, copy_statistics_inputs, dropout_training
@@ -541,15 +541,17 @@ def _fused(training: onnx.ModelProto, params: list[str], optimizer: OptimizerSpe
         in_file = [n.name for n in model.graph.node]
         in_walk = constants + fused.head + [x for name in walked for x in [name] + fused.after.get(name, [])]
         fused_walk = [model.graph.node[k].name for k in default_order(model)]
-        leanest_file_order(model, [in_file, in_walk, constants + fused_walk])
+        from graphopt.analyze import analyze
+        from graphopt.op_rules import build_cost_graph
+        cost_graph = build_cost_graph(analyze(model), static_tensor_bytes(model), {})
+        leanest_file_order(model, [in_file, in_walk, constants + fused_walk], cost_graph)
         large = sorted((p for p in params if sizes[p] >= PLACED_MIN_BYTES), key=lambda p: -sizes[p])
-        place_updates(model, [fused.by_param[p] for p in large])
-        return model, fused
+        place_updates(model, [fused.by_param[p] for p in large], cost_graph)
+        return model, fused, peak_places(model, cost_graph)
 
-    model, fused = fused_with(chunks)
+    model, fused, peaks = fused_with(chunks)
     if optimizer.kind != "adamw":
         return model
-    peaks = peak_places(model)
     for _ in range(CHUNKED_ROUNDS):
         owner = {name: p for p, names in fused.by_param.items() for name in names}
         found = [owner[node] for _, node in peaks if node in owner]
@@ -558,8 +560,7 @@ def _fused(training: onnx.ModelProto, params: list[str], optimizer: OptimizerSpe
             break
         p = max(found, key=sizes.__getitem__)
         trial = {**chunks, p: -(-sizes[p] // CHUNK_BYTES)}
-        trial_model, trial_fused = fused_with(trial)
-        trial_peaks = peak_places(trial_model)
+        trial_model, trial_fused, trial_peaks = fused_with(trial)
         if not any(new < old for (new, _), (old, _) in zip(trial_peaks, peaks)):
             break
         model, fused, peaks, chunks = trial_model, trial_fused, trial_peaks, trial
