@@ -9,7 +9,6 @@ repeat; see docs/ort-facts.md section 6.)
 
 from __future__ import annotations
 
-import glob
 import math
 import os
 import shutil
@@ -240,13 +239,8 @@ def executed_order(
                             profile_prefix=os.path.join(tmp, "profile"))
         known = {i.name for i in sess.get_inputs()}
         sess.run(None, {k: v for k, v in inputs.items() if k in known})
-        path = sess.end_profiling()
+        path = sess.end_profiling()     # the file it wrote (profiling is on)
         del sess
-        if not path or not os.path.exists(path):
-            found = sorted(glob.glob(os.path.join(tmp, "profile*.json")))
-            path = found[-1] if found else None
-        if path is None:
-            return []
         loaded = model if isinstance(model, onnx.ModelProto) else onnx.load(str(model), load_external_data=False)
         inner = subgraph_node_names(loaded)
         in_file = {n.name for n in loaded.graph.node}
