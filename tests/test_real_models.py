@@ -56,6 +56,12 @@ def test_real_model_gradients_match_torch(name, exporter):
     _check_against_torch(_real_model(name), exporter)
 
 
+def test_bart_gradients_match_torch():
+    """BART: one embedding read three times (the encoder's and decoder's lookups, the tied
+    output projection); LayerDrop off (it skips whole layers at random in training)."""
+    _check_against_torch(_real_model("bart"), "legacy")
+
+
 # --------------------------------------------------------------- Slice with steps --
 
 # (starts, ends, axes, steps) on a [6, 7, 9] parameter: strided, reversed, both on one

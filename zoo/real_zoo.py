@@ -111,10 +111,12 @@ def _images(batch: int, size: int, classes: int, name: str, module: nn.Module,
 
 def _no_dropout(cfg):
     """Dropout off in a transformers config: an eval export has none, and attention kernels
-    take the rate from the config, not from a module's mode."""
+    take the rate from the config, not from a module's mode (LayerDrop, which skips whole
+    layers at random in training, too)."""
     for key in ("resid_pdrop", "embd_pdrop", "attn_pdrop", "summary_first_dropout",
                 "hidden_dropout_prob", "attention_probs_dropout_prob", "classifier_dropout",
-                "dropout_rate", "attention_dropout"):
+                "dropout_rate", "attention_dropout", "dropout", "activation_dropout", "encoder_layerdrop",
+                "decoder_layerdrop"):
         if getattr(cfg, key, None):
             setattr(cfg, key, 0.0)
     return cfg
@@ -325,6 +327,25 @@ def _t5(size: str = "tiny") -> RealModel:
     return real
 
 
+def _bart(size: str = "tiny") -> RealModel:
+    """BART: an encoder-decoder whose one embedding is read three times (the encoder's and the
+    decoder's token lookups and the tied output projection), bart-base's config at full size."""
+    import_torchvision()          # transformers imports torchvision
+    from transformers import BartConfig, BartForConditionalGeneration
+    torch.manual_seed(SEED)
+    if size == "tiny":
+        cfg = BartConfig(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+                         decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=256,
+                         max_position_embeddings=64)
+        batch, seq = 2, 16
+    else:   # bart-base
+        cfg = BartConfig(d_model=768, encoder_layers=6, decoder_layers=6, encoder_attention_heads=12,
+                         decoder_attention_heads=12, encoder_ffn_dim=3072, decoder_ffn_dim=3072, vocab_size=50265)
+        batch, seq = (2, 64) if size == "full" else (8, 256)
+    model = BartForConditionalGeneration._from_config(_no_dropout(cfg), attn_implementation="sdpa")
+    return _tokens("bart", model, cfg.vocab_size, batch, seq, decoder=True)
+
+
 def _llama(size: str = "tiny") -> RealModel:
     import_torchvision()          # transformers imports torchvision
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -387,6 +408,7 @@ CORPUS: dict[str, Callable[[str], RealModel]] = {
     "albert": _albert,
     "bert_classifier": _bert_classifier,
     "t5": _t5,
+    "bart": _bart,
     "llama": _llama,
     "qwen2": _qwen2,
 }
