@@ -47,6 +47,11 @@ MODULES = {
     "builder.optimizer": ("graphopt/builder/optimizer.py", ["tests/test_optimizer_step.py"]),
     "builder.rules": ("graphopt/builder/rules.py", ["tests/test_builder_rules.py"]),
     "delivery": ("graphopt/delivery.py", ["tests/test_delivery_rules.py"]),
+    "verify": ("graphopt/verify.py", ["tests/test_verify_rules.py", "tests/test_verify.py", "tests/test_order_at_load.py"]),
+    "runtime.profile": ("graphopt/runtime/profile.py",
+                        ["tests/test_profile_rules.py",
+                         "tests/test_runtime.py::test_the_kernel_events_read_are_the_last_runs_alone",
+                         "tests/test_annotate.py::test_profile_events_read_one_line_at_a_time_equal_the_profile_read_whole"]),
 }
 # what CI runs (tests/test_mutation.py): the cost model against its own step-by-step references
 # and hand-worked small graphs alone (its whole selection), about two minutes on one core
