@@ -157,17 +157,33 @@ def test_the_worker_counts_weights_inputs_and_the_state_it_binds_outside_the_cap
     state = weights["w"] + weights["optimizer.step"]
     outside = sum(weights.values()) + inputs["x"].nbytes + state
     assert _limit_worker._fed_back_bytes(model) == state
-    short = _worker(tmp_path, model, inputs, outside)
-    assert short == {"provider": "CPUExecutionProvider", "limit_bytes": outside, "outside_bytes": outside,
-                     "cap_bytes": 0, "steps": 0, "fits": False, "shortfall_bytes": 0,
+    short = _worker(tmp_path, model, inputs, outside - 5)
+    assert short == {"provider": "CPUExecutionProvider", "limit_bytes": outside - 5, "outside_bytes": outside,
+                     "cap_bytes": -5, "steps": 0, "fits": False, "shortfall_bytes": 5,
                      "error": f"the weights, inputs and state buffers alone take {outside} bytes"}
-    room = _run(tmp_path / "model.onnx", tmp_path / "inputs.npz", outside + 8 * MIB, "--steps", 3)
-    assert (room["fits"], room["error"], room["shortfall_bytes"]) == (True, None, None)
-    assert (room["outside_bytes"], room["cap_bytes"], room["steps"]) == (outside, 8 * MIB, 3)
-    assert room["step_seconds"] > 0 and room["limit_bytes"] == outside + 8 * MIB
-    for key in ("rss_bytes", "session_rss_bytes", "steps_rss_bytes", "start_bytes"):
-        assert isinstance(room[key], int) and room[key] >= 0, key
-    assert "steps_hwm_reset" not in room
+    assert _run(tmp_path / "model.onnx", tmp_path / "inputs.npz", outside)["cap_bytes"] == 0
+    for steps in ((), ("--steps", 1), ("--steps", 3)):
+        room = _run(tmp_path / "model.onnx", tmp_path / "inputs.npz", outside + 8 * MIB, *steps,
+                    "--device-id", 0, "--threads", 2)
+        assert (room["fits"], room["error"], room["shortfall_bytes"]) == (True, None, None)
+        assert (room["outside_bytes"], room["cap_bytes"], room["limit_bytes"]) == (outside, 8 * MIB, outside + 8 * MIB)
+        assert room["steps"] == (steps[1] if steps else 2)       # two by default
+        assert 0 < room["step_seconds"] < 10
+        # the memory figures: the kernel's kB as bytes, and far under this process's own size
+        for key in ("rss_bytes", "session_rss_bytes", "steps_rss_bytes", "session_bytes"):
+            assert isinstance(room[key], int) and room[key] % 1024 == 0 and 0 <= room[key] < 512 * MIB, (key, room)
+        assert room["session_bytes"] == room["rss_bytes"]         # both from the session's start
+        assert room["process_peak_bytes"] >= room["start_bytes"] > 0
+        assert "steps_hwm_reset" not in room
+
+
+def test_the_worker_takes_a_limit(capsys):
+    with pytest.raises(SystemExit):
+        _limit_worker.main(["model.onnx", "inputs.npz"])
+    assert "--limit" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        _limit_worker.main(["-h"])
+    assert "SessionSettings JSON; absent: model metadata, else default" in " ".join(capsys.readouterr().out.split())
 
 
 def test_a_state_of_unknown_size_is_not_counted():
@@ -185,6 +201,10 @@ def test_the_worker_reports_onnx_runtimes_refusal_and_its_shortfall(tmp_path):
     assert refused["shortfall_bytes"] == 3 * MIB and refused["steps"] == 0
     assert refused["error"].endswith("Available memory of 1048576 is smaller than requested bytes of 4194304")
     assert "\n" not in refused["error"]
+    # a cap of one byte is ONNX Runtime's to refuse too
+    one = _run(tmp_path / "model.onnx", tmp_path / "inputs.npz", 4 * MIB + 1, "--settings", UNOPTIMIZED_SETTINGS.to_json())
+    assert (one["fits"], one["cap_bytes"], one["shortfall_bytes"]) == (False, 1, 4 * MIB), one
+    assert "Available memory of 0" in one["error"]
 
 
 def test_the_worker_runs_the_settings_it_is_given_else_the_models(tmp_path):
