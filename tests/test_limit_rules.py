@@ -8,6 +8,7 @@ all; tests/test_memory_limit.py shows the same on the examples through `run_with
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import onnx
@@ -169,9 +170,11 @@ def test_the_worker_counts_weights_inputs_and_the_state_it_binds_outside_the_cap
         assert (room["outside_bytes"], room["cap_bytes"], room["limit_bytes"]) == (outside, 8 * MIB, outside + 8 * MIB)
         assert room["steps"] == (steps[1] if steps else 2)       # two by default
         assert 0 < room["step_seconds"] < 10
-        # the memory figures: the kernel's kB as bytes, and far under this process's own size
+        # the memory figures: the kernel's kB as bytes, growths of a few MiB (this process alone
+        # is over 100 MiB: a figure that added it would be over 64 MiB)
         for key in ("rss_bytes", "session_rss_bytes", "steps_rss_bytes", "session_bytes"):
-            assert isinstance(room[key], int) and room[key] % 1024 == 0 and 0 <= room[key] < 512 * MIB, (key, room)
+            assert isinstance(room[key], int) and room[key] % 1024 == 0 and 0 <= room[key] < 64 * MIB, (key, room)
+        assert room["start_bytes"] > 64 * MIB
         assert room["session_bytes"] == room["rss_bytes"]         # both from the session's start
         assert room["process_peak_bytes"] > 0 and room["start_bytes"] > 0
         assert "steps_hwm_reset" not in room
@@ -183,7 +186,7 @@ def test_the_worker_takes_a_limit(capsys):
     assert "--limit" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         _limit_worker.main(["-h"])
-    assert "SessionSettings JSON; absent: model metadata, else default" in " ".join(capsys.readouterr().out.split())
+    assert re.search(r"\sSessionSettings JSON; absent: model metadata, else default\s", capsys.readouterr().out)
 
 
 def test_a_state_of_unknown_size_is_not_counted():
