@@ -186,7 +186,8 @@ def test_the_worker_takes_a_limit(capsys):
     assert "--limit" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         _limit_worker.main(["-h"])
-    assert re.search(r"\sSessionSettings JSON; absent: model metadata, else default\s", capsys.readouterr().out)
+    assert re.search(r"\sSessionSettings JSON; absent: model metadata, else default\s",
+                     " ".join(capsys.readouterr().out.split()) + " ")
 
 
 def test_a_state_of_unknown_size_is_not_counted():
