@@ -205,3 +205,55 @@ def test_onnx_runtime_runs_the_planned_order(small, tmp_path):
     order = planned_order(prepared, chosen)
     assert any(name.endswith("__rc1") for name in order)
     assert executed_order(rewritten, inputs, None) == order
+
+
+def test_a_base_order_onnx_runtime_cannot_give_is_said_and_left(small, caplog):
+    import logging
+    prepared, _ = small
+    graph = prepared.base_graphs["file"]
+    reversed_order = list(reversed(prepared.annotations.execution_order))
+    try:
+        graph.in_order(reversed_order)
+    except ValueError as exc:
+        why = str(exc)
+    with caplog.at_level(logging.WARNING, logger="graphopt.pipeline"):
+        assert list(base_order_graphs(graph, reversed_order)) == ["file"]
+    assert [r.getMessage() for r in caplog.records if r.name == "graphopt.pipeline"] == [
+        f"plans cannot start from ONNX Runtime's order ({why}): they start from the file's"]
+
+
+def test_a_step_time_limit_on_a_fresh_search(small):
+    """The plans remembered per order forgotten first: the limit's search reads every order's
+    least peak itself."""
+    prepared, inputs = small
+    options = OptimizeOptions(inputs=inputs, measure=False, verify=False, objective="least-peak")
+    each = _each(prepared)
+    label, best = _least_peak(each)
+    prepared.plans.clear()
+    chosen = plan(prepared, options, None, seconds_limit=max(p.simulation.compute_seconds for _, p in each) * 1.01)
+    assert (chosen.peak_bytes, chosen.notes["base_order"]) == (best.peak_bytes, label)
+
+
+@pytest.fixture(scope="module")
+def resnet():
+    model, inputs = training_example("resnet")
+    options = OptimizeOptions(inputs=inputs, threads=1, measure=False, verify=False, objective="least-peak")
+    with prepare(model, options) as prepared:
+        yield prepared, inputs
+
+
+def test_under_a_budget_the_least_peak_plan_is_kept_where_it_recomputes_less(resnet):
+    """The resnet example in ONNX Runtime's order: under a budget of its least peak exactly the
+    solver's search for the least time ends on a plan recomputing 6.5 s, its least-peak plan
+    (which fits: at the budget) 1.1 s; the file's order cannot fit it. Kept: the least-peak plan,
+    no longer exact for its objective."""
+    prepared, inputs = resnet
+    options = OptimizeOptions(inputs=inputs, measure=False, verify=False, objective="least-peak")
+    graph = prepared.base_graphs["onnxruntime"]
+    least = STRATEGIES["auto"](graph)
+    found = STRATEGIES["auto"](graph, budget_bytes=least.peak_bytes)
+    assert found.peak_bytes <= least.peak_bytes and found.recompute_seconds > 2 * least.recompute_seconds
+    assert STRATEGIES["auto"](prepared.base_graphs["file"]).peak_bytes > least.peak_bytes
+    chosen = plan(prepared, options, least.peak_bytes)
+    assert (chosen.peak_bytes, chosen.recompute_seconds) == (least.peak_bytes, least.recompute_seconds)
+    assert chosen.notes["base_order"] == "onnxruntime" and chosen.notes["exact"] is False
