@@ -257,3 +257,56 @@ def test_under_a_budget_the_least_peak_plan_is_kept_where_it_recomputes_less(res
     chosen = plan(prepared, options, least.peak_bytes)
     assert (chosen.peak_bytes, chosen.recompute_seconds) == (least.peak_bytes, least.recompute_seconds)
     assert chosen.notes["base_order"] == "onnxruntime" and chosen.notes["exact"] is False
+
+
+def test_the_search_seconds_are_the_pipelines_own_and_a_remembered_plan_is_a_copy(small):
+    """Planned again, from the plans remembered per order: the search's seconds are this call's
+    (under its wall time), not those the solver noted when it first searched, and what the
+    first call wrote into its plan's notes is not in the plans remembered."""
+    import time
+    prepared, inputs = small
+    options = OptimizeOptions(inputs=inputs, measure=False, verify=False, objective="least-peak")
+    prepared.plans.clear()
+    first = plan(prepared, options)
+    started = time.perf_counter()
+    again = plan(prepared, options)
+    wall = time.perf_counter() - started
+    assert 0 < again.notes["search_seconds"] <= wall < first.notes["search_seconds"]
+    assert 0 < again.notes["search_cpu_seconds"] <= wall
+    first.notes["base_order"] = "changed"
+    assert plan(prepared, options).notes["base_order"] != "changed"
+
+
+def test_the_objective_of_the_options_sets_the_limit(small):
+    """The default objective (bounded overhead): the least peak within the planned share of the
+    overhead allowed (`planned_seconds_limit`); with a budget too, the step-time limit itself
+    (`step_seconds_limit`) is a check: at no overhead the budget of the least peak cannot hold."""
+    prepared, inputs = small
+    options = OptimizeOptions(inputs=inputs, measure=False, verify=False)
+    least_peak = OptimizeOptions(inputs=inputs, measure=False, verify=False, objective="least-peak")
+    limit = prepared.planned_seconds_limit(options)
+    assert limit is not None
+    expected = plan(prepared, least_peak, None, seconds_limit=limit)
+    chosen = plan(prepared, options)
+    assert (chosen.peak_bytes, chosen.simulation.compute_seconds) == (
+        expected.peak_bytes, expected.simulation.compute_seconds)
+    # (on densenet the limit binds: 36672 bytes against the least peak's 34224)
+    strict = OptimizeOptions(inputs=inputs, measure=False, verify=False, max_overhead=0.0)
+    least = plan(prepared, least_peak)
+    assert least.simulation.compute_seconds > prepared.step_seconds_limit(strict)
+    with pytest.raises(BudgetInfeasibleError, match="cannot both hold"):
+        plan(prepared, strict, least.peak_bytes)
+
+
+def test_a_plan_is_exact_only_where_no_other_order_has_a_lower_floor(small):
+    from graphopt.search.plan import peak_floor_bytes
+    prepared, inputs = small
+    options = OptimizeOptions(inputs=inputs, measure=False, verify=False, objective="least-peak")
+    each = dict(_each(prepared))
+    label, best = _least_peak(list(each.items()))
+    floor = min(peak_floor_bytes(g) for g in prepared.base_graphs.values())
+    chosen = plan(prepared, options)
+    assert chosen.notes.get("exact") == (bool(best.notes.get("exact")) and best.peak_bytes <= floor)
+    greedy = dict(_each(prepared, "greedy"))
+    label, best = _least_peak(list(greedy.items()))
+    assert plan(prepared, options, strategy="greedy").notes.get("exact") == best.notes.get("exact")
