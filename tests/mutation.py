@@ -16,12 +16,15 @@ the score, killed over all but the equivalent ones. `--pin-equivalents` prints t
 mutants of the modules beside their reasons, for review, and writes their digests.
 `--survivors` prints each surviving or uncovered mutant's diff (`mutmut show`), and each one killed
 by mutmut's timeout alone (on a loaded machine a mutant may only have been slow: judge those).
+A module whose entry names functions (the third item of `MODULES`: `pipeline.plan`) has only
+those functions' mutants made, run and counted (`mutmut run` takes their names as patterns).
 
 mutmut is in the test extra (`pip install -e '.[test]'`).
 """
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import hashlib
 import os
 import shutil
@@ -34,7 +37,9 @@ from collections import Counter
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EQUIVALENT_FILE = os.path.join(ROOT, "tests", "mutation_equivalent.txt")
 
-# module -> (its file, the tests mutmut runs against its mutants)
+# module -> (its file, the tests mutmut runs against its mutants[, the functions mutated]): with the
+# third, only the mutants of those functions (mutmut's names for them: "x_name" for a function,
+# "xǁClassǁmethod" for a method; fnmatch patterns) are made and counted
 MODULES = {
     "service.status": ("service/status.py", ["tests/test_status_mapping.py"]),
     "costmodel": ("graphopt/costmodel.py", ["tests/test_costmodel.py"]),
@@ -52,9 +57,23 @@ MODULES = {
                         ["tests/test_profile_rules.py",
                          "tests/test_runtime.py::test_the_kernel_events_read_are_the_last_runs_alone",
                          "tests/test_annotate.py::test_profile_events_read_one_line_at_a_time_equal_the_profile_read_whole"]),
-    "reduced": ("graphopt/reduced.py", ["tests/test_reduced.py", "-m", "not slow"]),
+    "reduced": ("graphopt/reduced.py", ["tests/test_reduced_rules.py", "tests/test_reduced.py", "-m", "not slow"]),
     "runtime.limit": ("graphopt/runtime/limit.py", ["tests/test_limit_rules.py"]),
     "runtime._limit_worker": ("graphopt/runtime/_limit_worker.py", ["tests/test_limit_rules.py"]),
+    "annotate": ("graphopt/annotate.py",
+                 ["tests/test_annotate_rules.py", "tests/test_annotate.py",
+                  "tests/test_runtime.py::test_annotate_training_graph",
+                  "tests/test_runtime.py::test_annotate_records_optimized_names_and_disabled_optimizers",
+                  "tests/test_runtime.py::test_annotations_bad_json",
+                  "-k", "not real_training_graphs"]),
+    # the base-order and plan parts of the pipeline alone (its annotation, verification and
+    # measuring parts run ONNX Runtime in children for seconds a mutant)
+    "pipeline.plan": ("graphopt/pipeline.py",
+                      ["tests/test_plan_rules.py",
+                       "tests/test_base_order.py::test_the_least_peak_plan_is_the_best_over_every_base_order"],
+                      ["x_base_order_graphs", "x_plan", "x_search_plan", "x__within_limit", "x__within_budget",
+                       "x_options_budget_bytes", "x__best_over_orders", "x__remembered", "x_solver_exact",
+                       "x_planned_order"]),
 }
 # what CI runs (tests/test_mutation.py): the cost model against its own step-by-step references
 # and hand-worked small graphs alone (its whole selection), about two minutes on one core
@@ -146,13 +165,21 @@ def mutant_digest(diff: list[str]) -> str:
     return hashlib.sha256("\n".join(diff).encode()).hexdigest()[:10]
 
 
+def _patterns(mutated: str, functions: list[str]) -> list[str]:
+    """mutmut's names of the mutants of `functions` (fnmatch patterns) in the file `mutated`."""
+    prefix = mutated[:-len(".py")].replace("/", ".") + "."
+    return [f"{prefix}{function}__mutmut_*" for function in functions]
+
+
 def run_module(name: str, children: int, survivors: bool, modules: dict = MODULES) -> Counter:
-    path, tests = modules[name]
+    path, tests, *restricted = modules[name]
     with tempfile.TemporaryDirectory(prefix="graphopt-mutation-") as folder:
         _copy_tracked(folder)
-        _configure(folder, _as_imported(folder, path), tests)
+        mutated = _as_imported(folder, path)
+        _configure(folder, mutated, tests)
+        patterns = _patterns(mutated, restricted[0]) if restricted else []
         env = dict(os.environ, PYTHONPATH=folder)
-        done = subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children", str(children)],
+        done = subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children", str(children), *patterns],
                               cwd=folder, env=env, capture_output=True, text=True)
         if done.returncode != 0:
             sys.stderr.write(done.stdout[-3000:] + done.stderr[-3000:])
@@ -164,7 +191,7 @@ def run_module(name: str, children: int, survivors: bool, modules: dict = MODULE
         left = []
         for line in listed.splitlines():
             mutant, _, status = line.strip().rpartition(": ")
-            if not mutant:
+            if not mutant or (patterns and not any(fnmatch.fnmatch(mutant, p) for p in patterns)):
                 continue
             if mutant in equivalent:
                 diff = mutant_diff(folder, env, mutant)
@@ -198,7 +225,7 @@ def pin_equivalents(name: str) -> None:
     """Print each mutant EQUIVALENT_FILE lists for module `name` beside why it is listed, and
     write its digest into its line (review what is printed: a name that now means another
     mutant must be judged again, not pinned)."""
-    path, tests = MODULES[name]
+    path, tests, *_ = MODULES[name]
     with tempfile.TemporaryDirectory(prefix="graphopt-mutation-") as folder:
         _copy_tracked(folder)
         mutated = _as_imported(folder, path)
