@@ -216,8 +216,11 @@ def place_updates(model: onnx.ModelProto, chains: list[list[str]], cost_graph=No
         for o in node.output:
             if o:
                 producer[o] = name
+    resident = {v.name for v in model.graph.input} | {t.name for t in model.graph.initializer}
+    tensor_bytes = {name: int(size) for name, size in zip(cost_graph.tensor_names, cost_graph.tensor_bytes_by_id)
+                    if name not in resident}
     for chain in chains:
-        chain = _with_exclusive_producers(chain, by_name, graph_outputs, readers, producer)
+        chain = _with_exclusive_producers(chain, by_name, graph_outputs, readers, producer, tensor_bytes)
         members = set(chain)
         rest = [name for name in order if name not in members]
         in_chain = [name for name in order if name in members]
@@ -283,11 +286,22 @@ def _peaks_by_position(cost_graph, rest_steps: list[str], chain_steps: list[str]
     return positions, np.maximum(np.maximum(before[positions - 1], own), after[positions]), own
 
 
+# a node joins an update that reads all it makes when what it reads from outside the update is
+# at most this much more than what it makes (so that a tied embedding's gradient scattered into
+# its output projection's part, both its size, joins; a shared weight's sum of every layer's
+# part, whose parts would hold each layer's activations to the end, does not)
+JOIN_SLACK = 1 / 16
+
+
 def _with_exclusive_producers(chain: list[str], by_name: dict, graph_outputs: set[str],
-                              readers: dict[str, set[str]], producer: dict[str, str]) -> list[str]:
+                              readers: dict[str, set[str]], producer: dict[str, str],
+                              tensor_bytes: dict[str, int]) -> list[str]:
     """`chain` and, transitively, every node whose outputs only the chain reads (none a graph
-    output, none holding a subgraph): what makes the gradient an update reads moves with it.
-    `readers`: tensor -> the nodes reading it; `producer`: tensor -> the node making it."""
+    output, none holding a subgraph) and that reads, from outside the chain, at most
+    (1 + JOIN_SLACK) times the bytes it makes: what makes the gradient an update reads moves
+    with it where that holds no more for the update than the gradient itself. `readers`:
+    tensor -> the nodes reading it; `producer`: tensor -> the node making it; `tensor_bytes`:
+    sizes (graph inputs and initializers absent: they are always there)."""
     members = set(chain)
     stack = list(chain)
     while stack:
@@ -298,10 +312,15 @@ def _with_exclusive_producers(chain: list[str], by_name: dict, graph_outputs: se
                 continue
             candidate = by_name[name]
             outputs = [o for o in candidate.output if o]
-            if (outputs and not any(o in graph_outputs for o in outputs)
+            if not (outputs and not any(o in graph_outputs for o in outputs)
                     and all(readers.get(o, set()) <= members for o in outputs)
                     and not any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
                                 for a in candidate.attribute)):
+                continue
+            read = {i for i in list(candidate.input) + list(implicit_inputs(candidate))
+                    if i and producer.get(i) not in members}
+            made = sum(tensor_bytes.get(o, 0) for o in outputs)
+            if sum(tensor_bytes.get(i, 0) for i in read) <= made * (1 + JOIN_SLACK):
                 members.add(name)
                 stack.append(name)
     return [name for name in by_name if name in members]
