@@ -191,3 +191,33 @@ def test_leanest_file_order_names_the_problem_with_bad_candidates():
     with pytest.raises(ValueError, match=r"^each candidate order must name every node of the model once "
                                          r"\(unique names\)$"):
         leanest_file_order(model, [names[1:]])
+
+
+# -- _with_exclusive_producers ----------------------------------------------------------------------
+
+def _joined(nodes, sizes, chain=("U",), outputs=("u",)):
+    from graphopt.builder.file_order import _with_exclusive_producers
+    by_name = {n.name: n for n in nodes}
+    readers, producer = {}, {}
+    for n in nodes:
+        for t in n.input:
+            readers.setdefault(t, set()).add(n.name)
+        for o in n.output:
+            producer[o] = n.name
+    return _with_exclusive_producers(list(chain), by_name, set(outputs), readers, producer, sizes)
+
+
+def test_a_producer_joins_an_update_when_it_reads_no_more_than_it_makes():
+    """U (the update) reads g and s. G makes g (100) from h (100, made by H from a 4-byte input)
+    and a 6-byte index: it reads 106 <= 100 x (1 + 1/16), so it joins, and then H (reads 4,
+    makes 100). S makes s (4) from b (400): it reads more than it makes and stays, and so does
+    B behind it. R makes r, which U and another node read: it stays whatever its sizes."""
+    nodes = [_node("H", ["x"], ["h"]), _node("B", ["x"], ["b"]), _node("S", ["b"], ["s"]),
+             _node("G", ["h", "i"], ["g"]), _node("R", ["x"], ["r"]), _node("O", ["r"], ["o"]),
+             _node("U", ["g", "s", "r"], ["u"])]
+    sizes = {"h": 100, "b": 400, "s": 4, "g": 100, "i": 6, "r": 8, "x": 4, "o": 8, "u": 100}
+    assert _joined(nodes, sizes) == ["H", "G", "U"]
+    # a little more than the slack: G stays, and H behind it
+    assert _joined(nodes, {**sizes, "i": 7}) == ["U"]
+    # a node whose output is a graph output stays
+    assert _joined(nodes, sizes, outputs=("u", "g")) == ["U"]
