@@ -152,7 +152,7 @@ def test_within_a_step_time_limit_the_least_peak_over_the_base_orders(small):
     fastest = min(stored, key=lambda lbl: stored[lbl].simulation.compute_seconds)
     limit = stored[fastest].simulation.compute_seconds
     chosen = plan(prepared, options, None, seconds_limit=limit)
-    assert chosen.simulation.compute_seconds <= limit
+    assert chosen.simulation.compute_seconds <= limit * (1 + 1e-12)      # (sums in another order: an ulp)
     assert chosen.peak_bytes <= stored[fastest].peak_bytes
     # no plan within a limit below every order's store-all time: the least time, over it
     chosen = plan(prepared, options, None, seconds_limit=limit * 0.5)
