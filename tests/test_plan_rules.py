@@ -139,7 +139,7 @@ def test_a_memory_limit_is_planned_as_the_budget_it_leaves_the_step(small):
 
 def test_within_a_step_time_limit_the_least_peak_over_the_base_orders(small):
     """A limit every order's least-peak plan meets: the least peak (as with no limit); the store-all
-    time of the faster order: a plan within it, at no more peak than store-all there."""
+    time: a plan within it, at no more peak than its order's store-all."""
     prepared, inputs = small
     options = OptimizeOptions(inputs=inputs, measure=False, verify=False, objective="least-peak")
     each = _each(prepared)
@@ -149,11 +149,15 @@ def test_within_a_step_time_limit_the_least_peak_over_the_base_orders(small):
     assert (chosen.peak_bytes, chosen.notes["base_order"]) == (best.peak_bytes, label)
     assert chosen.notes["base_order_peak_bytes"] == {lbl: p.peak_bytes for lbl, p in each}
     stored = {lbl: STRATEGIES["store-all"](g) for lbl, g in prepared.base_graphs.items()}
-    fastest = min(stored, key=lambda lbl: stored[lbl].simulation.compute_seconds)
-    limit = stored[fastest].simulation.compute_seconds
-    chosen = plan(prepared, options, None, seconds_limit=limit)
-    assert chosen.simulation.compute_seconds <= limit * (1 + 1e-12)      # (sums in another order: an ulp)
-    assert chosen.peak_bytes <= stored[fastest].peak_bytes
+    # the store-all time (the same in both orders, but for the order of its sums: an ulp apart)
+    limit = max(p.simulation.compute_seconds for p in stored.values())
+    assert limit == pytest.approx(min(p.simulation.compute_seconds for p in stored.values()), rel=1e-12)
+    chosen = plan(prepared, options, None, seconds_limit=limit * (1 + 1e-9))
+    assert chosen.simulation.compute_seconds <= limit * (1 + 1e-9)
+    # no more than its own order's store-all (not the other's: an order whose least peak is 5% over
+    # the leanest is not searched within the limit, BISECTED_ORDERS_MARGIN; here ONNX Runtime's
+    # store-all, 1-2% under the file's, is passed over so)
+    assert chosen.peak_bytes <= stored[chosen.notes["base_order"]].peak_bytes
     # no plan within a limit below every order's store-all time: the least time, over it
     chosen = plan(prepared, options, None, seconds_limit=limit * 0.5)
     assert chosen.simulation.compute_seconds == pytest.approx(limit, rel=1e-9)
