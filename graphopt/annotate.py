@@ -47,7 +47,6 @@ them).
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import shutil
@@ -340,13 +339,8 @@ def _profile(model: onnx.ModelProto, inputs: dict[str, np.ndarray], settings: Se
                 del values
         except Exception as e:
             raise InvalidModelError(f"annotate: the model failed to run: {e}") from e
-        path = sess.end_profiling()
+        path = sess.end_profiling()     # the file it wrote (profiling is on)
         del sess
-        if not path or not os.path.exists(path):
-            found = sorted(glob.glob(os.path.join(tmp, "profile*.json")))
-            if not found:
-                raise InvalidModelError("annotate: onnxruntime wrote no profile")
-            path = found[-1]
         return provider, kernel_events(path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -203,3 +203,51 @@ def test_annotations_written_into_a_model_and_read_back():
     # a's own is kept; inputs, outputs and initializers get none; a dtype numpy cannot name is left
     assert added == {"a": (TensorProto.DOUBLE, [1]), "y": (TensorProto.FLOAT, [4]), "ny": (TensorProto.INT8, [4]),
                      "s1": (TensorProto.FLOAT16, [2])}
+
+
+# -- annotate itself, on the small MLP example in ONNX Runtime ------------------------------------
+@pytest.fixture(scope="module")
+def mlp():
+    from graphopt.examples import training_example
+    return training_example("mlp", small=True)
+
+
+def test_node_times_replayed_or_profiled(mlp):
+    """node_times="replay": the node seconds of the nodes replayed alone replace the profile's
+    (graphopt/runtime/replay.py says which it skips and why), the sizes and order are the same
+    run's, and the annotations say where their seconds came from; another word is refused."""
+    from graphopt.annotate import annotate, replay
+    from graphopt.runtime.session import UNOPTIMIZED_SETTINGS
+    model, inputs = mlp
+    profiled = annotate(model, inputs, UNOPTIMIZED_SETTINGS)
+    replayed = annotate(model, inputs, UNOPTIMIZED_SETTINGS, node_times="replay")
+    assert (profiled.node_seconds_from, profiled.nodes_not_replayed) == ("profile", 0)
+    assert replayed.node_seconds_from == "replay"
+    skipped = replay(model, inputs, profiled.tensor_shapes, profiled.tensor_dtypes).skipped
+    assert replayed.nodes_not_replayed == len(skipped)
+    assert set(replayed.node_seconds) == set(profiled.node_seconds) == {n.name for n in model.graph.node} - {
+        n.name for n in model.graph.node if n.op_type == "Constant"}
+    assert replayed.tensor_bytes == profiled.tensor_bytes and replayed.execution_order == profiled.execution_order
+    assert sum(replayed.node_seconds[k] != profiled.node_seconds[k] for k in profiled.node_seconds) > len(skipped)
+    with pytest.raises(ValueError, match=r"^node_times must be 'profile' or 'replay', got 'kernels'$"):
+        annotate(model, inputs, UNOPTIMIZED_SETTINGS, node_times="kernels")
+
+
+def test_annotated_with_optimizations_from_the_file_with_its_weights_on_disk(mlp, tmp_path):
+    """Optimizations on (the sizes from a run of their own, optimizations off): from the graph
+    alone and its file, every size as from the model in memory; the file's folder as it was."""
+    from graphopt.annotate import annotate
+    from graphopt.runtime.isolated import WEIGHTS_ON_DISK_MIN_BYTES
+    model, inputs = mlp
+    path = tmp_path / "train.onnx"
+    on_disk = onnx.ModelProto()
+    on_disk.CopyFrom(model)                 # (saving with external data rewrites the model saved)
+    onnx.save(on_disk, path, save_as_external_data=True, all_tensors_to_one_file=True, location="weights.bin",
+              size_threshold=WEIGHTS_ON_DISK_MIN_BYTES)
+    graph_only = onnx.load(path, load_external_data=False)
+    settings = SessionSettings()
+    from_file = annotate(graph_only, inputs, settings, model_path=str(path))
+    in_memory = annotate(model, inputs, settings)
+    assert from_file.tensor_bytes == in_memory.tensor_bytes and from_file.tensor_shapes == in_memory.tensor_shapes
+    assert from_file.settings == settings and from_file.provider == "CPUExecutionProvider"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["train.onnx", "weights.bin"]
