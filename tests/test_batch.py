@@ -207,6 +207,9 @@ def test_batch_on_a_two_node_ray_cluster_survives_losing_a_node(zoo, tmp_path):
                          if f"/{TASK_FOLDER_PREFIX}{task_folder_name(name)}-" in lost)
         assert nodes[lost_name] == head_id, (lost_name, nodes)        # run again, on the node left
         assert len({r["graphopt_batch"]["ray_task_id"] for r in reports.values()}) == 10
+        # each model's timeline beside its report, drawn on the node that ran it
+        for name in reports:
+            assert (out / name[:-5] / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
         # the same summary as the local batch's on the same zoo
         local = tmp_path / "local"
         _batch(zoo, "-o", local, "--jobs", "2")
