@@ -490,12 +490,7 @@ def _build(forward, loss, parameters, freeze, labels, class_axis, optimizer, hel
     model = _finish(reversed_model, loss, loss_shape, types.get(loss, TensorProto.FLOAT),
                     params, initializers, extras, types, parts, frozen_stubs, stub_inputs)
     if optimizer is not None:
-        # The fused graph runs in file order (PRIORITY_BASED), so that each update runs where it
-        # is written. Three candidate orders; the cost model keeps the leanest: the training
-        # graph's file order and the order ORT's DEFAULT walk runs it in (each gradient late,
-        # right before the walk needs it), each with the updates right after their gradients;
-        # and the order ORT's DEFAULT walk would run the fused graph in (what it ran before).
-        model = _fused(model, params, optimizer)
+        model = _fused(model, params, optimizer)   # in file order (PRIORITY_BASED): see _fused
         write_settings(model, dataclasses.replace(UNOPTIMIZED_SETTINGS, execution_order="PRIORITY_BASED"))
         try:
             skeleton_check(model)
@@ -512,13 +507,14 @@ PLACED_MIN_BYTES = 1 << 20
 
 def _fused(training: onnx.ModelProto, params: list[str], optimizer: OptimizerSpec) -> onnx.ModelProto:
     """`training` (outputs: loss, gradients) with `optimizer`'s step inside (`fuse_optimizer`),
-    its nodes in the leanest of three candidate file orders.
+    its nodes in the leanest of three candidate file orders, then each update of
+    PLACED_MIN_BYTES or more placed where the peak is least (`file_order.place_updates`).
 
     The fused graph runs in file order (PRIORITY_BASED), so that each update runs where it is
-    written. The candidates (the cost model keeps the leanest): the training graph's file order
-    and the order ORT's DEFAULT walk runs it in (each gradient late, right before the walk needs
-    it), each with the updates right after their gradients; and the order ORT's DEFAULT walk
-    would run the fused graph in.
+    written. The candidates (`file_order.leanest_file_order` keeps the leanest): the training
+    graph's file order and the order ORT's DEFAULT walk runs it in (each gradient late, right
+    before the walk needs it), each with the updates right after their gradients; and the order
+    ORT's DEFAULT walk would run the fused graph in.
 
     Where the cost model puts the peak inside a parameter's AdamW update, or the least peak a
     plan can reach there (`search.plan.peak_floor_bytes`: the gradient and two temporaries of
@@ -526,12 +522,16 @@ def _fused(training: onnx.ModelProto, params: list[str], optimizer: OptimizerSpe
     that returns it), that parameter's moments are made in blocks of rows
     (`optimizer.chunk_rows`, CHUNK_BYTES each), and kept if that lowers either peak; up to
     CHUNKED_ROUNDS parameters, the largest such first."""
+    from graphopt.analyze import analyze
+    from graphopt.op_rules import build_cost_graph
+
     constants = [n.name for n in training.graph.node if n.op_type == "Constant"]
     walked = [training.graph.node[k].name for k in default_order(training)]
     chunks: dict[str, int] = {}
     initializers = {t.name: t for t in training.graph.initializer}
     sizes = {p: int(np.prod(initializers[p].dims, dtype=np.int64))
              * helper.tensor_dtype_to_np_dtype(initializers[p].data_type).itemsize for p in params}
+    rows = {p: int(initializers[p].dims[0]) if initializers[p].dims else 1 for p in params}
 
     def fused_with(chunks):
         model = onnx.ModelProto()
@@ -541,8 +541,6 @@ def _fused(training: onnx.ModelProto, params: list[str], optimizer: OptimizerSpe
         in_file = [n.name for n in model.graph.node]
         in_walk = constants + fused.head + [x for name in walked for x in [name] + fused.after.get(name, [])]
         fused_walk = [model.graph.node[k].name for k in default_order(model)]
-        from graphopt.analyze import analyze
-        from graphopt.op_rules import build_cost_graph
         cost_graph = build_cost_graph(analyze(model), static_tensor_bytes(model), {})
         leanest_file_order(model, [in_file, in_walk, constants + fused_walk], cost_graph)
         large = sorted((p for p in params if sizes[p] >= PLACED_MIN_BYTES), key=lambda p: -sizes[p])
@@ -555,7 +553,7 @@ def _fused(training: onnx.ModelProto, params: list[str], optimizer: OptimizerSpe
     for _ in range(CHUNKED_ROUNDS):
         owner = {name: p for p, names in fused.by_param.items() for name in names}
         found = [owner[node] for _, node in peaks if node in owner]
-        found = [p for p in found if p not in chunks and rows_of(model, p) > 1 and sizes.get(p, 0) > CHUNK_BYTES]
+        found = [p for p in found if p not in chunks and rows[p] > 1 and sizes[p] > CHUNK_BYTES]
         if not found:
             break
         p = max(found, key=sizes.__getitem__)
@@ -565,14 +563,6 @@ def _fused(training: onnx.ModelProto, params: list[str], optimizer: OptimizerSpe
             break
         model, fused, peaks, chunks = trial_model, trial_fused, trial_peaks, trial
     return model
-
-
-def rows_of(model: onnx.ModelProto, name: str) -> int:
-    """The first dimension of initializer `name` (1 for a scalar)."""
-    for t in model.graph.initializer:
-        if t.name == name:
-            return int(t.dims[0]) if t.dims else 1
-    return 1
 
 
 def _loss_ancestors(model, loss) -> list:
