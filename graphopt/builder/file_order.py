@@ -184,9 +184,11 @@ def place_updates(model: onnx.ModelProto, chains: list[list[str]], cost_graph=No
 
     A chain placed later holds what it reads (the gradient) longer, and runs where less else is
     alive: an embedding's update run where the backward pass still holds the activations that
-    the weight gradients after it read costs more than the same update run after them. The
-    chain goes no earlier than right after the last node that makes or reads what it reads and
-    frees, so that it frees all of that. Sizes from ONNX shape inference (`static_tensor_bytes`);
+    the weight gradients after it read costs more than the same update run after them. A chain
+    moves with the nodes that make only what it reads, where each reads no more than it makes
+    (`_with_exclusive_producers`), and goes no earlier than right after the nodes that make
+    what it reads; what it reads that later nodes read too is counted alive while it runs and
+    freed after them. Sizes from ONNX shape inference (`static_tensor_bytes`);
     the order the cost model runs is the file's, as PRIORITY_BASED runs a file written in a
     topological order. The place chosen has the least peak with the sizes of the floor
     (`search.plan.floor_schedule_and_sizes`: the activations a plan can recompute take nothing,
