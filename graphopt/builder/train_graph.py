@@ -39,6 +39,7 @@ from . import rules
 from .deterministic import scatter_nd_rows_to_elements, static_shapes
 from .graph_util import Names, infer_shapes, sequence_splits_to_split, skeleton_check, small_constants
 from .embedding_grad import lean_embedding_gradients
+from .unit_axes import unit_axes_dropped
 from .lean import (gradients_early, loss_first, masks_as_products, outputs_written_in_place, pads_sum_to_concat,
                    sums_as_produced,
                    recompute_gelu_intermediates, transposed_products,
@@ -499,6 +500,8 @@ def _build(forward, loss, parameters, freeze, labels, class_axis, optimizer, hel
     return model
 
 
+# False: broadcasts and reductions keep their axes of extent 1 (unit_axes.py; for comparisons)
+UNIT_AXES_DROPPED = True
 # at most this many rounds of `_fused` making the moments of one more parameter in blocks of rows
 CHUNKED_ROUNDS = 4
 # the updates of parameters of at least this many bytes are placed where the peak is least
@@ -691,6 +694,8 @@ def _finish(model, loss, loss_shape, loss_type, params, initializers, extras, ty
     name_nodes(model)
     recompute_gelu_intermediates(model, _backward_names(model, loss))
     copy_statistics_inputs(model)
+    if UNIT_AXES_DROPPED:
+        unit_axes_dropped(model, static_shapes(model))
     # value_info for the planner; the seed axis is gone, so shapes are the real ones. The extra
     # outputs were declared without shapes: infer them as intermediates, then declare them.
     extra_names = set(extras.outputs)
