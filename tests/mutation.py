@@ -58,6 +58,17 @@ MODULES = {
                          "tests/test_runtime.py::test_the_kernel_events_read_are_the_last_runs_alone",
                          "tests/test_annotate.py::test_profile_events_read_one_line_at_a_time_equal_the_profile_read_whole"]),
     "reduced": ("graphopt/reduced.py", ["tests/test_reduced_rules.py", "tests/test_reduced.py", "-m", "not slow"]),
+    # reduced's mutants in three parts, each function in one, each against the module's own tests
+    # (the part rows add up to the module's)
+    "reduced.tracking": ("graphopt/reduced.py", ["tests/test_reduced_rules.py", "tests/test_reduced.py", "-m", "not slow"],
+                         ["x__forward", "x__backward", "x__contraction", "x__reduced_axes", "x__linear",
+                          "x__ints_input", "x_track"]),
+    "reduced.twin": ("graphopt/reduced.py", ["tests/test_reduced_rules.py", "tests/test_reduced.py", "-m", "not slow"],
+                     ["x_batch_inputs", "x__scaled", "x_make_twin", "x__learn", "x__twin_once", "x_constants_rewritten",
+                      "x__cut", "x__replace_constant", "x__producers", "x__check_inferred"]),
+    "reduced.shapes": ("graphopt/reduced.py", ["tests/test_reduced_rules.py", "tests/test_reduced.py", "-m", "not slow"],
+                       ["x__static", "x__inferred", "x__fold", "x_full_shapes", "x__graph_only", "x_extrapolate",
+                        "x_scale_up", "x_full_size_annotations"]),
     "runtime.limit": ("graphopt/runtime/limit.py", ["tests/test_limit_rules.py"]),
     "runtime._limit_worker": ("graphopt/runtime/_limit_worker.py", ["tests/test_limit_rules.py"]),
     "annotate": ("graphopt/annotate.py",

@@ -198,3 +198,590 @@ def test_full_size_annotations_name_the_tensor_that_does_not_extend():
     with pytest.raises(TwinError) as refused:
         full_size_annotations(model, low, odd, 2, 4, 15, {})
     assert str(refused.value) == "the shapes of 2 tensors (first 'h') do not extend from batch 2 and 4 to 15"
+
+
+# ---------------------------------------------------------------------------------------------
+# The batch's tracking on small graphs. Oracle: ONNX Runtime runs each graph built at the full
+# batch FULL and at SMALL (its shape constants written for that batch, a constant that holds the
+# batch holding its first SMALL samples). A tensor holds the batch on the axis whose extent is
+# FULL/SMALL times larger at FULL; its `outer` (the axis is outer * B * inner) is read from which
+# elements change when sample 0 of every batch input changes: along that axis they come in
+# runs of `inner`, once every B * inner. The twin (make_twin at SMALL) must compute what the graph
+# built at SMALL computes on the first SMALL samples, every tensor of it.
+# ---------------------------------------------------------------------------------------------
+import onnxruntime as ort  # noqa: E402
+
+from graphopt.builder.graph_util import small_constants  # noqa: E402
+from graphopt.reduced import (_backward, _contraction, _cut, _forward, _linear, _reduced_axes,  # noqa: E402
+                              full_shapes, make_twin, track)
+
+FULL, SMALL = 6, 2
+F, I64 = TensorProto.FLOAT, TensorProto.INT64
+
+
+def _c(name: str, value) -> onnx.TensorProto:
+    return numpy_helper.from_array(np.asarray(value), name)
+
+
+def _model(nodes, inputs, constants, opset: int = 17, outputs=None) -> onnx.ModelProto:
+    """inputs: name -> (element type, shape); constants: initializers."""
+    produced = [o for node in nodes for o in node.output if o]
+    outputs = outputs or produced[-1:]
+    graph = helper.make_graph(nodes, "g", [vi(k, t, s) for k, (t, s) in inputs.items()],
+                              [vi(o, 0, None) for o in outputs], constants)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 8
+    return model
+
+
+def _exposed(model: onnx.ModelProto) -> onnx.ModelProto:
+    """`model` with every tensor its nodes make as a graph output (types from ONNX inference)."""
+    typed = onnx.shape_inference.infer_shapes(model)
+    types = {v.name: v.type.tensor_type.elem_type for v in list(typed.graph.value_info) + list(typed.graph.output)}
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    del out.graph.output[:]
+    out.graph.output.extend(vi(o, types[o], None) for node in model.graph.node for o in node.output if o)
+    return out
+
+
+def _ort(model: onnx.ModelProto, feeds: dict) -> dict[str, np.ndarray]:
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.log_severity_level = 3
+    session = ort.InferenceSession(_exposed(model).SerializeToString(), options, providers=["CPUExecutionProvider"])
+    names = [o.name for o in session.get_outputs()]
+    fed = {i.name for i in session.get_inputs()}
+    return dict(zip(names, session.run(names, {k: v for k, v in feeds.items() if k in fed})))
+
+
+def _feeds(model: onnx.ModelProto, high: dict[str, int]) -> dict[str, np.ndarray]:
+    """Positive floats; integers in range(high[name])."""
+    rng = np.random.default_rng(0)
+    feeds = {}
+    for i in model.graph.input:
+        shape = [d.dim_value for d in i.type.tensor_type.shape.dim]
+        if i.type.tensor_type.elem_type == I64:
+            feeds[i.name] = rng.integers(0, high[i.name], shape).astype(np.int64)
+        else:
+            feeds[i.name] = rng.uniform(0.5, 1.5, shape).astype(np.float32)
+    return feeds
+
+
+def _oracle(build, high: dict[str, int]) -> dict[str, tuple[int, int | None] | None]:
+    """tensor -> (axis, outer) of the batch as ONNX Runtime's runs show it (outer None where no
+    element depends on the samples: a tensor made from nothing), None where it holds no batch."""
+    full_model, small_model = build(FULL), build(SMALL)
+    feeds = _feeds(full_model, high)
+    batch = {i.name for i in full_model.graph.input}
+    small_feeds = {k: v[:SMALL] for k, v in feeds.items()}
+    changed = {k: v.copy() for k, v in feeds.items()}
+    for k, v in changed.items():
+        v[0] = (v[0] + 1) % high[k] if v.dtype == np.int64 else v[0] + 0.25
+    at_full, at_small, moved = _ort(full_model, feeds), _ort(small_model, small_feeds), _ort(full_model, changed)
+    values = {t.name: numpy_helper.to_array(t) for t in full_model.graph.initializer}
+    small_values = {t.name: numpy_helper.to_array(t) for t in small_model.graph.initializer}
+    for node in full_model.graph.node:
+        if node.op_type == "Constant":
+            values[node.output[0]] = numpy_helper.to_array(node.attribute[0].t)
+    for node in small_model.graph.node:
+        if node.op_type == "Constant":
+            small_values[node.output[0]] = numpy_helper.to_array(node.attribute[0].t)
+    out = {}
+    for name in set(at_full) | set(values) | batch:
+        big = at_full.get(name, values.get(name, feeds.get(name)))
+        small = at_small.get(name, small_values.get(name, small_feeds.get(name)))
+        axes = [j for j, (a, b) in enumerate(zip(big.shape, small.shape)) if a != b and a * SMALL == b * FULL]
+        assert len(axes) <= 1 and big.ndim == small.ndim, (name, big.shape, small.shape)
+        if not axes:
+            out[name] = None
+            continue
+        axis = axes[0]
+        outer = None
+        if name in moved:
+            mask = moved[name] != big
+            along = mask.any(axis=tuple(j for j in range(big.ndim) if j != axis))
+            if along.any() and not along.all():
+                inner = int(np.argmin(along))          # the first run of sample 0
+                outer = big.shape[axis] // (FULL * inner)
+                assert np.array_equal(along, (np.arange(big.shape[axis]) // inner) % FULL == 0), name
+        out[name] = (axis, outer)
+    return out
+
+
+def _positions(model: onnx.ModelProto, keep=frozenset()) -> dict:
+    names = [i.name for i in model.graph.input]
+    return track(model, full_shapes(model), names, FULL, small_constants(model), keep=keep)
+
+
+def _check_tracking(build, high=None, keep=frozenset()):
+    """graphopt's batch positions in build(FULL) against the oracle's, tensor by tensor (the
+    parameters `keep` excepted), and the twin at SMALL against build(SMALL) in ONNX Runtime."""
+    high = dict(high or {})
+    model = build(FULL)
+    for i in model.graph.input:
+        high.setdefault(i.name, 1)
+    want = _oracle(build, high)
+    got = _positions(model, keep)
+    for name, position in want.items():
+        if name in keep:
+            continue
+        mine = got.get(name)
+        if position is None:
+            assert mine is None, (name, mine)
+        else:
+            assert mine is not None and mine[0] == position[0], (name, mine, position)
+            if position[1] is not None:
+                assert mine[1] == position[1], (name, mine, position)
+    feeds = _feeds(model, high)
+    twin = make_twin(model, feeds, SMALL, keep=set(keep))
+    assert {k: v.shape for k, v in twin.inputs.items()} == {k: (SMALL, *v.shape[1:]) for k, v in feeds.items()}
+    assert all(np.array_equal(twin.inputs[k], v[:SMALL]) for k, v in feeds.items())
+    native = _ort(build(SMALL), {k: v[:SMALL] for k, v in feeds.items()})
+    mine = _ort(twin.model, twin.inputs)
+    for name, value in native.items():
+        assert mine[name].shape == value.shape, (name, mine[name].shape, value.shape)
+        np.testing.assert_allclose(mine[name], value, rtol=1e-6, err_msg=name)
+    return twin, got
+
+
+S, D = 3, 4
+
+
+def _x(b, *rest):
+    return {"x": (F, [b, *rest] if rest else [b, S, D])}
+
+
+def test_reshapes_carry_the_batch_factor_where_its_elements_land():
+    def build(b):
+        nodes = [n("Reshape", ["x", "merged_shape"], ["merged"]),          # [B*S, D]: inner S
+                 n("Relu", ["merged"], ["relu"]),
+                 n("Reshape", ["relu", "split_shape"], ["split"]),          # [B, S, D]
+                 n("Reshape", ["split", "rows_shape"], ["rows"]),           # [B, S*D] by -1
+                 n("Transpose", ["x"], ["t"], perm=[1, 0, 2]),              # [S, B, D]
+                 n("Reshape", ["t", "t_merged_shape"], ["t_merged"]),       # [S*B, D]: outer S
+                 n("Reshape", ["t_merged", "t_split_shape"], ["t_split"]),  # [S, B, D]
+                 n("Transpose", ["t_split"], ["back"]),                     # reversed: [D, B, S]
+                 n("Transpose", ["x"], ["last"], perm=[2, 1, 0]),           # [D, S, B]
+                 n("Reshape", ["last", "last_rows_shape"], ["last_rows"]),  # [D*S, B]
+                 n("Reshape", ["last", "last_cols_shape"], ["last_cols"])]  # [D, S*B]: outer S
+        constants = [_c("merged_shape", [b * S, D]), _c("split_shape", [b, S, D]), _c("rows_shape", [b, -1]),
+                     _c("t_merged_shape", [S * b, D]), _c("t_split_shape", [S, b, D]),
+                     _c("last_rows_shape", [D * S, b]), _c("last_cols_shape", [D, S * b])]
+        return _model(nodes, _x(b), constants, outputs=["split", "rows", "back", "last_rows", "last_cols"])
+    twin, got = _check_tracking(build)
+    assert got["merged"] == (0, 1) and got["t_merged"] == (0, S) and got["last_cols"] == (1, S)
+    # every shape constant that held the batch was written for SMALL, none other
+    assert twin.rewritten_constants == 7
+
+
+def test_flatten_squeeze_unsqueeze_and_identity_keep_the_layout():
+    def build(b):
+        nodes = [n("Flatten", ["x"], ["f2"], axis=2),                      # [B*S, D]
+                 n("Flatten", ["x"], ["f0"], axis=0),                      # [1, B*S*D]
+                 n("Unsqueeze", ["x", "zero"], ["u0"]),                    # [1, B, S, D]
+                 n("Unsqueeze", ["x", "one"], ["u1"]),                     # [B, 1, S, D]
+                 n("Squeeze", ["u1", "one"], ["s1"]),                      # [B, S, D]
+                 n("Squeeze", ["u0", "zero"], ["s0"]),
+                 n("Identity", ["f2"], ["same"]),
+                 n("Reshape", ["f0", "f0_shape"], ["f0_back"])]
+        constants = [_c("zero", [0]), _c("one", [1]), _c("f0_shape", [b, S * D])]
+        return _model(nodes, _x(b), constants, outputs=["f2", "u0", "s1", "s0", "same", "f0_back"])
+    _check_tracking(build)
+
+
+def test_gather_carries_the_batch_from_its_indices_and_past_its_axis_from_its_data():
+    table = np.random.default_rng(3).standard_normal((5, D)).astype(np.float32)
+
+    def build(b):
+        nodes = [n("Gather", ["table", "tokens"], ["embedded"]),                     # [B, S, D]
+                 n("Gather", ["table_t", "tokens"], ["embedded_t"], axis=-1),        # [D, B, S]
+                 n("Gather", ["x", "two"], ["picked"], axis=1),                      # [B, 2, D]
+                 n("Transpose", ["x"], ["t"], perm=[1, 0, 2]),                       # [S, B, D]
+                 n("Gather", ["t", "square"], ["picked_t"], axis=0),                 # [2, 2, B, D]
+                 n("Gather", ["t", "two"], ["picked_neg"], axis=-3),                 # [2, B, D]
+                 n("Gather", ["x", "scalar"], ["sample"], axis=0),                   # [S, D]: no batch
+                 n("Gather", ["t", "scalar"], ["row"], axis=-2)]                     # [S, D]: no batch
+        constants = [_c("table", table), _c("table_t", table.T.copy()), _c("two", np.array([0, 2])),
+                     _c("square", np.array([[0, 1], [2, 0]])), _c("scalar", np.array(1))]
+        inputs = _x(b) | {"tokens": (I64, [b, S])}
+        return _model(nodes, inputs, constants, outputs=["embedded", "embedded_t", "picked", "picked_t",
+                                                         "picked_neg", "sample", "row"])
+    _, got = _check_tracking(build, {"tokens": 5}, keep={"table", "table_t"})
+    assert got["picked_t"] == (2, 1) and got["embedded_t"] == (1, 1)
+
+
+def test_gathernd_carries_the_batch_from_its_indices_or_its_batch_dims():
+    table = np.random.default_rng(3).standard_normal((5, D)).astype(np.float32)
+    picks = np.random.default_rng(4).integers(0, S, (FULL, 1))
+
+    def build(b):
+        nodes = [n("GatherND", ["table", "tokens"], ["looked_up"]),                  # [B, D]
+                 n("GatherND", ["x", "picks"], ["per_sample"], batch_dims=1),        # [B, D]
+                 n("Add", ["looked_up", "per_sample"], ["sum"])]
+        return _model(nodes, _x(b) | {"tokens": (I64, [b, 1])}, [_c("table", table), _c("picks", picks[:b])],
+                      outputs=["sum"])
+    twin, got = _check_tracking(build, {"tokens": 5}, keep={"table"})
+    assert got["picks"] == (0, 1)                 # a constant holding the batch: cut with it
+
+
+def test_matmul_follows_the_batch_and_drops_it_where_it_is_contracted():
+    rng = np.random.default_rng(5)
+    w, w_left, w3, w_sq = (rng.standard_normal(s).astype(np.float32) for s in ((D, 5), (5, D), (2, S * D, 5), (S, S)))
+
+    def build(b):
+        nodes = [n("MatMul", ["x", "w"], ["projected"]),                          # [B, S, 5]
+                 n("Transpose", ["x"], ["t"], perm=[1, 2, 0]),                    # [S, D, B]
+                 n("MatMul", ["w_left", "t"], ["left"]),                          # [S, 5, B]
+                 n("Reshape", ["x", "rows_shape"], ["rows"]),                     # [B, S*D]
+                 n("MatMul", ["rows", "w3"], ["stacked"]),                        # [2, B, 5]
+                 n("Transpose", ["rows"], ["cols"]),                              # [S*D, B]
+                 n("MatMul", ["cols", "rows"], ["gram"]),                         # [S*D, S*D]: no batch
+                 n("MatMul", ["rows", "cols"], ["outer"]),                        # [B, B]? both axes
+                 n("MatMul", ["w_sq", "x"], ["mixed"])]                           # [B, S, D]
+        constants = [_c("w", w), _c("w_left", w_left), _c("w3", w3), _c("w_sq", w_sq),
+                     _c("rows_shape", [b, S * D])]
+        return _model(nodes, _x(b), constants, outputs=["projected", "left", "stacked", "gram", "mixed"])
+    # [B, B] holds the batch twice: no single axis; left out of the graph
+    def without_outer(b):
+        model = build(b)
+        nodes = [node for node in model.graph.node if node.output[0] != "outer"]
+        del model.graph.node[:]
+        model.graph.node.extend(nodes)
+        return model
+    _check_tracking(without_outer, keep={"w", "w_left", "w3", "w_sq"})
+
+
+def test_gemm_follows_its_transposes():
+    rng = np.random.default_rng(6)
+    w, w_t = rng.standard_normal((S * D, 5)).astype(np.float32), rng.standard_normal((5, S * D)).astype(np.float32)
+
+    def build(b):
+        nodes = [n("Reshape", ["x", "rows_shape"], ["rows"]),                    # [B, 12]
+                 n("Transpose", ["rows"], ["cols"]),                             # [12, B]
+                 n("Gemm", ["rows", "w"], ["plain"]),                            # [B, 5]
+                 n("Gemm", ["cols", "w"], ["trans_a"], transA=1),                # [B, 5]
+                 n("Gemm", ["w_t", "rows"], ["trans_b"], transB=1),              # [5, B]
+                 n("Gemm", ["w_t", "cols"], ["right"]),                          # [5, B]
+                 n("Gemm", ["cols", "rows"], ["gram"]),                          # [12, 12]: no batch
+                 n("Gemm", ["rows", "cols"], ["gram_t"], transA=1, transB=1),    # [12, 12]: no batch
+                 n("Gemm", ["w_t", "w"], ["with_c"], alpha=1.0)]                 # no batch
+        constants = [_c("w", w), _c("w_t", w_t), _c("rows_shape", [b, S * D])]
+        return _model(nodes, _x(b), constants, outputs=["plain", "trans_a", "trans_b", "right", "gram", "gram_t",
+                                                        "with_c"])
+    _check_tracking(build, keep={"w", "w_t"})
+
+
+def test_conv_and_conv_transpose_follow_their_data_and_weights():
+    rng = np.random.default_rng(7)
+    weight, weight_t = rng.standard_normal((3, 2, 3, 3)).astype(np.float32), rng.standard_normal((2, 3, 2, 2))
+    image, image_c = rng.standard_normal((1, 2, 5, 5)).astype(np.float32), rng.standard_normal((1, 2, 3, 3))
+
+    def build(b):
+        nodes = [n("Conv", ["x", "weight"], ["conv"]),                                  # [B, 3, 3, 3]
+                 n("ConvTranspose", ["x", "weight_t"], ["deconv"], strides=[2, 2]),     # [B, 3, 10, 10]
+                 n("Conv", ["image", "x"], ["by_samples"]),                             # [1, B, 1, 1]
+                 n("Transpose", ["x"], ["x_t"], perm=[1, 0, 2, 3]),                     # [2, B, 5, 5]
+                 n("ConvTranspose", ["image_c", "x_t"], ["spread"]),                    # [1, B, 7, 7]
+                 n("Conv", ["x_t", "weight"], ["mixed"], group=1)]                      # [2, 3, 3, 3]? see below
+        constants = [_c("weight", weight), _c("weight_t", weight_t.astype(np.float32)), _c("image", image),
+                     _c("image_c", image_c.astype(np.float32))]
+        return _model(nodes[:5], _x(b, 2, 5, 5), constants, outputs=["conv", "deconv", "by_samples", "spread"])
+    _check_tracking(build, keep={"weight", "weight_t", "image", "image_c"})
+
+
+def test_reductions_keep_the_batch_unless_they_reduce_its_axis():
+    def build(b):
+        nodes = [n("ReduceMean", ["x"], ["mean"], axes=[1], keepdims=0),                 # [B, D]
+                 n("ReduceMax", ["x"], ["max_kept"], axes=[-1]),                         # [B, S, 1]
+                 n("ReduceSum", ["x", "zero"], ["over_batch"]),                          # [1, S, D]
+                 n("ReduceMin", ["x"], ["everything"], keepdims=0),                      # []
+                 n("Transpose", ["x"], ["t"], perm=[1, 0, 2]),                           # [S, B, D]
+                 n("ReduceSum", ["t", "outer_axes"], ["inner"], keepdims=0),             # [B]
+                 n("ReduceSum", ["t", "minus_three"], ["neg"], keepdims=0),              # [B, D]
+                 n("ReduceL2", ["t"], ["last"], axes=[2], keepdims=0),                   # [S, B]
+                 n("ReduceProd", ["t"], ["first"], axes=[0], keepdims=1)]                # [1, B, D]
+        constants = [_c("zero", [0]), _c("outer_axes", [0, 2]), _c("minus_three", [-3])]
+        return _model(nodes, _x(b), constants, outputs=["mean", "max_kept", "over_batch", "everything", "inner",
+                                                        "neg", "last", "first"], opset=17)
+    _, got = _check_tracking(build)
+    assert got["inner"] == (0, 1) and got["last"] == (1, 1)
+
+
+def test_reduced_axes_from_the_attribute_the_input_or_all():
+    node = n("ReduceSum", ["x", "axes"], ["y"])
+    assert _reduced_axes(node, 3, {"axes": np.array([-1, 0])}) == [2, 0]
+    assert _reduced_axes(node, 3, {}) is None                                 # axes computed: unknown
+    assert _reduced_axes(n("ReduceSum", ["x"], ["y"]), 3, {}) == [0, 1, 2]
+    assert _reduced_axes(n("ReduceSum", ["x", ""], ["y"]), 2, {}) == [0, 1]
+    assert _reduced_axes(n("ReduceMean", ["x"], ["y"], axes=[-2]), 4, {"axes": np.array([0])}) == [2]
+
+
+def test_elementwise_and_broadcasting_ops_align_the_batch_from_the_right():
+    rng = np.random.default_rng(8)
+
+    def build(b):
+        nodes = [n("Add", ["x", "bias"], ["biased"]),                                  # [B, S, D]
+                 n("ReduceMean", ["x"], ["pooled"], axes=[1], keepdims=0),             # [B, D]
+                 n("Mul", ["scale", "pooled"], ["spread"]),                            # [S, B, D]
+                 n("Sub", ["pooled", "x"], ["centered"]),                              # [B, S, D]? rows
+                 n("Where", ["keep", "x", "bias"], ["chosen"]),                        # [B, S, D]
+                 n("Softmax", ["x"], ["soft"], axis=-1),
+                 n("Split", ["x", "halves"], ["left", "right"], axis=2),               # [B, S, 2] twice
+                 n("Pad", ["x", "pads"], ["padded"]),                                  # [B, S, D + 2]
+                 n("Concat", ["left", "x"], ["joined"], axis=2),                       # [B, S, 6]
+                 n("Equal", ["tokens", "three"], ["is_three"]),                        # [B, S]
+                 n("Cast", ["is_three"], ["as_float"], to=F),
+                 n("Pow", ["x", "two"], ["squared"]),
+                 n("Sum", ["x", "biased", "bias"], ["total"])]
+        constants = [_c("bias", rng.standard_normal(D).astype(np.float32)),
+                     _c("scale", rng.standard_normal((S, 1, 1)).astype(np.float32)),
+                     _c("keep", np.array([True, False, True, True])), _c("halves", [2, 2]),
+                     _c("pads", [0, 0, 1, 0, 0, 1]), _c("batch_pads", [1, 0, 0, 1, 0, 0]),
+                     _c("three", np.array(3)), _c("two", np.array(2.0, np.float32))]
+        nodes[3] = n("Sub", ["x", "pooled_3d"], ["centered"])
+        nodes.insert(3, n("Unsqueeze", ["pooled", "one"], ["pooled_3d"]))
+        constants.append(_c("one", [1]))
+        return _model(nodes, _x(b) | {"tokens": (I64, [b, S])}, constants,
+                      outputs=["biased", "spread", "centered", "chosen", "soft", "right", "padded", "joined", "as_float", "squared", "total"])
+    rng_state = rng.bit_generator.state
+
+    def fixed(b):
+        rng.bit_generator.state = rng_state
+        return build(b)
+    _, got = _check_tracking(fixed, {"tokens": 5}, keep={"bias", "scale", "keep"})
+    assert got["spread"] == (1, 1)
+
+
+def test_a_twin_whose_shapes_are_not_the_full_ones_scaled_is_refused_naming_the_tensor():
+    """A Pad of the batch axis: [B + 2, S, D] is no multiple of the batch, so graphopt cannot
+    tell where the batch goes. ONNX Runtime's shapes at SMALL are not FULL's scaled on any axis."""
+    def build(b):
+        nodes = [n("Pad", ["x", "batch_pads"], ["grown"], name="pad_rows"), n("Relu", ["grown"], ["out"])]
+        return _model(nodes, _x(b), [_c("batch_pads", [1, 0, 0, 1, 0, 0])])
+    assert _oracle(build, {"x": 1})["grown"] is None
+    model = build(FULL)
+    with pytest.raises(TwinError) as refused:
+        make_twin(model, _feeds(model, {}), SMALL)
+    message = str(refused.value)
+    assert "'grown'" in message and "Pad node 'pad_rows'" in message and "[4, 3, 4]" in message, message
+    for batch in (0, FULL, FULL + 1):
+        with pytest.raises(TwinError, match=f"reduced batch must be in 1..{FULL - 1}, not {batch}"):
+            make_twin(model, _feeds(model, {}), batch)
+
+
+def test_tensors_made_from_nothing_take_the_batch_where_they_meet_a_tracked_one():
+    """ConstantOfShape, Expand of a scalar, a Reshape of them, constants that are not parameters
+    (a mask, a per-sample table, Gather's and GatherND's indices): tracked backward from the
+    consumer that meets the batch, their shapes rewritten and their values cut in the twin."""
+    rng = np.random.default_rng(9)
+    table = rng.standard_normal((5, D)).astype(np.float32)
+    mask = (rng.random((S * FULL, D)) > 0.4).astype(np.float32)         # [S*B, D], outer S
+    per_sample = rng.standard_normal((FULL, 5)).astype(np.float32)
+    per_sample_t = rng.standard_normal((5, FULL)).astype(np.float32)
+    ids, id_rows = rng.integers(0, 5, FULL), rng.integers(0, 5, (FULL, 1))
+    extra = rng.standard_normal((FULL, 2)).astype(np.float32)
+
+    def build(b):
+        nodes = [n("ConstantOfShape", ["ones_shape"], ["ones"], value=_c("v", np.array([1.0], np.float32))),
+                 n("Relu", ["ones"], ["late"]),                 # tracked in the second pass, after "ones"
+                 n("Reshape", ["late", "late_shape"], ["late_flat"]),
+                 n("Add", ["ones", "x"], ["plus_one"]),
+                 n("Expand", ["two", "x_shape"], ["twos"]),
+                 n("Mul", ["twos", "x"], ["doubled"]),
+                 n("ConstantOfShape", ["flat_shape"], ["flat"], value=_c("v", np.array([0.5], np.float32))),
+                 n("Reshape", ["flat", "x_shape"], ["unflat"]),
+                 n("Sub", ["x", "unflat"], ["shifted"]),
+                 n("Transpose", ["x"], ["t"], perm=[1, 0, 2]),
+                 n("Reshape", ["t", "merged_shape"], ["merged"]),                       # [S*B, D], outer S
+                 n("Mul", ["merged", "mask"], ["masked"]),
+                 n("ReduceMean", ["x"], ["pooled"], axes=[1], keepdims=0),              # [B, D]
+                 n("Gather", ["table", "ids"], ["looked_up"]),                          # [B, D] from ids
+                 n("Add", ["pooled", "looked_up"], ["with_ids"]),
+                 n("GatherND", ["table", "id_rows"], ["nd"]),                           # [B, D]
+                 n("Add", ["nd", "pooled"], ["with_rows"]),
+                 n("ReduceMean", ["x"], ["per_x"], axes=[1, 2], keepdims=0),             # [B]
+                 n("Gather", ["per_sample", "col"], ["column"], axis=1),                # [B] from the data
+                 n("Add", ["per_x", "column"], ["with_column"]),
+                 n("ReduceMean", ["x"], ["sums"], axes=[2], keepdims=0),                # [B, S]
+                 n("Transpose", ["sums"], ["sums_t"]),                                  # [S, B]
+                 n("Gather", ["per_sample_t", "rows"], ["picked"], axis=0),             # [S, B]
+                 n("Add", ["sums_t", "picked"], ["with_picked"]),
+                 n("Concat", ["extra", "pooled"], ["joined"], axis=1)]                  # [B, 2 + D]
+        constants = [_c("ones_shape", [b, S, D]), _c("late_shape", [b * S * D]), _c("two", np.array(2.0, np.float32)),
+                     _c("x_shape", [b, S, D]), _c("flat_shape", [b * S * D]), _c("merged_shape", [S * b, D]),
+                     _c("mask", mask.reshape(S, FULL, D)[:, :b].reshape(S * b, D)), _c("table", table),
+                     _c("ids", ids[:b]), _c("id_rows", id_rows[:b]), _c("per_sample", per_sample[:b]),
+                     _c("col", np.array(3)), _c("per_sample_t", per_sample_t[:, :b]), _c("rows", [4, 0, 2]),
+                     _c("extra", extra[:b])]
+        return _model(nodes, _x(b), constants, outputs=["late_flat", "plus_one", "doubled", "shifted", "masked",
+                                                        "with_ids", "with_rows", "with_column", "with_picked",
+                                                        "joined"])
+    twin, got = _check_tracking(build, keep={"table"})
+    assert got["mask"] == (0, S) and got["flat"] == (0, 1) and got["per_sample_t"] == (1, 1)
+    cut = {t.name: numpy_helper.to_array(t) for t in twin.model.graph.initializer}
+    assert np.array_equal(cut["mask"], mask.reshape(S, FULL, D)[:, :SMALL].reshape(S * SMALL, D))
+    assert np.array_equal(cut["table"], table) and cut["col"].tolist() == 3 and cut["rows"].tolist() == [4, 0, 2]
+
+
+def test_cut_keeps_the_first_samples_of_the_batch_factor():
+    """The axis's dimension is outer * B * inner: the cut keeps, of each outer block, the first
+    `batch` runs of `inner` (a [outer, B, inner] view, written out by hand here)."""
+    full, batch = 4, 3
+    for outer, inner, axis in [(1, 1, 0), (2, 3, 1), (3, 1, 1), (1, 2, 2), (2, 2, 0)]:
+        shape = [5, outer * full * inner, 2] if axis == 1 else ([outer * full * inner, 5] if axis == 0
+                                                                 else [2, 3, outer * full * inner])
+        array = np.arange(np.prod(shape)).reshape(shape)
+        keep = [o * full * inner + s * inner + i for o in range(outer) for s in range(batch) for i in range(inner)]
+        want = np.take(array, keep, axis=axis)
+        got = _cut(array, axis, outer, full, batch)
+        assert got.shape == want.shape and np.array_equal(got, want), (outer, inner, axis)
+        assert got.flags.c_contiguous
+
+
+def test_linear_puts_the_batch_on_the_axis_that_holds_its_elements():
+    """Row-major: the batch factor's position is the elements before it (the axes before its
+    axis times `outer`); it lands on the first output axis whose prefix divides that and whose
+    dimension holds the factor (worked by hand)."""
+    assert _linear((0, 1), [6, 3, 4], [18, 4], 6) == (0, 1)
+    assert _linear((1, 1), [3, 6, 4], [18, 4], 6) == (0, 3)
+    assert _linear((1, 1), [3, 6, 4], [3, 24], 6) == (1, 1)
+    assert _linear((0, 3), [18, 4], [3, 6, 4], 6) == (1, 1)
+    assert _linear((0, 1), [6, 3, 4], [1, 72], 6) == (1, 1)
+    assert _linear((0, 1), [6, 6], [36], 6) == (0, 1)              # another dimension equal to B
+    assert _linear((1, 1), [6, 6], [36], 6) == (0, 6)
+    assert _linear((0, 2), [12, 5], [2, 30], 6) == (1, 1)
+    assert _linear((0, 1), [6, 4], [4, 6], 6) is None              # no axis holds the factor whole
+    assert _linear((1, 1), [2, 6], [3, 4], 6) is None
+
+
+def test_the_twin_writes_each_shape_constant_for_its_users_and_copies_a_shared_one():
+    """Resize's sizes, Expand's and ConstantOfShape's shapes, a Reshape's shape held by a Constant
+    node, a shape constant two Reshapes read with different batch entries (a copy for each), one
+    read by a Reshape that holds no batch (kept for it, a copy for the other), and entries 1, 0
+    and -1 (never the batch's). The graph built at SMALL shares no constant where the values
+    differ there."""
+    rng = np.random.default_rng(10)
+    rows = rng.standard_normal((FULL, 2 * FULL)).astype(np.float32)
+
+    def build(b):
+        shared = [_c("shape_6_12", [b, 2 * FULL])] if b == FULL else \
+            [_c("shape_6_12", [b, 2 * FULL]), _c("shape_6_12_kept", [FULL, 2 * FULL]), _c("shape_6_12_t", [FULL, 2 * b])]
+        nodes = [n("Resize", ["x", "", "", "sizes"], ["resized"], mode="nearest"),             # [B, 2, 4, 6]
+                 n("Constant", [], ["rows_shape"], value=_c("rows_shape", [b, 2 * 5 * 5])),
+                 n("Reshape", ["x", "rows_shape"], ["rows"]),                                   # [B, 50]
+                 n("Reshape", ["x", "keep_dims"], ["same"]),                                    # [B, 2, 5, 5] by 0, -1
+                 n("Reshape", ["x", "one_rows"], ["one_row"]),                                  # [1, B * 50]
+                 n("ReduceMean", ["x"], ["pooled"], axes=[2, 3], keepdims=0),                   # [B, 2]
+                 n("Reshape", ["pooled", "to_column"], ["column"]),                             # [B * 2, 1]
+                 n("Expand", ["column", "wide"], ["widened"]),                                  # [B * 2, 6]
+                 n("Reshape", ["widened", "shape_6_12"], ["regrouped"]),                        # [B, 12]
+                 n("Reshape", ["rows_param", "shape_6_12" if b == FULL else "shape_6_12_kept"], ["param_rows"]),
+                 n("Transpose", ["regrouped"], ["cols"]),                                       # [12, B]
+                 n("Reshape", ["cols", "shape_6_12" if b == FULL else "shape_6_12_t"], ["cols_regrouped"])]
+        constants = [_c("sizes", [b, 2, 4, 6]), _c("keep_dims", [0, -1, 5, 5]), _c("one_rows", [1, b * 50]),
+                     _c("to_column", [b * 2, 1]), _c("wide", [b * 2, 6]), _c("rows_param", rows), *shared]
+        return _model(nodes, _x(b, 2, 5, 5), constants,
+                      outputs=["resized", "rows", "same", "one_row", "param_rows", "cols_regrouped"], opset=17)
+    twin, got = _check_tracking(build, keep={"rows_param"})
+    constants = {t.name: numpy_helper.to_array(t).tolist() for t in twin.model.graph.initializer}
+    assert constants["sizes"] == [SMALL, 2, 4, 6] and constants["keep_dims"] == [0, -1, 5, 5]
+    assert constants["shape_6_12"] == [FULL, 2 * FULL]              # kept for the parameter's Reshape
+    copies = {name: value for name, value in constants.items() if name.startswith("shape_6_12__b2_")}
+    assert sorted(copies.values()) == [[SMALL, 2 * FULL], [FULL, 2 * SMALL]]
+    users = {node.output[0]: list(node.input) for node in twin.model.graph.node}
+    assert users["param_rows"][1] == "shape_6_12"
+    assert {constants[users["regrouped"][1]][0], constants[users["cols_regrouped"][1]][1]} == {SMALL, 2 * SMALL}
+    # sizes, the Constant node, one_rows, to_column, wide, two copies of shape_6_12: one a node each
+    assert twin.rewritten_constants == 7
+
+
+def test_the_twin_drops_the_declared_full_size_shapes():
+    """Declared intermediate and output shapes at the full batch would contradict the twin's:
+    dropped; the batch inputs declared at the twin's batch."""
+    def build(b):
+        nodes = [n("Reshape", ["x", "rows_shape"], ["rows"]), n("Relu", ["rows"], ["out"])]
+        model = _model(nodes, _x(b) | {"w": (F, [D])}, [_c("rows_shape", [b, S * D])])
+        model.graph.value_info.append(vi("rows", F, [b, S * D]))
+        del model.graph.output[:]
+        model.graph.output.append(vi("out", F, [b, S * D]))
+        return model
+    model = build(FULL)
+    feeds = _feeds(model, {}) | {"w": np.ones(D, np.float32)}
+    twin = make_twin(model, feeds, SMALL, state={"w"})
+    g = twin.model.graph
+    assert len(g.value_info) == 0 and not g.output[0].type.tensor_type.HasField("shape")
+    assert [d.dim_value for d in g.input[0].type.tensor_type.shape.dim] == [SMALL, S, D]
+    assert [d.dim_value for d in g.input[1].type.tensor_type.shape.dim] == [D]      # state: not the batch
+    assert twin.inputs["w"] is feeds["w"] and twin.inputs["x"].shape == (SMALL, S, D)
+    assert (twin.batch, twin.full_batch) == (SMALL, FULL)
+    assert model.graph.value_info[0].type.tensor_type.shape.dim[0].dim_value == FULL    # the original kept
+
+
+def test_a_constant_that_holds_the_batch_is_read_from_its_external_data(tmp_path):
+    mask = (np.random.default_rng(11).random((FULL, S, D)) > 0.5).astype(np.float32)
+
+    def build(b):
+        return _model([n("Mul", ["x", "mask"], ["masked"])], _x(b), [_c("mask", mask[:b])])
+    model = build(FULL)
+    from onnx.external_data_helper import convert_model_to_external_data
+    convert_model_to_external_data(model, all_tensors_to_one_file=True, location="weights.bin", size_threshold=0)
+    onnx.save(model, str(tmp_path / "m.onnx"))
+    model = build(FULL)
+    external = onnx.load(str(tmp_path / "m.onnx"), load_external_data=False)
+    feeds = _feeds(model, {})
+    with pytest.raises(TwinError, match="constant 'mask' holds the batch and its data is not in the graph"):
+        make_twin(external, feeds, SMALL)
+    twin = make_twin(external, feeds, SMALL, base_dir=str(tmp_path))
+    np.testing.assert_array_equal(numpy_helper.to_array(twin.model.graph.initializer[0]), mask[:SMALL])
+    got = _ort(twin.model, twin.inputs)["masked"]
+    np.testing.assert_array_equal(got, feeds["x"][:SMALL] * mask[:SMALL])
+
+
+def test_a_shape_computed_from_a_tracked_tensor_is_learned_from_the_twins_inference():
+    """Expand(1, Shape(x)) meets no tracked tensor on its own axis before it is flattened: its
+    batch position is learned from the twin's inferred shapes (the full one scaled on axis 0),
+    and the flattening Reshape written for it in the next twin."""
+    def build(b):
+        nodes = [n("Shape", ["x"], ["x_shape"]),
+                 n("Expand", ["one", "x_shape"], ["ones"]),                 # [B, S, D] from the batch's shape
+                 n("Reshape", ["ones", "flat_shape"], ["flat"]),            # [B * S * D]
+                 n("Reshape", ["x", "flat_shape"], ["x_flat"]),
+                 n("Mul", ["flat", "x_flat"], ["out"])]
+        return _model(nodes, _x(b), [_c("one", np.array(1.0, np.float32)), _c("flat_shape", [b * S * D])],
+                      outputs=["out"])
+    twin, got = _check_tracking(build)
+    assert twin.positions["ones"] == (0, 1)
+
+
+def _computed_reshapes(b: int, rounds: int) -> onnx.ModelProto:
+    """y_k = Reshape(y_{k-1}, [Size(y_{k-1}) / 2, 2]) (y_0 = x, k = 1..rounds): each shape is
+    known only once the one before it is (Size and Div are not data-propagated by ONNX)."""
+    nodes, previous = [], "x"
+    for k in range(1, rounds + 1):
+        nodes += [n("Size", [previous], [f"size{k}"]),
+                  n("Div", [f"size{k}", "two"], [f"half{k}"]),
+                  n("Unsqueeze", [f"half{k}", "zero"], [f"rows{k}"]),
+                  n("Concat", [f"rows{k}", "two_1d"], [f"shape{k}"], axis=0),
+                  n("Reshape", [previous, f"shape{k}"], [f"y{k}"])]
+        previous = f"y{k}"
+    return _model(nodes, _x(b), [_c("two", np.array(2)), _c("zero", [0]), _c("two_1d", [2])])
+
+
+@pytest.mark.parametrize("rounds", [1, 3, 4])
+def test_full_shapes_completes_inference_with_the_folded_shape_computations(rounds):
+    """Oracle: every tensor's shape in ONNX Runtime. Each round of folding and inferring again
+    makes one more Reshape's shape known; full_shapes does four rounds."""
+    model = _computed_reshapes(FULL, rounds)
+    measured = {k: list(v.shape) for k, v in _ort(model, _feeds(model, {})).items()}
+    shapes = full_shapes(model)
+    assert f"y{rounds}" not in _inferred(model)
+    for name, shape in measured.items():
+        assert shapes.get(name) == shape, (name, shapes.get(name), shape)
+    assert shapes["x"] == [FULL, S, D] and shapes["two"] == [] and shapes["two_1d"] == [1]
+    assert set(shapes) == set(measured) | {"x", "two", "zero", "two_1d"}
+
+
+def test_full_shapes_stops_after_four_rounds():
+    shapes = full_shapes(_computed_reshapes(FULL, 5))
+    assert shapes["y4"] == [FULL * S * D // 16, 2] and "y5" not in shapes and "size5" in shapes

@@ -207,6 +207,8 @@ def test_a_built_training_graph_has_no_broadcast_or_reduction_cut_by_unit_axes()
     after = train_graph.build_training_graph(forward)
     assert cut(before), "the example no longer has such nodes: the test proves nothing"
     assert cut(after) == []
+    read = {name for node in after.graph.node for name in node.input}
+    assert [t.name for t in after.graph.initializer if t.name not in read] == []
     # a sum over the innermost axis adds in another order than over a strided one: float32 rounding
     feeds = examples.example_inputs(forward)
     outputs_before, outputs_after = _run(before, feeds), _run(after, feeds)

@@ -188,7 +188,7 @@ def unit_axes_dropped(model: onnx.ModelProto, shapes: dict[str, list]) -> int:
     graph = model.graph
     writer = _Writer(model)
     constants = small_constants(model)
-    rewritten, nodes = 0, []
+    rewritten, nodes, replaced_axes = 0, [], set()
     for node in list(graph.node):
         if node.domain not in STANDARD_DOMAINS or len(node.output) != 1:
             nodes.append(node)
@@ -199,6 +199,8 @@ def unit_axes_dropped(model: onnx.ModelProto, shapes: dict[str, list]) -> int:
         elif node.op_type in REDUCTIONS:
             done = _reduction(node, shapes, constants, writer)
             new_axes = done[4] if done else None
+            if done and len(node.input) > 1:
+                replaced_axes.add(node.input[1])
         else:
             done = None
         if done is None:
@@ -219,4 +221,9 @@ def unit_axes_dropped(model: onnx.ModelProto, shapes: dict[str, list]) -> int:
     if rewritten:
         graph.ClearField("node")
         graph.node.extend(nodes)
+        # a reduction's old axes, read by it alone, go with it
+        read = {name for node in graph.node for name in node.input} | {v.name for v in graph.output}
+        unread = [t for t in graph.initializer if t.name in replaced_axes and t.name not in read]
+        for tensor in unread:
+            graph.initializer.remove(tensor)
     return rewritten
