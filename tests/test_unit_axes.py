@@ -138,6 +138,34 @@ def test_a_reduction_runs_without_its_unit_axes_and_gives_the_same_bits(name):
         assert 1 not in read, read
 
 
+TRANSPOSES = {
+    # a whole-map weight gradient's bank: the unit axis moved
+    "unit_axis_moved": ([4, 8, 16, 16, 1], [1, 4, 0, 2, 3], "Transpose"),
+    "default_perm": ([4, 1, 16, 32], None, "Transpose"),
+    # the unit axis alone moves: the same elements in the same order, a Reshape
+    "only_the_unit_axis_moves": ([4, 8, 16, 16, 1], [0, 4, 1, 2, 3], "Reshape"),
+    "unknown_batch": (["batch", 16, 1, 128], [2, 1, 0, 3], "Transpose"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TRANSPOSES))
+def test_a_transpose_moves_no_unit_axis_and_gives_the_same_bits(name):
+    shape, perm, op_left = TRANSPOSES[name]
+    inputs = [("x", F, shape)]
+    attributes = {} if perm is None else {"perm": perm}
+    model = _model([helper.make_node("Transpose", ["x"], ["y"], **attributes)], inputs)
+    feeds = _feeds(inputs)
+    expected = np.transpose(feeds["x"], perm)
+    rewritten, count = _rewritten(model)
+    assert count == 1
+    (got,) = _run(rewritten, feeds)
+    np.testing.assert_array_equal(got, expected)
+    assert [n.op_type for n in rewritten.graph.node if n.op_type != "Reshape"] == \
+        ([] if op_left == "Reshape" else ["Transpose"])
+    for read in _input_shapes(rewritten, "Transpose"):
+        assert 1 not in read, read
+
+
 LEFT = {
     # no axis of extent 1 after a wide one: ONNX Runtime's spans are long already
     "no_unit_axis": ("Mul", [("x", F, [16, 64, 64]), ("b", F, [64])]),
@@ -146,6 +174,8 @@ LEFT = {
     "small": ("Div", [("x", F, [4, 64, 1]), ("b", F, [1])]),
     # two unknown extents: no Reshape can say them
     "two_unknown": ("Mul", [("x", F, ["a", "b", 64, 1]), ("b", F, [1])]),
+    "transpose_without_unit_axes": ("Transpose", [("x", F, [16, 8, 64])]),
+    "small_transpose": ("Transpose", [("x", F, [4, 1, 64])]),
 }
 
 
