@@ -588,21 +588,24 @@ def replayed_with(monkeypatch):
 
 def _replayed_graph() -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
     """Every source of a value replay replays with: fed inputs (w also an initializer, fed another
-    value), a Constant (c_shape; c_unread is read by no node), values computed in the step (xr,
-    s1, shp, zb), and an initializer too large to be replayed with its value (big, 65 x 64 floats)."""
+    value), an initializer (b), a Constant (c_shape; c_unread is read by no node), values computed
+    in the step (xr, s1, sb, shp, zb), and an initializer too large to be replayed with its value
+    (big, 65 x 64 floats)."""
     n, vi = helper.make_node, helper.make_tensor_value_info
     nodes = [n("Constant", [], ["c_shape"], name="c_shape", value_ints=[3, 2]),
              n("Constant", [], ["c_unread"], name="c_unread", value_float=1.0),
              n("Reshape", ["x", "c_shape"], ["xr"], name="reshape_x"),
              n("Add", ["xr", "w"], ["s1"], name="add"),
-             n("Shape", ["s1"], ["shp"], name="shape"),
-             n("Reshape", ["s1", "shp"], ["s2"], name="reshape_s"),
+             n("Mul", ["s1", "b"], ["sb"], name="mul"),
+             n("Shape", ["sb"], ["shp"], name="shape"),
+             n("Reshape", ["sb", "shp"], ["s2"], name="reshape_s"),
              n("MatMul", ["z", "big"], ["zb"], name="mm"),
              n("Relu", ["zb"], ["zr"], name="relu")]
     graph = helper.make_graph(nodes, "replayed", [vi("x", TensorProto.FLOAT, [2, 3]), vi("w", TensorProto.FLOAT, [3, 2]),
                                                   vi("z", TensorProto.FLOAT, [1, 65])],
                               [vi("s2", TensorProto.FLOAT, [3, 2]), vi("zr", TensorProto.FLOAT, [1, 64])],
                               [numpy_helper.from_array(np.zeros((3, 2), np.float32), "w"),
+                               numpy_helper.from_array(np.arange(6, dtype=np.float32).reshape(3, 2) - 2, "b"),
                                numpy_helper.from_array((np.arange(65 * 64) % 5 - 2).astype(np.float32).reshape(65, 64), "big")])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     onnx.checker.check_model(model)
@@ -633,10 +636,11 @@ def test_replay_replays_with_the_real_values_of_the_step(opened, replayed_with, 
     held without its weights and its file, the same values."""
     from graphopt.annotate import measure_sizes, replay
     model, inputs = _replayed_graph()
-    wanted = {"x", "w", "z", "c_shape", "xr", "s1", "shp", "zb"}
-    computed = ["s1", "shp", "xr", "zb"]
+    wanted = {"x", "w", "b", "z", "c_shape", "xr", "s1", "sb", "shp", "zb"}
+    computed = ["s1", "sb", "shp", "xr", "zb"]
     expected = _reference_values(model, inputs, sorted(wanted))
     assert np.array_equal(expected["w"], inputs["w"]) and expected["c_shape"].tolist() == [3, 2]
+    assert expected["b"].tolist() == [[-2, -1], [0, 1], [2, 3]]
     sizes = measure_sizes(model, inputs)
     (tmp_path / "model").mkdir()
     graph_only, path = _graph_only(model, tmp_path / "model")
