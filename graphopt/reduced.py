@@ -291,11 +291,14 @@ def _contraction(node, shapes, ins, y) -> dict[str, Position]:
         rank = len(shapes[name])
         slot = list(node.input).index(name)
         target = None
-        if op == "MatMul" and rank >= 2 and ry >= 2:
+        if op == "MatMul" and rank >= 2:
+            # a 1-D other operand is a vector: its axis is gone from the result (ONNX MatMul)
+            vector = len(shapes.get(node.input[1 - slot], [0, 0])) == 1
             if slot == 0:
-                target = ry - 2 if axis == rank - 2 else (None if axis == rank - 1 else axis + ry - rank)
+                target = (ry - 1 if vector else ry - 2) if axis == rank - 2 else \
+                    (None if axis == rank - 1 else axis + ry - rank + vector)
             else:
-                target = ry - 1 if axis == rank - 1 else (None if axis == rank - 2 else axis + ry - rank)
+                target = ry - 1 if axis == rank - 1 else (None if axis == rank - 2 else axis + ry - rank + vector)
         elif op == "Gemm":
             if slot == 0:
                 target = 0 if axis == (1 if attribute(node, "transA", 0) else 0) else None
