@@ -718,22 +718,33 @@ def test_the_twin_writes_each_shape_constant_for_its_users_and_copies_a_shared_o
                  n("Reshape", ["widened", "shape_6_12"], ["regrouped"]),                        # [B, 12]
                  n("Reshape", ["rows_param", "shape_6_12" if b == FULL else "shape_6_12_kept"], ["param_rows"]),
                  n("Transpose", ["regrouped"], ["cols"]),                                       # [12, B]
-                 n("Reshape", ["cols", "shape_6_12" if b == FULL else "shape_6_12_t"], ["cols_regrouped"])]
-        constants = [_c("sizes", [b, 2, 4, 6]), _c("keep_dims", [0, -1, 5, 5]), _c("one_rows", [1, b * 50]),
+                 n("Reshape", ["cols", "shape_6_12" if b == FULL else "shape_6_12_t"], ["cols_regrouped"]),
+                 n("Identity", ["x"], ["shape_6_12__b2_1"]),                 # the first copy's name, taken
+                 n("Reshape", ["x", "minus_one_rows"], ["by_minus_one"]),                       # [B, 50]
+                 n("Reshape", ["pooled", "pooled_3d_shape"], ["pooled_3d"]),                    # [B, 1, 2]
+                 n("Transpose", ["pooled_3d"], ["pooled_t"], perm=[2, 0, 1]),                   # [2, B, 1]
+                 n("Expand", ["pooled_t", "short"], ["expanded"])]                              # [2, B, 3] by [B, 3]
+        constants = [_c("minus_one_rows", [-1, 50]), _c("pooled_3d_shape", [b, 1, 2]), _c("short", [b, 3]),
+                     _c("sizes", [b, 2, 4, 6]), _c("keep_dims", [0, -1, 5, 5]), _c("one_rows", [1, b * 50]),
                      _c("to_column", [b * 2, 1]), _c("wide", [b * 2, 6]), _c("rows_param", rows), *shared]
         return _model(nodes, _x(b, 2, 5, 5), constants,
-                      outputs=["resized", "rows", "same", "one_row", "param_rows", "cols_regrouped"], opset=17)
+                      outputs=["resized", "rows", "same", "one_row", "param_rows", "cols_regrouped",
+                               "shape_6_12__b2_1", "by_minus_one", "expanded"], opset=17)
     twin, got = _check_tracking(build, keep={"rows_param"})
     constants = {t.name: numpy_helper.to_array(t).tolist() for t in twin.model.graph.initializer}
     assert constants["sizes"] == [SMALL, 2, 4, 6] and constants["keep_dims"] == [0, -1, 5, 5]
     assert constants["shape_6_12"] == [FULL, 2 * FULL]              # kept for the parameter's Reshape
-    copies = {name: value for name, value in constants.items() if name.startswith("shape_6_12__b2_")}
-    assert sorted(copies.values()) == [[SMALL, 2 * FULL], [FULL, 2 * SMALL]]
+    copies = {name: value for name, value in constants.items() if name.startswith("shape_6_12__")}
+    assert sorted(copies.values()) == [[SMALL, 2 * FULL], [FULL, 2 * SMALL]] and "shape_6_12__b2_1" not in copies
+    assert constants["minus_one_rows"] == [-1, 50] and constants["short"] == [SMALL, 3]
     users = {node.output[0]: list(node.input) for node in twin.model.graph.node}
     assert users["param_rows"][1] == "shape_6_12"
     assert {constants[users["regrouped"][1]][0], constants[users["cols_regrouped"][1]][1]} == {SMALL, 2 * SMALL}
-    # sizes, the Constant node, one_rows, to_column, wide, two copies of shape_6_12: one a node each
-    assert twin.rewritten_constants == 7
+    # sizes, the Constant node, one_rows, to_column, wide, two copies of shape_6_12, pooled_3d_shape,
+    # short: one a node each
+    assert twin.rewritten_constants == 9
+    kinds = {t.name: t.data_type for t in twin.model.graph.initializer}
+    assert all(kinds[name] == TensorProto.INT64 for name in copies)
 
 
 def test_the_twin_drops_the_declared_full_size_shapes():
@@ -968,3 +979,27 @@ def test_the_forward_rules_give_nothing_they_cannot_place():
     gather = n("Gather", ["x", "i"], ["g"], axis=1)
     assert _forward(gather, {"x": [6, 4], "g": [6, 2, 3]}, {"x": (0, 1)}, 6, {}) == {}
     assert _forward(gather, {"x": [6, 4], "i": [2, 3], "g": [6, 2, 3]}, {"x": (0, 1)}, 6, {}) == {"g": (0, 1)}
+
+
+def test_an_input_declared_with_a_symbolic_batch_takes_its_shape_from_what_is_fed():
+    """x declared ["B", S, D]: inference knows its shape only from the feed; the twin computes what
+    the graph built at SMALL does, and the shapes handed in are not changed."""
+    def build(b, symbolic=False):
+        nodes = [n("Reshape", ["x", "merged_shape"], ["merged"]), n("Relu", ["merged"], ["relu"]),
+                 n("Reshape", ["relu", "split_shape"], ["split"]), n("Mul", ["split", "x"], ["out"])]
+        model = _model(nodes, _x(b), [_c("merged_shape", [b * S, D]), _c("split_shape", [b, S, D])])
+        if symbolic:
+            model.graph.input[0].type.tensor_type.shape.dim[0].dim_param = "B"
+        return model
+    model = build(FULL, symbolic=True)
+    shapes = full_shapes(model)
+    assert "x" not in shapes and shapes["merged"] == [FULL * S, D]
+    handed = {k: list(v) for k, v in shapes.items()}
+    feeds = _feeds(build(FULL), {})
+    twin = make_twin(model, feeds, SMALL, shapes=shapes)
+    assert shapes == handed
+    assert twin.positions["merged"] == (0, 1) and twin.positions["out"] == (0, 1)
+    native = _ort(build(SMALL), {k: v[:SMALL] for k, v in feeds.items()})
+    mine = _ort(twin.model, twin.inputs)
+    for name, value in native.items():
+        np.testing.assert_allclose(mine[name], value, rtol=1e-6, err_msg=name)
