@@ -11,6 +11,8 @@ the same parameters and inputs, the same loss):
 * the training graph as graphopt builds it, and built again with every Conv gradient as it was
   before (graphopt.builder.rules.PER_TAP_WEIGHT_GRADIENTS off: weight gradients as whole-map
   convolutions, input gradients as ONNX Runtime's ConvTranspose);
+* and built once more with the axes of extent 1 kept that the builder drops where they cut ONNX
+  Runtime's spans (graphopt/builder/unit_axes.py, issue 48: the "unit axes kept" column);
 * each in a plain onnxruntime.InferenceSession (its defaults: all graph optimizations, the
   arena), and the twin's eager step (forward, loss, backward; every .grad None before it);
 * timed in one process, in turn, `--rounds` rounds of one step each after a warm-up step; the
@@ -35,6 +37,7 @@ compute in float32. The examples' gradients are compared against the twin's in f
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -116,7 +119,19 @@ def _synchronize():
 PARAMETERS_AS_INPUTS = False
 
 
-def _built(forward, per_tap: bool, forms_for: str | None = None, threads: int = 1):
+@contextlib.contextmanager
+def _unit_axes(dropped: bool):
+    """Within it, the builder drops the axes of extent 1 that cut ONNX Runtime's spans, or keeps
+    them (graphopt/builder/unit_axes.py; `train_graph.UNIT_AXES_DROPPED`)."""
+    from graphopt.builder import train_graph
+    saved, train_graph.UNIT_AXES_DROPPED = train_graph.UNIT_AXES_DROPPED, dropped
+    try:
+        yield
+    finally:
+        train_graph.UNIT_AXES_DROPPED = saved
+
+
+def _built(forward, per_tap: bool, forms_for: str | None = None, threads: int = 1, unit_axes_dropped: bool = True):
     from graphopt.builder import rules
     from graphopt.builder.train_graph import build_training_graph
     saved = rules.PER_TAP_WEIGHT_GRADIENTS
@@ -124,7 +139,7 @@ def _built(forward, per_tap: bool, forms_for: str | None = None, threads: int = 
     # fed parameters are built as `train-graph --optimizer` builds them (rules.FED_WEIGHTS)
     fed = [t.name for t in forward.graph.initializer] if PARAMETERS_AS_INPUTS else []
     try:
-        with rules.weights_fed(fed):
+        with rules.weights_fed(fed), _unit_axes(unit_axes_dropped):
             if forms_for is None:
                 model = build_training_graph(forward)
             else:
@@ -202,6 +217,8 @@ def run_example(name: str, threads: int, rounds: int, batch_scale: int = 1) -> d
     torch.set_num_threads(threads)
     module, forward, inputs = twin_example(name, **scaled_batch(name, batch_scale))
     models = {"per_tap": _built(forward, True), "whole_map": _built(forward, False),
+              # as built before the axes of extent 1 were dropped (issue 48)
+              "unit_axes_kept": _built(forward, True, unit_axes_dropped=False),
               # each Conv weight gradient's form measured on the provider (`train-graph --provider`)
               "measured": _built(forward, True, forms_for=PROVIDER, threads=threads)}
     if PARAMETERS_AS_INPUTS:   # fed every step, as a training loop feeds them
@@ -258,10 +275,12 @@ def run_corpus(name: str, size: str, exporter: str, threads: int, rounds: int) -
     forward = real_zoo.export(model, exporter)
     from graphopt.builder import rules
     models = {}
-    for label, per_tap in (("per_tap", True), ("whole_map", False)):
+    for label, per_tap, dropped in (("per_tap", True, True), ("whole_map", False, True),
+                                    ("unit_axes_kept", True, False)):
         saved, rules.PER_TAP_WEIGHT_GRADIENTS = rules.PER_TAP_WEIGHT_GRADIENTS, per_tap
         try:
-            models[label] = build_training_graph(forward, loss="cross_entropy", class_axis=model.class_axis)
+            with _unit_axes(dropped):
+                models[label] = build_training_graph(forward, loss="cross_entropy", class_axis=model.class_axis)
         finally:
             rules.PER_TAP_WEIGHT_GRADIENTS = saved
     feeds = real_zoo.model_feeds(model)
@@ -313,9 +332,9 @@ def main() -> None:
     print(f"{PROVIDER}, threads: {threads}; medians of {args.rounds} steps each, in turn, in one process"
           + ("; parameters as graph inputs" if PARAMETERS_AS_INPUTS else ""))
     print("| model | built, per-tap weight grads (s) | built, whole-map (s) | torch eager (s) | per-tap / eager | "
-          "whole-map / eager | forms measured on the provider / eager | worst gradient difference: per-tap, "
-          "whole-map (against) | where ORT's step goes (per-tap) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "whole-map / eager | forms measured on the provider / eager | unit axes kept / eager | worst gradient "
+          "difference: per-tap, whole-map, unit axes kept (against) | where ORT's step goes (per-tap) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     jobs = [(run_example, (n, threads, args.rounds, args.batch_scale)) for n in args.examples.split(",") if n]
     jobs += [(run_corpus, (n, args.size, args.exporter, threads, args.rounds)) for n in args.corpus.split(",") if n]
     for run, job in jobs:
@@ -325,8 +344,9 @@ def main() -> None:
         print(f"| {r['model']} | {s['per_tap']:.3f} | {s['whole_map']:.3f} | {s['eager']:.3f} | "
               f"{s['per_tap'] / s['eager']:.2f}x | {s['whole_map'] / s['eager']:.2f}x | "
               + (f"{s['measured'] / s['eager']:.2f}x | " if "measured" in s else "| ")
-              + f"{r['worst_gradient_difference']['per_tap']:.1e}, {r['worst_gradient_difference']['whole_map']:.1e} "
-              f"({r['against']}) | {shares} |", flush=True)
+              + f"{s['unit_axes_kept'] / s['eager']:.2f}x | "
+              + f"{r['worst_gradient_difference']['per_tap']:.1e}, {r['worst_gradient_difference']['whole_map']:.1e}, "
+              f"{r['worst_gradient_difference']['unit_axes_kept']:.1e} ({r['against']}) | {shares} |", flush=True)
 
 
 if __name__ == "__main__":
