@@ -414,14 +414,15 @@ def test_gather_carries_the_batch_from_its_indices_and_past_its_axis_from_its_da
                  n("Gather", ["table_t", "tokens_t"], ["embedded_t_t"], axis=1),     # [D, S, B]
                  n("Gather", ["x", "square"], ["picked_2d"], axis=1),                # [B, 2, 2, D]
                  n("Transpose", ["x"], ["x_last"], perm=[2, 1, 0]),                  # [D, S, B]
-                 n("Gather", ["x_last", "square"], ["picked_last"], axis=0)]         # [2, 2, S, B]
+                 n("Gather", ["x_last", "square"], ["picked_last"], axis=0),         # [2, 2, S, B]
+                 n("Gather", ["vector", "tokens"], ["scalars"], axis=-1)]            # [B, S]
         constants = [_c("table", table), _c("table_t", table.T.copy()), _c("two", np.array([0, 2])),
-                     _c("square", np.array([[0, 1], [2, 0]])), _c("scalar", np.array(1))]
+                     _c("square", np.array([[0, 1], [2, 0]])), _c("scalar", np.array(1)), _c("vector", table[:, 0].copy())]
         inputs = _x(b) | {"tokens": (I64, [b, S])}
         return _model(nodes, inputs, constants, outputs=["embedded", "embedded_t", "picked", "picked_t",
                                                          "picked_neg", "sample", "row", "embedded_tt", "embedded_t_t",
-                                                         "picked_2d", "picked_last"])
-    _, got = _check_tracking(build, {"tokens": 5}, keep={"table", "table_t"})
+                                                         "picked_2d", "picked_last", "scalars"])
+    _, got = _check_tracking(build, {"tokens": 5}, keep={"table", "table_t", "vector"})
     assert got["picked_t"] == (2, 1) and got["embedded_t"] == (1, 1) and got["picked_last"] == (3, 1)
 
 
@@ -434,11 +435,13 @@ def test_gathernd_carries_the_batch_from_its_indices_or_its_batch_dims():
                  n("GatherND", ["x", "picks"], ["per_sample"], batch_dims=1),        # [B, D]
                  n("GatherND", ["vector", "tokens"], ["scalars"]),                   # [B]
                  n("Transpose", ["x"], ["t"], perm=[1, 0, 2]),                       # [S, B, D]
-                 n("GatherND", ["t", "samples"], ["some_samples"], batch_dims=1)]    # [S, D]: no batch
+                 n("GatherND", ["t", "samples"], ["some_samples"], batch_dims=1),    # [S, D]: no batch
+                 n("GatherND", ["x", "pairs"], ["pair_rows"])]                       # [2, D]: no batch
         constants = [_c("table", table), _c("picks", picks[:b]), _c("samples", [[1], [0], [1]]),
+                     _c("pairs", [[0, 1], [1, 2]]),
                      _c("vector", table[:, 0].copy())]
         return _model(nodes, _x(b) | {"tokens": (I64, [b, 1])}, constants,
-                      outputs=["looked_up", "per_sample", "scalars", "some_samples"])
+                      outputs=["looked_up", "per_sample", "scalars", "some_samples", "pair_rows"])
     twin, got = _check_tracking(build, {"tokens": 5}, keep={"table", "vector"})
     assert got["picks"] == (0, 1)                 # a constant holding the batch: cut with it
 
@@ -620,8 +623,14 @@ def test_tensors_made_from_nothing_take_the_batch_where_they_meet_a_tracked_one(
     ids, id_rows = rng.integers(0, 5, FULL), rng.integers(0, 5, (FULL, 1))
     extra = rng.standard_normal((FULL, 2)).astype(np.float32)
 
+    node_mask = (rng.random((FULL, S, D)) > 0.5).astype(np.float32)
+
     def build(b):
-        nodes = [n("ConstantOfShape", ["ones_shape"], ["ones"], value=_c("v", np.array([1.0], np.float32))),
+        nodes = [n("Constant", [], ["half"], value=_c("half", np.full(D, 0.5, np.float32))),
+                 n("Constant", [], ["node_mask"], value=_c("node_mask", node_mask[:b])),
+                 n("Mul", ["x", "node_mask"], ["node_masked"]),
+                 n("Add", ["node_masked", "half"], ["node_half"]),
+                 n("ConstantOfShape", ["ones_shape"], ["ones"], value=_c("v", np.array([1.0], np.float32))),
                  n("Relu", ["ones"], ["late"]),                 # tracked in the second pass, after "ones"
                  n("Reshape", ["late", "late_shape"], ["late_flat"]),
                  n("Add", ["ones", "x"], ["plus_one"]),
@@ -654,8 +663,11 @@ def test_tensors_made_from_nothing_take_the_batch_where_they_meet_a_tracked_one(
                      _c("extra", extra[:b])]
         return _model(nodes, _x(b), constants, outputs=["late_flat", "plus_one", "doubled", "shifted", "masked",
                                                         "with_ids", "with_rows", "with_column", "with_picked",
-                                                        "joined"])
+                                                        "joined", "node_half"])
     twin, got = _check_tracking(build, keep={"table"})
+    # cut: node_mask, mask, ids, id_rows, per_sample, per_sample_t, extra; written for the batch:
+    # ones_shape, late_shape, x_shape (for Expand and for Reshape), flat_shape, merged_shape
+    assert twin.rewritten_constants == 7 + 6
     assert got["mask"] == (0, S) and got["flat"] == (0, 1) and got["per_sample_t"] == (1, 1)
     cut = {t.name: numpy_helper.to_array(t) for t in twin.model.graph.initializer}
     assert np.array_equal(cut["mask"], mask.reshape(S, FULL, D)[:, :SMALL].reshape(S * SMALL, D))
@@ -707,12 +719,16 @@ def test_the_twin_writes_each_shape_constant_for_its_users_and_copies_a_shared_o
     def build(b):
         shared = [_c("shape_6_12", [b, 2 * FULL])] if b == FULL else \
             [_c("shape_6_12", [b, 2 * FULL]), _c("shape_6_12_kept", [FULL, 2 * FULL]), _c("shape_6_12_t", [FULL, 2 * b])]
-        nodes = [n("Resize", ["x", "", "", "sizes"], ["resized"], mode="nearest"),             # [B, 2, 4, 6]
+        nodes = [n("Resize", ["x", "", "", "sizes_hw"], ["resized_hw"], mode="nearest", axes=[2, 3]),  # [B, 2, 4, 6]
+                 n("Resize", ["x", "", "scales"], ["scaled"], mode="nearest"),                  # [B, 2, 10, 10]
+                 n("Reshape", ["x", "flat_50" if b == FULL else "flat_50_b"], ["rows_50"]),     # [B, 50]
+                 n("Reshape", ["param_300", "flat_50"], ["param_50"]),                          # [6, 50]
+                 n("Resize", ["x", "", "", "sizes"], ["resized"], mode="nearest"),             # [B, 2, 4, 6]
                  n("Constant", [], ["rows_shape"], value=_c("rows_shape", [b, 2 * 5 * 5])),
                  n("Reshape", ["x", "rows_shape"], ["rows"]),                                   # [B, 50]
                  n("Reshape", ["x", "keep_dims"], ["same"]),                                    # [B, 2, 5, 5] by 0, -1
                  n("Reshape", ["x", "one_rows"], ["one_row"]),                                  # [1, B * 50]
-                 n("ReduceMean", ["x"], ["pooled"], axes=[2, 3], keepdims=0),                   # [B, 2]
+                 n("ReduceMean", ["x", "hw"], ["pooled"], keepdims=0),                          # [B, 2]
                  n("Reshape", ["pooled", "to_column"], ["column"]),                             # [B * 2, 1]
                  n("Expand", ["column", "wide"], ["widened"]),                                  # [B * 2, 6]
                  n("Reshape", ["widened", "shape_6_12"], ["regrouped"]),                        # [B, 12]
@@ -724,25 +740,32 @@ def test_the_twin_writes_each_shape_constant_for_its_users_and_copies_a_shared_o
                  n("Reshape", ["pooled", "pooled_3d_shape"], ["pooled_3d"]),                    # [B, 1, 2]
                  n("Transpose", ["pooled_3d"], ["pooled_t"], perm=[2, 0, 1]),                   # [2, B, 1]
                  n("Expand", ["pooled_t", "short"], ["expanded"])]                              # [2, B, 3] by [B, 3]
-        constants = [_c("minus_one_rows", [-1, 50]), _c("pooled_3d_shape", [b, 1, 2]), _c("short", [b, 3]),
+        flat_50 = [_c("flat_50", [FULL, 50])] + ([_c("flat_50_b", [b, 50])] if b != FULL else [])
+        constants = [*flat_50, _c("param_300", np.arange(300, dtype=np.float32)), _c("hw", [2, 3]),
+                     _c("sizes_hw", [4, 6]), _c("scales", np.array([1, 1, 2, 2], np.float32)),
+                     _c("minus_one_rows", [-1, 50]), _c("pooled_3d_shape", [b, 1, 2]), _c("short", [b, 3]),
                      _c("sizes", [b, 2, 4, 6]), _c("keep_dims", [0, -1, 5, 5]), _c("one_rows", [1, b * 50]),
                      _c("to_column", [b * 2, 1]), _c("wide", [b * 2, 6]), _c("rows_param", rows), *shared]
         return _model(nodes, _x(b, 2, 5, 5), constants,
                       outputs=["resized", "rows", "same", "one_row", "param_rows", "cols_regrouped",
-                               "shape_6_12__b2_1", "by_minus_one", "expanded"], opset=17)
-    twin, got = _check_tracking(build, keep={"rows_param"})
+                               "shape_6_12__b2_1", "by_minus_one", "expanded", "resized_hw", "scaled",
+                               "rows_50", "param_50"], opset=18)
+    twin, got = _check_tracking(build, keep={"rows_param", "param_300"})
     constants = {t.name: numpy_helper.to_array(t).tolist() for t in twin.model.graph.initializer}
     assert constants["sizes"] == [SMALL, 2, 4, 6] and constants["keep_dims"] == [0, -1, 5, 5]
     assert constants["shape_6_12"] == [FULL, 2 * FULL]              # kept for the parameter's Reshape
     copies = {name: value for name, value in constants.items() if name.startswith("shape_6_12__")}
     assert sorted(copies.values()) == [[SMALL, 2 * FULL], [FULL, 2 * SMALL]] and "shape_6_12__b2_1" not in copies
+    assert [name for name in constants if name.startswith("flat_50")] == ["flat_50", "flat_50__b2_1"]
     assert constants["minus_one_rows"] == [-1, 50] and constants["short"] == [SMALL, 3]
+    assert constants["sizes_hw"] == [4, 6] and constants["flat_50"] == [FULL, 50]     # kept for param_300's
     users = {node.output[0]: list(node.input) for node in twin.model.graph.node}
+    assert constants[users["rows_50"][1]] == [SMALL, 50]
     assert users["param_rows"][1] == "shape_6_12"
     assert {constants[users["regrouped"][1]][0], constants[users["cols_regrouped"][1]][1]} == {SMALL, 2 * SMALL}
     # sizes, the Constant node, one_rows, to_column, wide, two copies of shape_6_12, pooled_3d_shape,
-    # short: one a node each
-    assert twin.rewritten_constants == 9
+    # short, the copy of flat_50: one a node each
+    assert twin.rewritten_constants == 10
     kinds = {t.name: t.data_type for t in twin.model.graph.initializer}
     assert all(kinds[name] == TensorProto.INT64 for name in copies)
 
@@ -752,18 +775,18 @@ def test_the_twin_drops_the_declared_full_size_shapes():
     dropped; the batch inputs declared at the twin's batch."""
     def build(b):
         nodes = [n("Reshape", ["x", "rows_shape"], ["rows"]), n("Relu", ["rows"], ["out"])]
-        model = _model(nodes, _x(b) | {"w": (F, [D])}, [_c("rows_shape", [b, S * D])])
+        model = _model(nodes, _x(b) | {"w": (F, [FULL, D])}, [_c("rows_shape", [b, S * D])])
         model.graph.value_info.append(vi("rows", F, [b, S * D]))
         del model.graph.output[:]
         model.graph.output.append(vi("out", F, [b, S * D]))
         return model
     model = build(FULL)
-    feeds = _feeds(model, {}) | {"w": np.ones(D, np.float32)}
+    feeds = _feeds(model, {}) | {"w": np.ones((FULL, D), np.float32)}   # state: its FULL is no batch
     twin = make_twin(model, feeds, SMALL, state={"w"})
     g = twin.model.graph
     assert len(g.value_info) == 0 and not g.output[0].type.tensor_type.HasField("shape")
     assert [d.dim_value for d in g.input[0].type.tensor_type.shape.dim] == [SMALL, S, D]
-    assert [d.dim_value for d in g.input[1].type.tensor_type.shape.dim] == [D]      # state: not the batch
+    assert [d.dim_value for d in g.input[1].type.tensor_type.shape.dim] == [FULL, D]  # state: not the batch
     assert twin.inputs["w"] is feeds["w"] and twin.inputs["x"].shape == (SMALL, S, D)
     assert (twin.batch, twin.full_batch) == (SMALL, FULL)
     assert model.graph.value_info[0].type.tensor_type.shape.dim[0].dim_value == FULL    # the original kept
@@ -852,12 +875,15 @@ def test_a_contraction_over_the_batch_holds_none_where_its_result_has_a_dimensio
                  n("Gemm", ["pooled", "pooled"], ["gemm_t"], transA=1),                   # [6, 6]
                  n("Gemm", ["cols", "cols"], ["gemm_tb"], transB=1),                      # [6, 6]
                  n("Conv", ["x_t", "x_t"], ["conv_grad"]),                                # [6, 6, 1, 1]
-                 n("ConvTranspose", ["x_t", "x"], ["deconv_grad"])]                       # [6, 6, 5, 5]
+                 n("ConvTranspose", ["x_t", "x"], ["deconv_grad"]),                       # [6, 6, 5, 5]
+                 n("ReduceMean", ["pooled"], ["per_x"], axes=[1], keepdims=0),            # [B]
+                 n("MatMul", ["per_x", "pooled"], ["weighted"])]                          # [B] x [B, 6] -> [6]
         return _model(nodes, _x(b, 6, 3, 3), [_c("rows_shape", [b, 54])],
-                      outputs=["rows", "gram", "gemm_gram", "gemm_t", "gemm_tb", "conv_grad", "deconv_grad"])
+                      outputs=["rows", "gram", "gemm_gram", "gemm_t", "gemm_tb", "conv_grad", "deconv_grad",
+                               "weighted"])
     assert FULL == 6
     _, got = _check_tracking(build)
-    assert not {"gram", "gemm_gram", "gemm_t", "gemm_tb", "conv_grad", "deconv_grad"} & set(got)
+    assert not {"gram", "gemm_gram", "gemm_t", "gemm_tb", "conv_grad", "deconv_grad", "weighted"} & set(got)
 
 
 def test_gathers_indices_and_data_take_the_batch_backward_on_the_axis_the_output_holds_it():
@@ -872,6 +898,7 @@ def test_gathers_indices_and_data_take_the_batch_backward_on_the_axis_the_output
     stacked = rng.standard_normal((5, FULL)).astype(np.float32)
     plain = rng.standard_normal((4, 5)).astype(np.float32)
     plain_t = rng.standard_normal((5, 4)).astype(np.float32)
+    last_axis = rng.standard_normal((S, FULL, 5)).astype(np.float32)
 
     def build(b):
         nodes = [n("ReduceMean", ["x"], ["pooled"], axes=[1], keepdims=0),               # [B, D]
@@ -889,15 +916,20 @@ def test_gathers_indices_and_data_take_the_batch_backward_on_the_axis_the_output
                  n("Gather", ["stacked", "rows"], ["stack_rows"]),                      # [S, 1, B]
                  n("Add", ["stack_rows", "sums_3d"], ["stack_sum"]),
                  n("Gather", ["plain", "tokens"], ["plain_rows"], axis=1),              # [4, B, S]
-                 n("Gather", ["plain_t", "tokens"], ["plain_cols"])]                    # [B, S, 4]
+                 n("Gather", ["plain_t", "tokens"], ["plain_cols"]),                    # [B, S, 4]
+                 n("Gather", ["last_axis", "two"], ["last_picked"], axis=2),            # [S, B]
+                 n("Add", ["last_picked", "sums_t"], ["last_sum"])]
         constants = [_c("table_t", table.T.copy()), _c("ids", ids[:b]), _c("vector", table[:, 0].copy()),
                      _c("id_rows", id_rows[:b]), _c("trailing", trailing[:, :b]), _c("rows", [[1], [4], [0]]),
-                     _c("one", [1]), _c("stacked", stacked[:, :b]), _c("plain", plain), _c("plain_t", plain_t)]
+                     _c("one", [1]), _c("stacked", stacked[:, :b]), _c("plain", plain), _c("plain_t", plain_t),
+                     _c("last_axis", last_axis[:, :b]), _c("two", np.array(2))]
         return _model(nodes, _x(b) | {"tokens": (I64, [b, S])}, constants,
-                      outputs=["columns", "picked_sum", "trail_sum", "stack_sum", "plain_rows", "plain_cols"])
+                      outputs=["columns", "picked_sum", "trail_sum", "stack_sum", "plain_rows", "plain_cols",
+                               "last_sum"])
     _, got = _check_tracking(build, {"tokens": 4}, keep={"table_t", "vector"})
     assert got["ids"] == (0, 1) and got["id_rows"] == (0, 1) and got["trailing"] == (1, 1)
     assert got["stacked"] == (1, 1) and "rows" not in got and "plain" not in got and "plain_t" not in got
+    assert got["last_axis"] == (1, 1)
 
 
 def test_constants_meet_the_batch_through_flatten_and_a_broadcast_of_lower_rank():
@@ -967,6 +999,8 @@ def test_the_backward_rules_give_nothing_they_cannot_place():
         gather = n(op, ["data", "idx"], ["g"])
         assert _backward(gather, shapes, {"g": (0, 1)}, {"idx"}, 6) == {}      # idx's shape unknown
         assert _backward(gather, shapes | {"idx": [6, 1]}, {"g": (0, 1)}, set(), 6) == {}   # not movable
+    gather = n("Gather", ["unknown", "idx"], ["g"])
+    assert _backward(gather, shapes | {"idx": [6]}, {"g": (0, 1)}, {"unknown"}, 6) == {}     # data's shape unknown
 
 
 def test_the_forward_rules_give_nothing_they_cannot_place():
@@ -986,20 +1020,55 @@ def test_an_input_declared_with_a_symbolic_batch_takes_its_shape_from_what_is_fe
     the graph built at SMALL does, and the shapes handed in are not changed."""
     def build(b, symbolic=False):
         nodes = [n("Reshape", ["x", "merged_shape"], ["merged"]), n("Relu", ["merged"], ["relu"]),
-                 n("Reshape", ["relu", "split_shape"], ["split"]), n("Mul", ["split", "x"], ["out"])]
-        model = _model(nodes, _x(b), [_c("merged_shape", [b * S, D]), _c("split_shape", [b, S, D])])
+                 n("Reshape", ["relu", "split_shape"], ["split"]), n("Mul", ["split", "x"], ["out"]),
+                 n("Relu", ["x"], ["relu_x"])]
+        model = _model(nodes, _x(b), [_c("merged_shape", [b * S, D]), _c("split_shape", [b, S, D])],
+                       outputs=["out", "relu_x"])
         if symbolic:
             model.graph.input[0].type.tensor_type.shape.dim[0].dim_param = "B"
         return model
     model = build(FULL, symbolic=True)
     shapes = full_shapes(model)
-    assert "x" not in shapes and shapes["merged"] == [FULL * S, D]
+    assert "x" not in shapes and "relu_x" not in shapes and shapes["merged"] == [FULL * S, D]
     handed = {k: list(v) for k, v in shapes.items()}
     feeds = _feeds(build(FULL), {})
     twin = make_twin(model, feeds, SMALL, shapes=shapes)
     assert shapes == handed
-    assert twin.positions["merged"] == (0, 1) and twin.positions["out"] == (0, 1)
+    assert twin.positions["merged"] == (0, 1) and twin.positions["out"] == (0, 1) and "relu_x" not in twin.positions
+    # shapes the caller knows (measured at full size) are the ones used: there relu_x holds the batch
+    known = full_shapes(build(FULL))
+    told = make_twin(model, feeds, SMALL, shapes=known)
+    assert told.positions["relu_x"] == (0, 1)
     native = _ort(build(SMALL), {k: v[:SMALL] for k, v in feeds.items()})
-    mine = _ort(twin.model, twin.inputs)
-    for name, value in native.items():
-        np.testing.assert_allclose(mine[name], value, rtol=1e-6, err_msg=name)
+    for made in (twin, told):
+        mine = _ort(made.model, made.inputs)
+        for name, value in native.items():
+            np.testing.assert_allclose(mine[name], value, rtol=1e-6, err_msg=name)
+
+
+def test_the_batch_is_the_leading_dimension_most_fed_inputs_share():
+    """batch_inputs' docstring: the fed inputs that are not state nor initializers and have an
+    axis; the leading dimension most of them share (the larger on a tie), and those that have it,
+    in the graph's order."""
+    from graphopt.reduced import batch_inputs
+    inputs = {"x": [6, 3], "scalar": [], "z": [4, 2], "y": [6], "w": [6, 6], "init": [6], "unfed": [6], "z2": [4]}
+    model = _model([n("Identity", ["x"], ["out"])], {k: (F, v) for k, v in inputs.items()},
+                   [_c("init", np.zeros(6, np.float32))])
+    feeds = {k: np.zeros(v, np.float32) for k, v in inputs.items() if k != "unfed"} | {"not_an_input": np.zeros(6)}
+    assert batch_inputs(model, feeds, state={"w"}) == (6, ["x", "y"])
+    assert batch_inputs(model, feeds, state={"w", "x"}) == (4, ["z", "z2"])         # two 4s, one 6
+    assert batch_inputs(model, feeds, state={"w", "y", "z2"}) == (6, ["x"])         # one each: the larger
+    with pytest.raises(TwinError, match="no fed input that is not state: nothing carries a batch"):
+        batch_inputs(model, {"scalar": np.zeros(()), "w": np.zeros((6, 6)), "init": np.zeros(6)}, state={"w"})
+
+
+def test_a_constant_to_replace_that_is_not_there_is_named():
+    from graphopt.reduced import _replace_constant
+    graph = helper.make_graph([n("Constant", [], ["c"], value=_c("c", [1]))], "g", [], [vi("c", I64, [1])],
+                              [_c("i", [2])])
+    _replace_constant(graph, "c", _c("c", [3]))
+    _replace_constant(graph, "i", _c("i", [4]))
+    assert numpy_helper.to_array(graph.node[0].attribute[0].t).tolist() == [3]
+    assert numpy_helper.to_array(graph.initializer[0]).tolist() == [4]
+    with pytest.raises(TwinError, match="constant 'nope' not found"):
+        _replace_constant(graph, "nope", _c("nope", [5]))
