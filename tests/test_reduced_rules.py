@@ -1072,3 +1072,22 @@ def test_a_constant_to_replace_that_is_not_there_is_named():
     assert numpy_helper.to_array(graph.initializer[0]).tolist() == [4]
     with pytest.raises(TwinError, match="constant 'nope' not found"):
         _replace_constant(graph, "nope", _c("nope", [5]))
+
+
+def test_a_transpose_or_gather_does_not_hand_the_batch_to_its_input_by_size_alone():
+    """At B = 6, x [B, 6]: a constant c [B, 6] whose transpose meets x transposed, and indices
+    [6, 2] that pick 6 rows of x (their 6 is no batch: the gathered rows are). The batch axis of
+    c is the one its own consumer gives; the indices keep their shape."""
+    c = np.random.default_rng(16).standard_normal((FULL, 6)).astype(np.float32)
+    picks = np.array([[0, 1], [1, 0], [0, 0], [1, 1], [0, 1], [1, 0]])
+
+    def build(b):
+        nodes = [n("Add", ["c", "x"], ["plus"]),                          # c's batch: axis 0
+                 n("Transpose", ["c"], ["c_t"]),                           # [6, B]
+                 n("Transpose", ["x"], ["x_t"]),
+                 n("Add", ["c_t", "x_t"], ["plus_t"]),
+                 n("Gather", ["x", "picks"], ["rows"])]                    # [6, 2, 6]: no batch
+        return _model(nodes, _x(b, 6), [_c("c", c[:b]), _c("picks", picks)], outputs=["plus", "plus_t", "rows"])
+    assert FULL == 6
+    _, got = _check_tracking(build)
+    assert got["c"] == (0, 1) and "picks" not in got and "rows" not in got
