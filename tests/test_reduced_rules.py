@@ -739,9 +739,14 @@ def test_the_twin_writes_each_shape_constant_for_its_users_and_copies_a_shared_o
                  n("Reshape", ["x", "minus_one_rows"], ["by_minus_one"]),                       # [B, 50]
                  n("Reshape", ["pooled", "pooled_3d_shape"], ["pooled_3d"]),                    # [B, 1, 2]
                  n("Transpose", ["pooled_3d"], ["pooled_t"], perm=[2, 0, 1]),                   # [2, B, 1]
-                 n("Expand", ["pooled_t", "short"], ["expanded"])]                              # [2, B, 3] by [B, 3]
+                 n("Expand", ["pooled_t", "short"], ["expanded"]),                              # [2, B, 3] by [B, 3]
+                 n("Reshape", ["pooled", "column_3d"], ["pooled_col"]),                         # [B, 2, 1]
+                 n("Expand", ["pooled_col", "two_by_6"], ["widened_6"]),                        # [B, 2, 6]: a 6, no batch
+                 n("Transpose", ["x"], ["x_last"], perm=[1, 2, 3, 0]),                          # [2, 5, 5, B]
+                 n("Resize", ["x_last", "", "", "sizes_4_6"], ["resized_last"], mode="nearest", axes=[1, 2])]
         flat_50 = [_c("flat_50", [FULL, 50])] + ([_c("flat_50_b", [b, 50])] if b != FULL else [])
         constants = [*flat_50, _c("param_300", np.arange(300, dtype=np.float32)), _c("hw", [2, 3]),
+                     _c("column_3d", [b, 2, 1]), _c("two_by_6", [2, 6]), _c("sizes_4_6", [4, 6]),
                      _c("sizes_hw", [4, 6]), _c("scales", np.array([1, 1, 2, 2], np.float32)),
                      _c("minus_one_rows", [-1, 50]), _c("pooled_3d_shape", [b, 1, 2]), _c("short", [b, 3]),
                      _c("sizes", [b, 2, 4, 6]), _c("keep_dims", [0, -1, 5, 5]), _c("one_rows", [1, b * 50]),
@@ -749,7 +754,7 @@ def test_the_twin_writes_each_shape_constant_for_its_users_and_copies_a_shared_o
         return _model(nodes, _x(b, 2, 5, 5), constants,
                       outputs=["resized", "rows", "same", "one_row", "param_rows", "cols_regrouped",
                                "shape_6_12__b2_1", "by_minus_one", "expanded", "resized_hw", "scaled",
-                               "rows_50", "param_50"], opset=18)
+                               "rows_50", "param_50", "widened_6", "resized_last"], opset=18)
     twin, got = _check_tracking(build, keep={"rows_param", "param_300"})
     constants = {t.name: numpy_helper.to_array(t).tolist() for t in twin.model.graph.initializer}
     assert constants["sizes"] == [SMALL, 2, 4, 6] and constants["keep_dims"] == [0, -1, 5, 5]
@@ -759,13 +764,15 @@ def test_the_twin_writes_each_shape_constant_for_its_users_and_copies_a_shared_o
     assert [name for name in constants if name.startswith("flat_50")] == ["flat_50", "flat_50__b2_1"]
     assert constants["minus_one_rows"] == [-1, 50] and constants["short"] == [SMALL, 3]
     assert constants["sizes_hw"] == [4, 6] and constants["flat_50"] == [FULL, 50]     # kept for param_300's
+    assert constants["two_by_6"] == [2, 6] and constants["sizes_4_6"] == [4, 6]      # their 6s are no batch
+    assert FULL == 6
     users = {node.output[0]: list(node.input) for node in twin.model.graph.node}
     assert constants[users["rows_50"][1]] == [SMALL, 50]
     assert users["param_rows"][1] == "shape_6_12"
     assert {constants[users["regrouped"][1]][0], constants[users["cols_regrouped"][1]][1]} == {SMALL, 2 * SMALL}
     # sizes, the Constant node, one_rows, to_column, wide, two copies of shape_6_12, pooled_3d_shape,
-    # short, the copy of flat_50: one a node each
-    assert twin.rewritten_constants == 10
+    # short, the copy of flat_50, column_3d: one a node each
+    assert twin.rewritten_constants == 11
     kinds = {t.name: t.data_type for t in twin.model.graph.initializer}
     assert all(kinds[name] == TensorProto.INT64 for name in copies)
 
@@ -978,9 +985,11 @@ def test_a_batch_of_two_or_three_is_tracked_backward_like_any_other(full, small,
     mask = (np.random.default_rng(15).random((full, S, D)) > 0.5).astype(np.float32)
 
     def build(b):
-        return _model([n("Mul", ["x", "mask"], ["masked"])], _x(b), [_c("mask", mask[:b])])
-    _, got = _check_tracking(build)
+        nodes = [n("Mul", ["x", "mask"], ["masked"]), n("Reshape", ["masked", "rows_shape"], ["rows"])]
+        return _model(nodes, _x(b), [_c("mask", mask[:b]), _c("rows_shape", [b, S * D])])
+    twin, got = _check_tracking(build)
     assert got["mask"] == (0, 1)
+    assert numpy_helper.to_array(twin.model.graph.initializer[1]).tolist() == [small, S * D]
 
 
 def test_the_backward_rules_give_nothing_they_cannot_place():
