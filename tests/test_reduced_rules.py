@@ -1100,3 +1100,20 @@ def test_a_transpose_or_gather_does_not_hand_the_batch_to_its_input_by_size_alon
     assert FULL == 6
     _, got = _check_tracking(build)
     assert got["c"] == (0, 1) and "picks" not in got and "rows" not in got
+
+
+def test_node_seconds_scale_by_the_tensors_that_have_bytes_at_the_twin():
+    """A tensor of no bytes at the twin (an empty slice) and one the twin's annotations lack (a
+    constant) give no ratio; the node's seconds scale by the others' (docstring: the largest
+    ratio of full to twin bytes among the tensors it reads and writes)."""
+    nodes = [n("Relu", ["x"], ["h"], name="relu"), n("Slice", ["h", "starts", "ends"], ["empty"], name="take")]
+    graph = helper.make_graph(nodes, "g", [vi("x", TensorProto.FLOAT, ["B", 8])], [vi("empty", TensorProto.FLOAT, None)],
+                              [_c("starts", [0]), _c("ends", [0])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+    def twin(batch):
+        shapes = {"x": [batch, 8], "h": [batch, 8], "empty": [0, 8]}
+        return _annotations(shapes, {k: "float32" for k in shapes}, {"relu": 1e-3, "take": 2e-3}, ["relu", "take"])
+    out = full_size_annotations(model, twin(2), twin(4), 2, 4, 16, {})
+    assert out.tensor_bytes == {"x": 512, "h": 512, "empty": 0}
+    assert out.node_seconds == pytest.approx({"relu": 4e-3, "take": 8e-3}, rel=1e-12)
