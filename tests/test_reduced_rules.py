@@ -624,9 +624,11 @@ def test_tensors_made_from_nothing_take_the_batch_where_they_meet_a_tracked_one(
     extra = rng.standard_normal((FULL, 2)).astype(np.float32)
 
     node_mask = (rng.random((FULL, S, D)) > 0.5).astype(np.float32)
+    node_weights = rng.random(FULL).astype(np.float32)
 
     def build(b):
         nodes = [n("Constant", [], ["half"], value=_c("half", np.full(D, 0.5, np.float32))),
+                 n("Constant", [], ["node_weights"], value=_c("node_weights", node_weights[:b])),   # [B]
                  n("Constant", [], ["node_mask"], value=_c("node_mask", node_mask[:b])),
                  n("Mul", ["x", "node_mask"], ["node_masked"]),
                  n("Add", ["node_masked", "half"], ["node_half"]),
@@ -650,6 +652,7 @@ def test_tensors_made_from_nothing_take_the_batch_where_they_meet_a_tracked_one(
                  n("ReduceMean", ["x"], ["per_x"], axes=[1, 2], keepdims=0),             # [B]
                  n("Gather", ["per_sample", "col"], ["column"], axis=1),                # [B] from the data
                  n("Add", ["per_x", "column"], ["with_column"]),
+                 n("Mul", ["per_x", "node_weights"], ["weighted"]),
                  n("ReduceMean", ["x"], ["sums"], axes=[2], keepdims=0),                # [B, S]
                  n("Transpose", ["sums"], ["sums_t"]),                                  # [S, B]
                  n("Gather", ["per_sample_t", "rows"], ["picked"], axis=0),             # [S, B]
@@ -663,11 +666,11 @@ def test_tensors_made_from_nothing_take_the_batch_where_they_meet_a_tracked_one(
                      _c("extra", extra[:b])]
         return _model(nodes, _x(b), constants, outputs=["late_flat", "plus_one", "doubled", "shifted", "masked",
                                                         "with_ids", "with_rows", "with_column", "with_picked",
-                                                        "joined", "node_half"])
+                                                        "joined", "node_half", "weighted"])
     twin, got = _check_tracking(build, keep={"table"})
-    # cut: node_mask, mask, ids, id_rows, per_sample, per_sample_t, extra; written for the batch:
-    # ones_shape, late_shape, x_shape (for Expand and for Reshape), flat_shape, merged_shape
-    assert twin.rewritten_constants == 7 + 6
+    # cut: node_weights, node_mask, mask, ids, id_rows, per_sample, per_sample_t, extra; written for
+    # the batch: ones_shape, late_shape, x_shape (for Expand and for Reshape), flat_shape, merged_shape
+    assert twin.rewritten_constants == 8 + 6
     assert got["mask"] == (0, S) and got["flat"] == (0, 1) and got["per_sample_t"] == (1, 1)
     cut = {t.name: numpy_helper.to_array(t) for t in twin.model.graph.initializer}
     assert np.array_equal(cut["mask"], mask.reshape(S, FULL, D)[:, :SMALL].reshape(S * SMALL, D))
