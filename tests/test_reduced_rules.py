@@ -71,6 +71,7 @@ def _fold_graph(opset: int = 17) -> onnx.ModelProto:
     if opset < 13:
         nodes.append(n("Squeeze", ["s_head1"], ["squeezed"], name="squeeze", axes=[0]))
         nodes.append(n("Slice", ["s"], ["s_head1"], name="head1", starts=[0], ends=[1]))
+        nodes.append(n("Unsqueeze", ["s"], ["unsqueezed"], name="unsqueeze", axes=[0]))
     graph = helper.make_graph(nodes, "g", [vi("x", TensorProto.FLOAT, [2, 3, 4])], [vi("y", TensorProto.FLOAT, None)])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid("custom.domain", 1)])
 
@@ -96,14 +97,16 @@ def test_fold_evaluates_the_small_shape_computations_it_can_and_no_others():
 
 
 def test_fold_evaluates_in_the_models_own_operator_set():
-    """Squeeze's axes are an attribute before opset 13 (an input since): evaluated in the model's
-    opset 11 it folds; a later opset would refuse the attribute. A second pass folds what the
-    first made possible (here the Squeeze of the Slice after it)."""
+    """Squeeze's and Unsqueeze's axes are an attribute before opset 13 (an input since):
+    evaluated in the model's opset 11 they fold; ONNX's reference Unsqueeze of a later opset
+    refuses the attribute. A second pass folds what the first made possible (here the Squeeze
+    of the Slice after it)."""
     values = _known()
     model = _fold_graph(opset=11)
     first = _fold(model, {"x": [2, 3, 4]}, values)
     assert values["s_head1"].tolist() == [2] and "squeezed" not in values
-    assert first == 9                 # the eight above and the Slice
+    assert values["unsqueezed"].tolist() == [[2, 3, 4]]
+    assert first == 10                # the eight above, the Slice and the Unsqueeze
     assert _fold(model, {"x": [2, 3, 4]}, values) == 1 and values["squeezed"].tolist() == 2
     assert _fold(model, {"x": [2, 3, 4]}, values) == 0
 
@@ -1033,9 +1036,10 @@ def test_an_input_declared_with_a_symbolic_batch_takes_its_shape_from_what_is_fe
     def build(b, symbolic=False):
         nodes = [n("Reshape", ["x", "merged_shape"], ["merged"]), n("Relu", ["merged"], ["relu"]),
                  n("Reshape", ["relu", "split_shape"], ["split"]), n("Mul", ["split", "x"], ["out"]),
-                 n("Relu", ["x"], ["relu_x"])]
+                 n("Relu", ["x"], ["relu_x"]),
+                 n("Expand", ["x", "split_shape"], ["expanded"])]           # static from its shape alone
         model = _model(nodes, _x(b), [_c("merged_shape", [b * S, D]), _c("split_shape", [b, S, D])],
-                       outputs=["out", "relu_x"])
+                       outputs=["out", "relu_x", "expanded"])
         if symbolic:
             model.graph.input[0].type.tensor_type.shape.dim[0].dim_param = "B"
         return model
@@ -1047,6 +1051,7 @@ def test_an_input_declared_with_a_symbolic_batch_takes_its_shape_from_what_is_fe
     twin = make_twin(model, feeds, SMALL, shapes=shapes)
     assert shapes == handed
     assert twin.positions["merged"] == (0, 1) and twin.positions["out"] == (0, 1) and "relu_x" not in twin.positions
+    assert twin.positions["expanded"] == (0, 1)
     # shapes the caller knows (measured at full size) are the ones used: there relu_x holds the batch
     known = full_shapes(build(FULL))
     told = make_twin(model, feeds, SMALL, shapes=known)
@@ -1070,8 +1075,9 @@ def test_the_batch_is_the_leading_dimension_most_fed_inputs_share():
     assert batch_inputs(model, feeds, state={"w"}) == (6, ["x", "y"])
     assert batch_inputs(model, feeds, state={"w", "x"}) == (4, ["z", "z2"])         # two 4s, one 6
     assert batch_inputs(model, feeds, state={"w", "y", "z2"}) == (6, ["x"])         # one each: the larger
-    with pytest.raises(TwinError, match="no fed input that is not state: nothing carries a batch"):
+    with pytest.raises(TwinError) as refused:
         batch_inputs(model, {"scalar": np.zeros(()), "w": np.zeros((6, 6)), "init": np.zeros(6)}, state={"w"})
+    assert str(refused.value) == "no fed input that is not state: nothing carries a batch"
 
 
 def test_a_constant_to_replace_that_is_not_there_is_named():
