@@ -449,6 +449,9 @@ def main(argv=None) -> int:
     parser.add_argument("--explain", type=int, default=0, metavar="K",
                         help="then show what is live at the predicted peak of the K worst rows")
     parser.add_argument("--keep", help="keep the built models and inputs in this folder")
+    parser.add_argument("--unit-axes-kept", action="store_true",
+                        help="build with the axes of extent 1 kept (graphopt/builder/unit_axes.py off: as before "
+                             "issue 48)")
     parser.add_argument("--worker", nargs=3, metavar=("MODEL", "INPUTS", "CONFIG"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
@@ -457,6 +460,9 @@ def main(argv=None) -> int:
 
     import warnings
     warnings.filterwarnings("ignore")
+    if args.unit_axes_kept:
+        from graphopt.builder import train_graph
+        train_graph.UNIT_AXES_DROPPED = False
     names = args.models.split(",") if args.models else list(_zoo())
     unknown = [n for n in names if n not in _zoo()]
     if unknown:
