@@ -23,16 +23,19 @@ Span by span, ONNX Runtime spends about 6 ns per span and 0.16 ns per element on
 (a [N/k, k] by [k] product of 4 M elements: 25 ms at k = 1, 3.7 at 8, 0.96 at 64, 0.65 at 1024).
 
 The rewrite (`unit_axes_dropped`): every such node computes on its operands reshaped without the
-output's axes of extent 1 (the reduction's axes renumbered, the Transpose's perm taken over the
-axes left), and its result is reshaped back to the shape it had; a Transpose that then moves
-nothing is a Reshape alone. A broadcast's and a Transpose's values are bit for bit the same (the same operator on the
-same elements); a sum over the innermost axis adds in another order than over a strided one
-(float32 rounding). A Reshape between two nodes is a view in ONNX Runtime (its buffer is reused): in a
-graph, Relu -> Mul -> Relu over [16, 4, 256, 256, 1] took 2.04 ms with the Mul's operands
-reshaped and 2.08 without. Which nodes: those whose output (for a reduction, its input) has an axis of
-extent 1 after one that is not, Transposes whose input has one anywhere, and at least `MIN_ELEMENTS` elements, where the
-element-by-element loop costs more than the Reshapes' launches; shapes known, at most one
-unknown extent per reshape.
+output's axes of extent 1 (the reduction's axes renumbered, the Transpose's perm taken over the axes
+left), and its result is reshaped back to the shape it had; a Transpose that then moves nothing is a
+Reshape alone. A broadcast's and a Transpose's values are bit for bit the same (the same operator on
+the same elements); a sum over the innermost axis adds in another order than over a strided one
+(float32 rounding). A Reshape between two nodes is a view in ONNX Runtime (its buffer is reused): in
+a graph, Relu -> Mul -> Relu over [16, 4, 256, 256, 1] took 2.08 ms with the Mul's operands reshaped
+and 2.04 without. Which nodes, at least `MIN_ELEMENTS` elements each (where the element-by-element
+loop costs more than the Reshapes' launches), shapes known, at most one unknown extent per reshape,
+not writing a graph output: a broadcast (an operand not of the output's shape) whose output has an
+axis of extent 1 after one that is not (operands of the output's shape run in one span already); a
+reduction over its input's innermost axis of more than one element with a unit axis after it (a sum
+of [65536, 32, 1] over axis 0 took 0.238 ms, [65536, 32] 0.241: only the innermost reduction is
+slow); a Transpose whose input has a unit axis.
 """
 from __future__ import annotations
 
@@ -50,7 +53,9 @@ BROADCASTING = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Sum"
 REDUCTIONS = frozenset({"ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceSumSquare",
                         "ReduceL1", "ReduceL2", "ReduceLogSum", "ReduceLogSumExp"})
 # below this many elements a node is left as it is: an element-by-element loop over 1024
-# elements costs about 6 us, the two or three Reshapes' launches about as much
+# elements costs about 6 us, the two or three Reshapes' launches (about 3 us each) about as much;
+# by hand, 1024, 4096 and 16384 gave the same steps within 1% on four graphs (resnet, the
+# transformer, MobileNetV3, EfficientNet-B0), 16384 2-3% slower on the last two
 MIN_ELEMENTS = 1024
 
 
@@ -99,20 +104,18 @@ class _Writer:
         self.model = model
         self.names = Names(model)
         self.operand_reshapes: set[int] = set()   # ids of the Reshapes of operands made
-        self.backs: dict[str, str] = {}   # a rewritten node's output -> what it now computes
-        # a rewritten node's output -> what it now computes: an operand read from there is not a
-        # Reshape of the Reshape back (following the builder's own views instead raised GPT's peak
-        # in graphopt's sessions, 53 to 60 MiB: ONNX Runtime copies some, and reading past one
-        # keeps what it viewed alive longer)
-        self.views: dict[str, str] = {}
+        # a rewritten node's output -> what it now computes: an operand read from there is a
+        # Reshape of that, not of the Reshape back (following the builder's own views the same
+        # way raised GPT's peak in graphopt's sessions, 53 to 60 MiB: ONNX Runtime copies some,
+        # and reading past one keeps what it viewed alive longer)
+        self.backs: dict[str, str] = {}
         self.created: set[str] = set()   # the initializers made
 
     def ints(self, values: list[int], stem: str) -> str:
-        """A new int64 initializer holding `values`. Never one shared between nodes: ONNX Runtime's
-        common-subexpression elimination (level BASIC up) merges nodes that read the same values
-        by name, and two reductions of one tensor that the builder keeps apart (a batch norm's
-        mean in the forward and recomputed in the backward) would become one, the forward's
-        kept alive until the backward (MobileNet, default session: 19.6 MiB became 26.7)."""
+        """A new int64 initializer holding `values`, never one shared between nodes: ONNX Runtime's
+        common-subexpression elimination (level BASIC up) merges nodes that read the same inputs
+        by name, and two rewritten reductions of one tensor that the builder keeps apart (a batch
+        norm's mean in the forward and recomputed in the backward) must not become one."""
         name = self.names.fresh(stem)
         self.model.graph.initializer.append(numpy_helper.from_array(np.array(values, dtype=np.int64), name))
         self.created.add(name)
@@ -122,7 +125,7 @@ class _Writer:
         """A Reshape of `value` to `target`; of what a rewritten node computed, where `value` is
         its output (two Reshapes in a row are one new node under ONNX Runtime's level BASIC, and a
         new node changes its default order: MobileNet's peak in a default session rose 35%)."""
-        value = self.views.get(value, value)
+        value = self.backs.get(value, value)
         out = self.names.fresh(stem)
         node = helper.make_node("Reshape", [value, self.ints(target, "unit_axes_shape")], [out],
                                 name=self.names.fresh(stem))
@@ -150,7 +153,6 @@ def _back(node: onnx.NodeProto, out_shape: list[int], writer: _Writer) -> tuple[
     inner = writer.names.fresh(node.output[0] + "_spans")
     back = helper.make_node("Reshape", [inner, writer.ints(out_shape, "unit_axes_shape")], [node.output[0]],
                             name=writer.names.fresh(node.name + "_unspanned" if node.name else "unspanned"))
-    writer.views[node.output[0]] = inner
     writer.backs[node.output[0]] = inner
     return inner, back
 
