@@ -161,9 +161,10 @@ def _elementwise(node, shapes, writer: _Writer) -> list | None:
     """The nodes that replace broadcasting `node`, or None to keep it."""
     ins = [shapes.get(name) for name in node.input]
     out = shapes.get(node.output[0])
-    if any(s is None for s in ins) or out is None or _broadcast(ins) is None:
+    broadcast = None if any(s is None for s in ins) else _broadcast(ins)
+    if broadcast is None or out is None or len(out) != len(broadcast):
         return None
-    if _numel(out) < MIN_ELEMENTS or not _inner_unit_axes(out) or len(out) != len(_broadcast(ins)):
+    if _numel(out) < MIN_ELEMENTS or not _inner_unit_axes(out):
         return None
     if all(list(shape) == list(out) for shape in ins):   # no broadcast: one span already
         return None
