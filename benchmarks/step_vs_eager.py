@@ -15,7 +15,8 @@ the same parameters and inputs, the same loss):
   Runtime's spans (graphopt/builder/unit_axes.py, issue 48: the "unit axes kept" column);
 * each in a plain onnxruntime.InferenceSession (its defaults: all graph optimizations, the
   arena), and the twin's eager step (forward, loss, backward; every .grad None before it);
-* timed in one process, in turn, `--rounds` rounds of one step each after a warm-up step; the
+* timed in one process, in turn, `--rounds` rounds of one step each after a warm-up step, each
+  step after `SETTLE_SECONDS` idle (the previous step's threads spin on meanwhile); the
   medians and their ratios over eager;
 * (examples) the worst relative difference of each built graph's gradients from torch's (max |a - b| over
   max |b|, per parameter, floored at 1e-3 x the largest gradient), so that a faster formulation
@@ -183,8 +184,18 @@ def _op_type_shares(model, feeds, threads: int) -> list[tuple[str, float]]:
     return sorted(((k, v / total) for k, v in per_type.items()), key=lambda kv: -kv[1])
 
 
+# Idle seconds before each timed step. A step's thread pool keeps spinning for work once the step
+# has returned (ONNX Runtime's intra-op threads, torch's OpenMP threads), and the next contender's
+# step ran beside it. Measured by hand on the densenet example at two threads (medians of 7):
+# torch eager's step took 109.7 ms right after an ONNX Runtime step, 93.4 ms 10 ms later and
+# 73.4 ms 100 ms later (70.2 right after its own step); ONNX Runtime's 80.5 ms right after eager's
+# and 72.6 ms 100 ms later. With one thread neither has a pool; the pause costs only time.
+SETTLE_SECONDS = 0.1
+
+
 def _timed(models: dict, feeds: dict, eager, threads: int, rounds: int) -> dict:
-    """Median seconds of a step of each model's default session and of `eager`, in turn."""
+    """Median seconds of a step of each model's default session and of `eager`, in turn, each
+    after `SETTLE_SECONDS` idle."""
     steps = {}
     for label, model in models.items():
         steps[label] = _stepper(_session(model, threads), feeds)
@@ -194,6 +205,7 @@ def _timed(models: dict, feeds: dict, eager, threads: int, rounds: int) -> dict:
     seconds: dict[str, list[float]] = {label: [] for label in steps}
     for _ in range(rounds):
         for label, step in steps.items():
+            time.sleep(SETTLE_SECONDS)
             started = time.perf_counter()
             step()
             seconds[label].append(time.perf_counter() - started)
@@ -329,7 +341,7 @@ def main() -> None:
     if _cuda() and args.corpus:
         parser.error("--corpus runs on the CPU provider only (its gradient check is real_zoo's, on the CPU)")
     threads = os.cpu_count() or 1 if args.threads == "all" else int(args.threads)
-    print(f"{PROVIDER}, threads: {threads}; medians of {args.rounds} steps each, in turn, in one process"
+    print(f"{PROVIDER}, threads: {threads}; medians of {args.rounds} steps each, in turn, each after {SETTLE_SECONDS} s idle, in one process"
           + ("; parameters as graph inputs" if PARAMETERS_AS_INPUTS else ""))
     print("| model | built, per-tap weight grads (s) | built, whole-map (s) | torch eager (s) | per-tap / eager | "
           "whole-map / eager | forms measured on the provider / eager | unit axes kept / eager | worst gradient "

@@ -186,9 +186,10 @@ def _attrs(group=1, strides=(1, 1), pads=(0, 0, 0, 0), dilations=(1, 1)):
 
 
 def test_conv_input_gradient_applies_follows_its_docstring(monkeypatch):
-    """Ungrouped, stride 1, and either 1 x 1 without pads, or (fed weights or
-    LARGER_INPUT_GRADIENTS_AS_CONV) no dilation, pads within kernel - 1 on every side, at least
-    as many input channels as output ones."""
+    """Ungrouped, stride 1, and either 1 x 1 without pads, or no dilation, pads within kernel - 1
+    on every side, and at least as many input channels as output ones where the weights are fed
+    or LARGER_INPUT_GRADIENTS_AS_CONV is on, else WIDE_INPUT_CHANNELS_FACTOR times as many."""
+    assert rules.WIDE_INPUT_CHANNELS_FACTOR == 3
     a = _attrs
     x = [2, 8, 6, 6]
     cases = [
@@ -201,7 +202,13 @@ def test_conv_input_gradient_applies_follows_its_docstring(monkeypatch):
         ((a(strides=(1, 2)), [4, 8, 1, 1], x, False), False),
         ((a(strides=(2, 1)), [4, 8, 1, 1], x, True), False),
         ((a(group=2), [4, 4, 1, 1], x, True), False),
-        ((a(), [4, 8, 3, 3], x, False), False),                # larger: only fed
+        ((a(), [4, 8, 3, 3], x, False), False),                # larger: only fed ...
+        ((a(), [2, 8, 3, 3], x, False), True),                 # ... or 3x as many input channels
+        ((a(), [3, 8, 3, 3], x, False), False),                # 8 < 3 x 3
+        ((a(pads=(3, 0, 0, 0)), [2, 8, 3, 3], x, False), False),   # wide, but pads past the reach
+        ((a(dilations=(1, 2)), [2, 8, 3, 3], x, False), False),   # wide, but dilated
+        ((a(strides=(2, 1)), [2, 8, 3, 3], x, False), False),     # wide, but strided
+        ((a(group=2), [2, 4, 3, 3], x, False), False),            # wide, but grouped
         ((a(), [4, 8, 3, 3], x, True), True),
         ((a(), [8, 8, 3, 3], x, True), True),                  # as many input channels as output
         ((a(), [9, 8, 3, 3], x, True), False),                 # fewer
@@ -1043,3 +1050,24 @@ def test_build_training_graph_uses_these_rules():
 # forked from a process that has imported this file, each collection walks (and so copies) every
 # object of the parent: 1 to 2 seconds a mutant, against a tenth with this (tests/mutation.py).
 gc.freeze()
+
+
+def test_transposed_shape_truncated_where_onnx_shape_inference_truncates():
+    """The oracle: onnx's own shape inference of onnx-ad's input gradient (a ConvTranspose given
+    the Conv's input shape as `output_shape`); where it infers fewer axes than the Conv's input
+    has, `transposed_shape_truncated` says so, and only there."""
+    cases = [([2, 4, 8, 8], [2, 8, 8, 8]), ([2, 4, 8, 8], [2, 8, 8, 10]), ([2, 4, 8, 8], [2, 8, 10, 8]),
+             ([2, 4, 8, 8], [2, 8, 6, 6]), ([2, 4, 9], [2, 8, 11]), ([2, 4, 9], [2, 8, 7]),
+             ([2, 4, 5, 5, 5], [2, 8, 5, 7, 5]), ([2, 4, 5, 5, 5], [2, 8, 3, 5, 5])]
+    for x, y in cases:
+        spatial = len(x) - 2
+        node = helper.make_node("ConvTranspose", ["dy", "w"], ["dx"], output_shape=x[2:])
+        graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("dy", TensorProto.FLOAT, y),
+                                                helper.make_tensor_value_info("w", TensorProto.FLOAT,
+                                                                              [y[1], x[1]] + [3] * spatial)],
+                                  [helper.make_tensor_value_info("dx", TensorProto.FLOAT, None)])
+        inferred = onnx.shape_inference.infer_shapes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+        rank = len(inferred.graph.output[0].type.tensor_type.shape.dim)
+        assert rules.transposed_shape_truncated(x, y) is (rank < len(x)), (x, y, rank)
+    assert rules.transposed_shape_truncated([2, 4, 8, 8], [2, 8, None, 10]) is False
+    assert rules.transposed_shape_truncated(None, [2, 8, 8, 10]) is False

@@ -548,6 +548,43 @@ def test_fed_weights_get_flipped_convolution_input_gradients_that_match_torch():
         assert np.abs(got - expected).max() / np.abs(expected).max() <= 1e-4, name
 
 
+class WideConvolutions(nn.Module):
+    """Stride-1 convolutions with constant weights: 12 -> 4 channels 3 x 3 (at least
+    `rules.WIDE_INPUT_CHANNELS_FACTOR` times as many input channels as output ones: the flipped
+    convolution) and 8 -> 4 (twice as many: ConvTranspose), and a 3-D 9 -> 3."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 12, 3, padding=1)               # the input's gradient is not asked
+        self.wide = nn.Conv2d(12, 4, 3, padding=1)
+        self.widen = nn.Conv2d(4, 8, 1)
+        self.twice = nn.Conv2d(8, 4, 3, padding=(1, 2))
+        self.volume = nn.Conv3d(9, 3, (3, 3, 1), padding=(1, 1, 0))
+        self.head = nn.Linear(4 * 8 * 10 + 3 * 4 * 2 * 2, 5)
+
+    def forward(self, x, labels):
+        h = torch.tanh(self.wide(torch.tanh(self.stem(x))))
+        h = torch.tanh(self.twice(torch.tanh(self.widen(h))))    # 8 x 8 -> 8 x 10
+        v = torch.tanh(self.volume(h[:, :, :6, :6].reshape(-1, 9, 4, 2, 2)))
+        return F.cross_entropy(self.head(torch.cat([h.flatten(1), v.flatten(1)], 1)), labels)
+
+
+def test_wide_convolutions_get_flipped_input_gradients_with_constant_weights():
+    """With `LARGER_INPUT_GRADIENTS_AS_CONV` off and the weights constant, the input gradient of a
+    Conv with at least `WIDE_INPUT_CHANNELS_FACTOR` times as many input channels as output ones is
+    the flipped convolution, and matches torch; twice as many keeps ConvTranspose."""
+    from graphopt.builder import rules
+    assert not rules.LARGER_INPUT_GRADIENTS_AS_CONV and rules.WIDE_INPUT_CHANNELS_FACTOR == 3
+    torch.manual_seed(5)
+    module = WideConvolutions()
+    args = (torch.randn(2, 3, 8, 8), torch.randint(0, 5, (2,)))
+    train = _check_against_torch(module, args, ["x", "labels"], tol=1e-4)
+    transposed = [n.input[1] for n in train.graph.node if n.op_type == "ConvTranspose"]
+    flipped = [n for n in train.graph.node if n.op_type == "Slice" and "x_weight_flipped" in n.output[0]]
+    assert len(transposed) == 1 and "twice" in transposed[0], transposed
+    assert len(flipped) == 2
+
+
 @pytest.mark.parametrize("as_conv", [True, False])
 def test_conv_input_gradients_as_flipped_convolutions_match_torch(monkeypatch, as_conv):
     """With `rules.LARGER_INPUT_GRADIENTS_AS_CONV` (off by default: see there why), the input

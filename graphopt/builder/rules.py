@@ -275,6 +275,18 @@ LARGER_INPUT_GRADIENTS_AS_CONV = False
 # 1.00 0.99 / 1.06; level EXTENDED: densenet 0.88 0.71 / 0.88, unet 0.95 0.91 / 0.93, randwire
 # 0.96 0.87 / 1.01, resnet 1.00 1.04 / 1.02.
 FED_WEIGHTS: frozenset = frozenset()
+# ... and on, constant weights too, where the convolution has at least this many times as many
+# input channels as output ones (DenseNet's 3 x 3 convolutions: 48-144 channels to 16). There the
+# Conv form's column buffer (output channels x kernel per pixel) is a fraction of ConvTranspose's
+# (input channels x kernel), and it is faster without the blocked kernels as well, so graphopt's
+# sessions gain with the default one. By hand (the gradient alone, [16, F, S, S] -> [16, C, S, S],
+# 3 x 3, pads 1, medians of 25 in turn, each run after 50 ms idle at two threads), ConvTranspose's
+# time over the Conv form's, optimizations off / the default session: C/F 7 (112/16, S 32) 1.62x /
+# 1.85x at one thread, 3.02x / 1.90x at two; 4 (64/16) 1.33 / 1.79, 1.63 / 1.97; 3 (48/16) 1.29 /
+# 1.70, 1.22 / 1.61; 9 (144/16, S 16) 1.76 / 1.82, 1.61 / 1.82; 4 (128/32, S 16) 1.21 / 1.48, 1.13 /
+# 1.37; 4 (256/64, S 8) 1.02 / 1.44, 1.02 / 1.32. At C/F 2 optimizations off ranged 0.87-1.07x at one
+# thread, and at 1 0.66-0.92x: those keep ConvTranspose.
+WIDE_INPUT_CHANNELS_FACTOR = 3
 
 
 @contextlib.contextmanager
@@ -292,8 +304,10 @@ def conv_input_gradient_applies(attrs, kernel, input_shape, fed: bool = False) -
     """Whether a Conv's input gradient is written as a Conv (`_conv_reverse`) instead of onnx-ad's
     ConvTranspose: an ungrouped convolution at stride 1 that is 1 x 1 without pads, or has no
     dilation, pads of at most kernel - 1 on every side and at least as many input channels as
-    output ones. Its input gradient is then the adjoint convolved with the weight transposed and
-    flipped in space, padded by kernel - 1 - pad on each side (1 x 1: the transposed weight).
+    output ones (for constant weights, unless `LARGER_INPUT_GRADIENTS_AS_CONV`: at least
+    `WIDE_INPUT_CHANNELS_FACTOR` times as many). Its input gradient is then the adjoint convolved
+    with the weight transposed and flipped in space, padded by kernel - 1 - pad on each side
+    (1 x 1: the transposed weight).
     ONNX Runtime's ConvTranspose builds a column buffer of C x kernel per image; measured
     (onnxruntime 1.32, CPU, the gradient alone, medians of 15): 1 x 1, 8 x 64 channels of 56 x 56
     from 256: 30.5 against 13.3 ms at one thread; 3 x 3 with C >= F over 16-256 channels:
@@ -308,7 +322,9 @@ def conv_input_gradient_applies(attrs, kernel, input_shape, fed: bool = False) -
     if all(k == 1 for k in kernel[2:]):
         return not any(pads)
     reach = [k - 1 for k in kernel[2:]]
-    return ((LARGER_INPUT_GRADIENTS_AS_CONV or fed) and input_shape[1] >= kernel[0] and all(d == 1 for d in attrs["dilations"])
+    wide = input_shape[1] >= WIDE_INPUT_CHANNELS_FACTOR * kernel[0]
+    return ((LARGER_INPUT_GRADIENTS_AS_CONV or fed or wide) and input_shape[1] >= kernel[0]
+            and all(d == 1 for d in attrs["dilations"])
             and all(0 <= pads[i] <= reach[i] and 0 <= pads[spatial + i] <= reach[i] for i in range(spatial)))
 
 
@@ -334,6 +350,21 @@ def transposed_pads_lost(attrs, kernel, input_shape, output_shape) -> bool:
     return False
 
 
+def transposed_shape_truncated(input_shape, output_shape) -> bool:
+    """Whether onnx's shape inference truncates onnx-ad's input gradient of a Conv from
+    `input_shape` to `output_shape`: a ConvTranspose given the input's shape (`output_shape`
+    attribute), whose inferred shape onnx (1.23) ends at the first spatial axis where that is
+    smaller than the ConvTranspose's input, the Conv's output. ONNX Runtime's load runs the same
+    inference, and a Reshape after it fails ("incompatible shapes"). That is a Conv whose output is
+    larger than its input along some axis (a 3 x 3 kernel padded 2 on both sides); its gradient
+    is then the ConvTranspose with the Conv's pads instead. Shapes not all known: False."""
+    if input_shape is None or output_shape is None or len(input_shape) != len(output_shape):
+        return False
+    if None in input_shape[2:] or None in output_shape[2:]:
+        return False
+    return any(o > i for i, o in zip(input_shape[2:], output_shape[2:]))
+
+
 def _conv_reverse(ctx, node, grads):
     attrs, spatial = _conv_attributes(ctx, node)
     x, w, y = node.input[0], node.input[1], node.output[0]
@@ -343,8 +374,10 @@ def _conv_reverse(ctx, node, grads):
     weight_here = ctx.asked_for(w) and (attrs["group"] != 1 or (
         kernel is not None and per_tap_applies(x_shape, y_shape, kernel[2:], 1)))
     input_here = ctx.asked_for(x) and conv_input_gradient_applies(attrs, kernel, x_shape, w in FED_WEIGHTS)
-    # else a ConvTranspose here where onnx-ad's would lose the pads (transposed_pads_lost)
-    input_transposed = ctx.asked_for(x) and not input_here and transposed_pads_lost(attrs, kernel, x_shape, y_shape)
+    # else a ConvTranspose here where onnx-ad's would lose the pads (transposed_pads_lost) or its
+    # shape (transposed_shape_truncated)
+    input_transposed = ctx.asked_for(x) and not input_here and (
+        transposed_pads_lost(attrs, kernel, x_shape, y_shape) or transposed_shape_truncated(x_shape, y_shape))
     if not weight_here and not input_here and not input_transposed:
         return _CONV(ctx, node, grads)
     contributions = _all_but(_CONV, ctx, node, grads, {n for n, here in ((x, input_here or input_transposed),
