@@ -17,7 +17,7 @@ the same parameters and inputs, the same loss):
   arena), and the twin's eager step (forward, loss, backward; every .grad None before it);
 * timed in one process, in turn, `--rounds` rounds of one step each after a warm-up step, each
   step after `SETTLE_SECONDS` idle (the previous step's threads spin on meanwhile); the
-  medians and their ratios over eager;
+  medians, and the medians of each round's ratios over eager's step;
 * (examples) the worst relative difference of each built graph's gradients from torch's (max |a - b| over
   max |b|, per parameter, floored at 1e-3 x the largest gradient), so that a faster formulation
   that is wrong shows; (corpus, zoo/real_zoo.py's architectures and their eager step) against
@@ -193,9 +193,13 @@ def _op_type_shares(model, feeds, threads: int) -> list[tuple[str, float]]:
 SETTLE_SECONDS = 0.1
 
 
-def _timed(models: dict, feeds: dict, eager, threads: int, rounds: int) -> dict:
+def _timed(models: dict, feeds: dict, eager, threads: int, rounds: int) -> tuple[dict, dict]:
     """Median seconds of a step of each model's default session and of `eager`, in turn, each
-    after `SETTLE_SECONDS` idle."""
+    after `SETTLE_SECONDS` idle; and the median over the rounds of each one's step over eager's in
+    the same round. The machine's speed drifts over seconds (at two threads here, a step of the
+    densenet example took 72-77 ms for four steps and 115-143 ms for the next five), and the steps
+    of one round are timed within a second or two: the ratios of a round are less disturbed by
+    it than the ratio of the medians."""
     steps = {}
     for label, model in models.items():
         steps[label] = _stepper(_session(model, threads), feeds)
@@ -209,7 +213,8 @@ def _timed(models: dict, feeds: dict, eager, threads: int, rounds: int) -> dict:
             started = time.perf_counter()
             step()
             seconds[label].append(time.perf_counter() - started)
-    return {label: statistics.median(v) for label, v in seconds.items()}
+    return ({label: statistics.median(v) for label, v in seconds.items()},
+            {label: statistics.median(a / b for a, b in zip(v, seconds["eager"])) for label, v in seconds.items()})
 
 
 def _worst_difference(outputs: dict, expected: dict, floor: float) -> float:
@@ -255,7 +260,7 @@ def run_example(name: str, threads: int, rounds: int, batch_scale: int = 1) -> d
         module(*args).backward()
         _synchronize()
 
-    median = _timed(models, inputs, eager, threads, rounds)
+    median, ratios = _timed(models, inputs, eager, threads, rounds)
     eager()
     # a gradient that is zero in exact arithmetic (the attention keys' bias) is rounding noise on
     # both sides: its denominator is floored at 1e-3 x the model's largest gradient
@@ -272,7 +277,7 @@ def run_example(name: str, threads: int, rounds: int, batch_scale: int = 1) -> d
     # on CUDA ORT's profile times each node's launch, not its kernel: no shares there
     shares = [] if _cuda() else _op_type_shares(models["per_tap"], inputs, threads)
     label = name if batch_scale == 1 else f"{name} (batch x{batch_scale})"
-    return {"model": label, "seconds": median, "worst_gradient_difference": worst,
+    return {"model": label, "seconds": median, "ratios": ratios, "worst_gradient_difference": worst,
             "against": f"torch float64 on the CPU; torch eager {worst['eager']:.1e}", "shares": shares[:4]}
 
 
@@ -306,14 +311,14 @@ def run_corpus(name: str, size: str, exporter: str, threads: int, rounds: int) -
         axis = axis_of if axis_of is not None else (1 if out.dim() == 2 else out.dim() - 1)
         torch.nn.functional.cross_entropy(out.movedim(axis, 1), model.labels).backward()
 
-    median = _timed(models, feeds, eager, threads, rounds)
+    median, ratios = _timed(models, feeds, eager, threads, rounds)
     worst, floor = {}, 0.0
     for label, train in models.items():
         check = real_zoo.gradient_check(model, forward, train, threads=threads, sensitivity_samples=0)
         worst[label] = check["grad_error_fp64"]
         floor = check["torch_fp32_vs_fp64"]
     shares = _op_type_shares(models["per_tap"], feeds, threads)
-    return {"model": f"{name} ({exporter})", "seconds": median, "worst_gradient_difference": worst,
+    return {"model": f"{name} ({exporter})", "seconds": median, "ratios": ratios, "worst_gradient_difference": worst,
             "against": f"torch float64 (torch float32: {floor:.1e})", "shares": shares[:4]}
 
 
@@ -341,7 +346,8 @@ def main() -> None:
     if _cuda() and args.corpus:
         parser.error("--corpus runs on the CPU provider only (its gradient check is real_zoo's, on the CPU)")
     threads = os.cpu_count() or 1 if args.threads == "all" else int(args.threads)
-    print(f"{PROVIDER}, threads: {threads}; medians of {args.rounds} steps each, in turn, each after {SETTLE_SECONDS} s idle, in one process"
+    print(f"{PROVIDER}, threads: {threads}; medians of {args.rounds} steps each, in turn, each after {SETTLE_SECONDS} s idle, in one "
+          "process; the ratios: medians of the rounds' ratios"
           + ("; parameters as graph inputs" if PARAMETERS_AS_INPUTS else ""))
     print("| model | built, per-tap weight grads (s) | built, whole-map (s) | torch eager (s) | per-tap / eager | "
           "whole-map / eager | forms measured on the provider / eager | unit axes kept / eager | worst gradient "
@@ -351,12 +357,12 @@ def main() -> None:
     jobs += [(run_corpus, (n, args.size, args.exporter, threads, args.rounds)) for n in args.corpus.split(",") if n]
     for run, job in jobs:
         r = run(*job)
-        s = r["seconds"]
+        s, q = r["seconds"], r["ratios"]
         shares = ", ".join(f"{kind} {share:.0%}" for kind, share in r["shares"])
         print(f"| {r['model']} | {s['per_tap']:.3f} | {s['whole_map']:.3f} | {s['eager']:.3f} | "
-              f"{s['per_tap'] / s['eager']:.2f}x | {s['whole_map'] / s['eager']:.2f}x | "
-              + (f"{s['measured'] / s['eager']:.2f}x | " if "measured" in s else "| ")
-              + f"{s['unit_axes_kept'] / s['eager']:.2f}x | "
+              f"{q['per_tap']:.2f}x | {q['whole_map']:.2f}x | "
+              + (f"{q['measured']:.2f}x | " if "measured" in q else "| ")
+              + f"{q['unit_axes_kept']:.2f}x | "
               + f"{r['worst_gradient_difference']['per_tap']:.1e}, {r['worst_gradient_difference']['whole_map']:.1e}, "
               f"{r['worst_gradient_difference']['unit_axes_kept']:.1e} ({r['against']}) | {shares} |", flush=True)
 
