@@ -14,6 +14,7 @@ import json
 import os
 import statistics
 import subprocess
+import time
 from dataclasses import dataclass, field
 
 from graphopt.errors import GraphoptError
@@ -187,6 +188,16 @@ def settled(runs: list[list[float]], band: float | None, rounds: int) -> bool:
     return True
 
 
+# Idle seconds before each timed step (`time_steps`, more than one thread): a step's ONNX Runtime
+# intra-op threads spin for work for a while after it returns, and the next session's step ran
+# beside them. Measured (the densenet example's training graph, its default session against
+# itself with optimizations off, two threads, 9 rounds, three pairs of runs in turn): with no
+# pause the two steps measured 88.2 / 94.3, 85.8 / 96.7 and 103.6 / 118.5 ms, with 50 ms 59.1 /
+# 65.4, 62.5 / 71.1 and 81.5 / 95.5 ms; the medians of the rounds' ratios 1.09, 1.12, 1.11 against
+# 1.09, 1.13, 1.17.
+IDLE_BEFORE_STEP_SECONDS = 0.05
+
+
 def time_steps(
     sessions: list[tuple[str | os.PathLike, SessionSettings | None]],
     inputs_path: str | os.PathLike,
@@ -202,7 +213,8 @@ def time_steps(
     """Median step seconds of each (model path, settings; None: its metadata) session, timed in
     turn: each session in a fresh process of its own with the allocator as users have it
     (graphopt/runtime/_timing_worker.py), all opened at once, then rounds of one step of
-    each in turn (`rounds`, or fewer once the timed steps took `max_seconds`, at least
+    each in turn, each step after `IDLE_BEFORE_STEP_SECONDS` idle at more than one thread
+    (`rounds`, or fewer once the timed steps took `max_seconds`, at least
     MIN_ROUNDS, or fewer once more rounds could not move the medians of the ratios by more than
     ``settle``: `settled`). The sessions whose
     index is in ``profile`` first run a few steps with ONNX Runtime's profiler on, alone, each in
@@ -255,6 +267,8 @@ def time_steps(
             runs: list[list[float]] = [[] for _ in entries]
             for r in range(max(MIN_ROUNDS, int(rounds))):
                 for k, (worker, _) in enumerate(workers):
+                    if threads > 1:
+                        time.sleep(IDLE_BEFORE_STEP_SECONDS)
                     worker.stdin.write("run\n")
                     worker.stdin.flush()
                     runs[k].append(float(reply(k)))
