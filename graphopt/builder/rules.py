@@ -376,7 +376,7 @@ def _conv_reverse(ctx, node, grads):
     input_here = ctx.asked_for(x) and conv_input_gradient_applies(attrs, kernel, x_shape, w in FED_WEIGHTS)
     # else a ConvTranspose here where onnx-ad's would lose the pads (transposed_pads_lost) or its
     # shape (transposed_shape_truncated)
-    input_transposed = ctx.asked_for(x) and not input_here and (
+    input_transposed = ctx.asked_for(x) and not input_here and kernel is not None and None not in kernel and (
         transposed_pads_lost(attrs, kernel, x_shape, y_shape) or transposed_shape_truncated(x_shape, y_shape))
     if not weight_here and not input_here and not input_transposed:
         return _CONV(ctx, node, grads)
