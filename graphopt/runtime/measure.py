@@ -213,7 +213,8 @@ def time_steps(
     """Median step seconds of each (model path, settings; None: its metadata) session, timed in
     turn: each session in a fresh process of its own with the allocator as users have it
     (graphopt/runtime/_timing_worker.py), all opened at once, then rounds of one step of
-    each in turn, each step after `IDLE_BEFORE_STEP_SECONDS` idle at more than one thread
+    each in turn, each step after `IDLE_BEFORE_STEP_SECONDS` idle (at more than one thread, more
+    than one session)
     (`rounds`, or fewer once the timed steps took `max_seconds`, at least
     MIN_ROUNDS, or fewer once more rounds could not move the medians of the ratios by more than
     ``settle``: `settled`). The sessions whose
@@ -267,7 +268,7 @@ def time_steps(
             runs: list[list[float]] = [[] for _ in entries]
             for r in range(max(MIN_ROUNDS, int(rounds))):
                 for k, (worker, _) in enumerate(workers):
-                    if threads > 1:
+                    if threads > 1 and len(workers) > 1:   # alone, no other session's threads spin
                         time.sleep(IDLE_BEFORE_STEP_SECONDS)
                     worker.stdin.write("run\n")
                     worker.stdin.flush()
