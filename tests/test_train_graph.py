@@ -585,6 +585,56 @@ def test_wide_convolutions_get_flipped_input_gradients_with_constant_weights():
     assert len(flipped) == 2
 
 
+class DepthwiseConvolutions(nn.Module):
+    """Depthwise convolutions whose input gradients are depthwise Convs of the flipped weight (3 x 3
+    padded 1, 3 x 3 and 1 x 3 unpadded, a 1-D one) and those that keep
+    ConvTranspose (stride 2, 5 x 5, dilated, two filters per channel)."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)                  # the input's gradient is not asked
+        self.same = nn.Conv2d(8, 8, 3, padding=1, groups=8)
+        self.valid = nn.Conv2d(8, 8, 3, groups=8, bias=False)     # 8 x 8 -> 6 x 6
+        self.row = nn.Conv2d(8, 8, (1, 3), groups=8)
+        self.strided = nn.Conv2d(8, 8, 3, stride=2, padding=1, groups=8)   # ConvTranspose
+        self.large = nn.Conv2d(8, 8, 5, padding=2, groups=8)               # 25 taps: ConvTranspose
+        self.dilated = nn.Conv2d(8, 8, 3, padding=2, dilation=2, groups=8)  # ConvTranspose
+        self.twofold = nn.Conv2d(8, 16, 3, padding=1, groups=8)             # ConvTranspose
+        self.line = nn.Conv1d(16, 16, 3, padding=1, groups=16)
+        self.head = nn.Linear(16 * 3 * 3, 5)
+
+    def forward(self, x, labels):
+        h = torch.tanh(self.stem(x))
+        h = torch.tanh(self.same(h))
+        h = torch.tanh(self.valid(h))
+        h = F.pad(torch.tanh(self.row(h)), (0, 2))                  # 6 x 4 -> 6 x 6
+        h = torch.tanh(self.strided(h))                            # 6 x 6 -> 3 x 3
+        h = torch.tanh(self.dilated(torch.tanh(self.large(h))))
+        h = torch.tanh(self.twofold(h))
+        h = torch.tanh(self.line(h.flatten(2))).flatten(1)
+        return F.cross_entropy(self.head(h), labels)
+
+
+def test_depthwise_convolutions_get_flipped_input_gradients_that_match_torch():
+    """The input gradient of a stride-1 depthwise Conv with at most
+    `rules.DEPTHWISE_INPUT_GRADIENT_MAX_TAPS` taps is a depthwise Conv of the flipped weight, for
+    constant weights, and every gradient upstream of it matches torch; the strided, the larger,
+    the dilated and the two-filters-per-channel ones keep ConvTranspose."""
+    from graphopt.builder import rules
+    assert rules.DEPTHWISE_INPUT_GRADIENT_MAX_TAPS == 9
+    torch.manual_seed(7)
+    module = DepthwiseConvolutions()
+    args = (torch.randn(2, 3, 8, 8, dtype=torch.float32), torch.randint(0, 5, (2,)))
+    train = _check_against_torch(module, args, ["x", "labels"], tol=1e-4)
+    transposed = sorted(n.input[1].split(".")[0] for n in train.graph.node if n.op_type == "ConvTranspose")
+    flipped = [n for n in train.graph.node if n.op_type == "Conv" and n.output[0].startswith("x_grad")]
+    assert transposed == ["dilated", "large", "strided", "twofold"], transposed
+    producer = {o: n for n in train.graph.node for o in n.output}
+    weights = sorted(producer[n.input[1]].input[0].split(".")[0] for n in flipped)   # the flipping Slice's
+    assert weights == ["line", "row", "same", "valid"], weights
+    assert all(next(a.i for a in n.attribute if a.name == "group") in (8, 16) for n in flipped)
+
+
 @pytest.mark.parametrize("as_conv", [True, False])
 def test_conv_input_gradients_as_flipped_convolutions_match_torch(monkeypatch, as_conv):
     """With `rules.LARGER_INPUT_GRADIENTS_AS_CONV` (off by default: see there why), the input

@@ -9,7 +9,7 @@
   output's adjoint as filters, after moving the batch into the channels (weight_gradient).
 * The input of a stride-1 1 x 1 Conv without pads (and, for a weight the step is fed or with
   LARGER_INPUT_GRADIENTS_AS_CONV, of a larger one with at least as many input channels as
-  output ones): the adjoint convolved
+  output ones; of a 3 x 3 depthwise one): the adjoint convolved
   with the weight transposed (and flipped in space), not onnx-ad's ConvTranspose
   (conv_input_gradient_applies).
 * The input of a Conv whose pads onnx-ad's ConvTranspose would lose (transposed_pads_lost:
@@ -287,6 +287,18 @@ FED_WEIGHTS: frozenset = frozenset()
 # 1.37; 4 (256/64, S 8) 1.02 / 1.44, 1.02 / 1.32. At C/F 2 optimizations off ranged 0.87-1.07x at one
 # thread, and at 1 0.66-0.92x: those keep ConvTranspose.
 WIDE_INPUT_CHANNELS_FACTOR = 3
+# ... and on for a depthwise convolution (one filter per channel) at stride 1 with at most this many
+# taps (3 x 3), constant weights or fed: its input gradient is then a depthwise Conv of the flipped
+# weight, which ONNX Runtime runs as fast or faster than its depthwise ConvTranspose in graphopt's
+# sessions and several times faster in the default one, and which gains from a second thread where
+# ConvTranspose gains nothing. By hand (the gradient alone, [16, C, S, S], 3 x 3, pads 1, constant
+# weight, medians of 25 in turn), ConvTranspose's time over the Conv form's, optimizations off /
+# the default session, one thread then two: C 96 S 56 1.00 / 1.22, 1.22 / 2.72; 144 at 28 1.00 /
+# 1.44, 1.94 / 1.94; 192 at 28 0.89 / 1.41, 1.15 / 3.64; 384 at 14 1.03 / 1.91, 1.62 / 2.70; 576 at
+# 14 1.07 / 1.04, 1.74 / 2.73; 960 at 7 1.12 / 4.28, 2.11 / 6.14; 96 at 16 1.07 / 2.17, 1.57 / 2.84.
+# Larger kernels were slower with optimizations off at one thread (5 x 5 over 240 at 14 and 480 at
+# 7: 0.73 and 0.84; 7 x 7 over 96 at 28 and 384 at 7: 0.81 and 0.65) and keep ConvTranspose.
+DEPTHWISE_INPUT_GRADIENT_MAX_TAPS = 9
 
 
 @contextlib.contextmanager
@@ -305,9 +317,11 @@ def conv_input_gradient_applies(attrs, kernel, input_shape, fed: bool = False) -
     ConvTranspose: an ungrouped convolution at stride 1 that is 1 x 1 without pads, or has no
     dilation, pads of at most kernel - 1 on every side and at least as many input channels as
     output ones (for constant weights, unless `LARGER_INPUT_GRADIENTS_AS_CONV`: at least
-    `WIDE_INPUT_CHANNELS_FACTOR` times as many). Its input gradient is then the adjoint convolved
-    with the weight transposed and flipped in space, padded by kernel - 1 - pad on each side
-    (1 x 1: the transposed weight).
+    `WIDE_INPUT_CHANNELS_FACTOR` times as many); or a depthwise one (a filter per channel) at
+    stride 1 with at most `DEPTHWISE_INPUT_GRADIENT_MAX_TAPS` taps, no dilation and pads of at most
+    kernel - 1. Its input gradient is then the adjoint convolved with the weight transposed
+    (depthwise: as it is, the same groups) and flipped in space, padded by kernel - 1 - pad on
+    each side (1 x 1: the transposed weight).
     ONNX Runtime's ConvTranspose builds a column buffer of C x kernel per image; measured
     (onnxruntime 1.32, CPU, the gradient alone, medians of 15): 1 x 1, 8 x 64 channels of 56 x 56
     from 256: 30.5 against 13.3 ms at one thread; 3 x 3 with C >= F over 16-256 channels:
@@ -315,13 +329,18 @@ def conv_input_gradient_applies(attrs, kernel, input_shape, fed: bool = False) -
     C < F (0.72-0.79x) or a dilation of 2 (0.91-0.97x) it was slower: those keep ConvTranspose."""
     if not PER_TAP_WEIGHT_GRADIENTS or kernel is None or input_shape is None or None in kernel:
         return False
-    if attrs["group"] != 1 or not all(s == 1 for s in attrs["strides"]) or input_shape[1] is None:
+    if not all(s == 1 for s in attrs["strides"]) or input_shape[1] is None:
         return False
     spatial = len(kernel) - 2
     pads = attrs["pads"]
+    reach = [k - 1 for k in kernel[2:]]
+    if attrs["group"] != 1:   # depthwise: one filter per channel, small kernels only
+        return (attrs["group"] == input_shape[1] == kernel[0] and kernel[1] == 1
+                and math.prod(kernel[2:]) <= DEPTHWISE_INPUT_GRADIENT_MAX_TAPS
+                and all(d == 1 for d in attrs["dilations"])
+                and all(0 <= pads[i] <= reach[i] and 0 <= pads[spatial + i] <= reach[i] for i in range(spatial)))
     if all(k == 1 for k in kernel[2:]):
         return not any(pads)
-    reach = [k - 1 for k in kernel[2:]]
     wide = input_shape[1] >= WIDE_INPUT_CHANNELS_FACTOR * kernel[0]
     return ((LARGER_INPUT_GRADIENTS_AS_CONV or fed or wide) and input_shape[1] >= kernel[0]
             and all(d == 1 for d in attrs["dilations"])
@@ -397,14 +416,15 @@ def _conv_reverse(ctx, node, grads):
     if input_here:
         op, ints = ctx.b.op, ctx.b.ints
         axes = list(range(2, 2 + spatial))
-        weight = op("Transpose", [w], perm=[1, 0] + axes, stem="x_weight_t")
+        # [F, C, *k] -> [C, F, *k]; depthwise ([C, 1, *k], one channel per group) as it is
+        weight = w if attrs["group"] != 1 else op("Transpose", [w], perm=[1, 0] + axes, stem="x_weight_t")
         reach = [(k - 1) * d for k, d in zip(kernel[2:], attrs["dilations"])]
         if any(reach):   # flipped in space: a Slice read backwards along each spatial axis
             weight = op("Slice", [weight, ints([-1] * spatial), ints([-(1 << 62)] * spatial), ints(axes),
                                   ints([-1] * spatial)], stem="x_weight_flipped")
         pads = attrs["pads"]
         contributions[0] = _with_seed_axis(ctx, op(
-            "Conv", [adjoint, weight], dilations=list(attrs["dilations"]),
+            "Conv", [adjoint, weight], dilations=list(attrs["dilations"]), group=attrs["group"],
             pads=[r - pads[i] for i, r in enumerate(reach)] + [r - pads[spatial + i] for i, r in enumerate(reach)],
             stem="x_grad"))
     return contributions
