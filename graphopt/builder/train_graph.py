@@ -39,6 +39,7 @@ from . import rules
 from .deterministic import scatter_nd_rows_to_elements, static_shapes
 from .graph_util import Names, infer_shapes, sequence_splits_to_split, skeleton_check, small_constants
 from .embedding_grad import lean_embedding_gradients
+from .short_spans import short_spans_expanded
 from .unit_axes import unit_axes_dropped
 from .lean import (gradients_early, loss_first, masks_as_products, outputs_written_in_place, pads_sum_to_concat,
                    sums_as_produced,
@@ -502,6 +503,8 @@ def _build(forward, loss, parameters, freeze, labels, class_axis, optimizer, hel
 
 # False: broadcasts and reductions keep their axes of extent 1 (unit_axes.py; for comparisons)
 UNIT_AXES_DROPPED = True
+# False: per-channel broadcasts over small maps read their operand as it is (short_spans.py)
+SHORT_SPANS_EXPANDED = True
 # at most this many rounds of `_fused` making the moments of one more parameter in blocks of rows
 CHUNKED_ROUNDS = 4
 # the updates of parameters of at least this many bytes are placed where the peak is least
@@ -696,6 +699,8 @@ def _finish(model, loss, loss_shape, loss_type, params, initializers, extras, ty
     copy_statistics_inputs(model)
     if UNIT_AXES_DROPPED:
         unit_axes_dropped(model, static_shapes(model))
+    if SHORT_SPANS_EXPANDED:
+        short_spans_expanded(model, static_shapes(model))
     # value_info for the planner; the seed axis is gone, so shapes are the real ones. The extra
     # outputs were declared without shapes: infer them as intermediates, then declare them.
     extra_names = set(extras.outputs)
