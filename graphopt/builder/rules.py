@@ -424,7 +424,8 @@ def _conv_reverse(ctx, node, grads):
                                   ints([-1] * spatial)], stem="x_weight_flipped")
         pads = attrs["pads"]
         contributions[0] = _with_seed_axis(ctx, op(
-            "Conv", [adjoint, weight], dilations=list(attrs["dilations"]), group=attrs["group"],
+            "Conv", [adjoint, weight], dilations=list(attrs["dilations"]),
+            **({"group": attrs["group"]} if attrs["group"] != 1 else {}),
             pads=[r - pads[i] for i, r in enumerate(reach)] + [r - pads[spatial + i] for i, r in enumerate(reach)],
             stem="x_grad"))
     return contributions
