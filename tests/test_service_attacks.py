@@ -467,9 +467,16 @@ def test_one_address_holds_at_most_its_uploads(tmp_path, models):
 
 
 # -- idle streams against the thread pool --------------------------------------------------------
-# the idle timeout of the reflection test: every one of its 30 streams must arrive while the first
-# ones are still held (at 2 s, a loaded CI run once saw 13 held in turn and 17 refused, not 4 and 26)
+# the idle timeout of the reflection test. On a quiet machine its 30 streams all arrive while the
+# first 4 are held (4 held, 26 refused); on a loaded one they arrive over longer than that (at 2 s
+# a CI run saw 13 held in turn and 17 refused, at 8 s 15 and 15), so the test checks the limit by
+# when the held ones ended: in waves of at most 4, an idle timeout apart
 REFLECTION_IDLE_SECONDS = 8.0
+
+
+def _iso_seconds(stamp: str) -> float:
+    from datetime import datetime
+    return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
 
 
 def test_idle_reflection_streams_do_not_starve_health(tmp_path, models):
@@ -492,12 +499,16 @@ def test_idle_reflection_streams_do_not_starve_health(tmp_path, models):
         errors = [_error(lambda c=c: c) for c in calls]
         codes = [e.code() for e in errors]
         seen = [(e.code().name, e.details()) for e in errors]
-        # at most a few held a thread, until the idle timeout ended them (CANCELLED; once seen on
-        # a loaded machine as UNAVAILABLE); the others were refused at once
+        # a few at a time held a thread, until the idle timeout ended them (CANCELLED; once seen
+        # on a loaded machine as UNAVAILABLE); the others were refused
         assert set(codes) <= {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED,
                               grpc.StatusCode.UNAVAILABLE}, seen
-        assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 20, seen
-        assert len([e for e in server.logs() if e.get("message") == "idle call ended"]) <= 4
+        refused = codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED)
+        ended = sorted(_iso_seconds(e["time"]) for e in server.logs() if e.get("message") == "idle call ended")
+        assert refused >= 1 and len(ended) <= len(codes) - refused, (seen, ended)
+        # never more than 4 held at once (OTHER_STREAMS): a stream is held for the idle timeout
+        # from when it was let in, so five that ended within half of it were held together
+        assert all(ended[i + 4] - ended[i] >= REFLECTION_IDLE_SECONDS / 2 for i in range(len(ended) - 4)), ended
         assert _health(server.target) == "SERVING"
     finally:
         release.set()
