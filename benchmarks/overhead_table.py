@@ -108,9 +108,10 @@ def main() -> int:
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for x in rows:
         err = "-" if x["step_error"] is None else f"{x['step_error']:+.1%}"
+        original_err = "-" if x["original_step_error"] is None else f"{x['original_step_error']:+.1%}"
         print(f"| {x['model']} | {x['objective']} | {x['peak_default_mib']:.1f} | {x['peak_mib']:.1f} "
               f"| {x['peak_vs_default']:.2f}x | {x['step_vs_default']:.2f}x | {x['predicted_step_vs_default']:.2f}x "
-              f"| {err} | {x['original_step_error']:+.1%} | {x['store_all_vs_faster']:.2f}x "
+              f"| {err} | {original_err} | {x['store_all_vs_faster']:.2f}x "
               f"| {x['graph_optimizations']} | {x['recompute_nodes']} | {x['outcome']} "
               f"| {x['outputs_match']} |")
     print()
@@ -121,12 +122,13 @@ def main() -> int:
               f"median peak vs default session {statistics.median(x['peak_vs_default'] for x in mine):.2f}x "
               f"over {len(mine)} models")
     errors = [(abs(x["step_error"]), x["model"], x["objective"]) for x in rows if x["step_error"] is not None]
-    originals = [(abs(x["original_step_error"]), x["model"]) for x in rows]
+    originals = [(abs(x["original_step_error"]), x["model"]) for x in rows if x["original_step_error"] is not None]
     if errors:
         print(f"largest |step prediction error| of a returned plan: {max(errors)[0]:.1%} ({max(errors)[1]}, "
               f"{max(errors)[2]}); above 10%: {sum(e[0] > 0.10 for e in errors)} of {len(errors)}")
-    print(f"largest |step prediction error| of the original (optimizations off): {max(originals)[0]:.1%} "
-          f"({max(originals)[1]})")
+    if originals:
+        print(f"largest |step prediction error| of the original (optimizations off): {max(originals)[0]:.1%} "
+              f"({max(originals)[1]})")
     timed = [x for x in rows if x["store_all_vs_faster"] is not None]   # one timing per optimize
     if timed:
         worst = max(timed, key=lambda x: x["store_all_vs_faster"])

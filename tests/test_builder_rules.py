@@ -189,7 +189,7 @@ def test_conv_input_gradient_applies_follows_its_docstring(monkeypatch):
     """Ungrouped, stride 1, and either 1 x 1 without pads, or no dilation, pads within kernel - 1
     on every side, and at least as many input channels as output ones where the weights are fed
     or LARGER_INPUT_GRADIENTS_AS_CONV is on, else WIDE_INPUT_CHANNELS_FACTOR times as many; or
-    depthwise at stride 1, no dilation, pads within kernel - 1, at most
+    depthwise with fed weights at stride 1, no dilation, pads within kernel - 1, at most
     DEPTHWISE_INPUT_GRADIENT_MAX_TAPS taps."""
     assert rules.WIDE_INPUT_CHANNELS_FACTOR == 3 and rules.DEPTHWISE_INPUT_GRADIENT_MAX_TAPS == 9
     a = _attrs
@@ -243,25 +243,26 @@ def test_conv_input_gradient_applies_follows_its_docstring(monkeypatch):
         (({"group": 1, "strides": [1], "pads": [1, 3], "dilations": [1]}, [4, 8, 3], [2, 8, 9], True), False),
         (({"group": 1, "strides": [1] * 3, "pads": [0, 1, 0, 1, 0, 1], "dilations": [1] * 3},
           [4, 8, 2, 2, 2], [1, 8, 3, 3, 3], True), True),
-        # depthwise (a filter per channel), stride 1, no dilation, pads within the reach, at most
-        # DEPTHWISE_INPUT_GRADIENT_MAX_TAPS taps; constant weights or fed alike
-        ((a(group=8, pads=(1, 1, 1, 1)), [8, 1, 3, 3], x, False), True),
+        # depthwise (a filter per channel), fed weights only, stride 1, no dilation, pads within
+        # the reach, at most DEPTHWISE_INPUT_GRADIENT_MAX_TAPS taps
+        ((a(group=8, pads=(1, 1, 1, 1)), [8, 1, 3, 3], x, False), False),   # constant weights
         ((a(group=8, pads=(1, 1, 1, 1)), [8, 1, 3, 3], x, True), True),
-        ((a(group=8), [8, 1, 3, 3], x, False), True),
-        ((a(group=8, pads=(2, 2, 2, 2)), [8, 1, 3, 3], x, False), True),
-        ((a(group=8, pads=(3, 1, 1, 1)), [8, 1, 3, 3], x, False), False),
-        ((a(group=8, pads=(1, 1, 1, -1)), [8, 1, 3, 3], x, False), False),
-        ((a(group=8), [8, 1, 1, 1], x, False), True),
-        ((a(group=8, pads=(0, 4, 0, 4)), [8, 1, 1, 9], x, False), True),    # 9 taps
-        ((a(group=8, pads=(2, 2, 2, 2)), [8, 1, 5, 5], x, False), False),   # 25 taps
+        ((a(group=8), [8, 1, 3, 3], x, True), True),
+        ((a(group=8, pads=(2, 2, 2, 2)), [8, 1, 3, 3], x, True), True),
+        ((a(group=8, pads=(3, 1, 1, 1)), [8, 1, 3, 3], x, True), False),
+        ((a(group=8, pads=(1, 1, 1, -1)), [8, 1, 3, 3], x, True), False),
+        ((a(group=8), [8, 1, 1, 1], x, True), True),
+        ((a(group=8), [8, 1, 1, 1], x, False), False),
+        ((a(group=8, pads=(0, 4, 0, 4)), [8, 1, 1, 9], x, True), True),     # 9 taps
+        ((a(group=8, pads=(2, 2, 2, 2)), [8, 1, 5, 5], x, True), False),    # 25 taps
         ((a(group=8, pads=(0, 4, 0, 5)), [8, 1, 1, 10], x, True), False),   # 10 taps
-        ((a(group=8, strides=(2, 2), pads=(1, 1, 1, 1)), [8, 1, 3, 3], x, False), False),
+        ((a(group=8, strides=(2, 2), pads=(1, 1, 1, 1)), [8, 1, 3, 3], x, True), False),
         ((a(group=8, strides=(1, 2), pads=(1, 1, 1, 1)), [8, 1, 3, 3], x, True), False),
-        ((a(group=8, dilations=(2, 2), pads=(2, 2, 2, 2)), [8, 1, 3, 3], x, False), False),
-        ((a(group=8, pads=(1, 1, 1, 1)), [16, 1, 3, 3], x, False), False),   # two filters per channel
+        ((a(group=8, dilations=(2, 2), pads=(2, 2, 2, 2)), [8, 1, 3, 3], x, True), False),
+        ((a(group=8, pads=(1, 1, 1, 1)), [16, 1, 3, 3], x, True), False),    # two filters per channel
         ((a(group=4, pads=(1, 1, 1, 1)), [8, 2, 3, 3], x, True), False),     # grouped, not depthwise
-        ((a(group=8, pads=(1, 1, 1, 1)), [8, 1, 3, 3], [2, None, 6, 6], False), False),
-        (({"group": 8, "strides": [1], "pads": [1, 1], "dilations": [1]}, [8, 1, 3], [2, 8, 9], False), True),
+        ((a(group=8, pads=(1, 1, 1, 1)), [8, 1, 3, 3], [2, None, 6, 6], True), False),
+        (({"group": 8, "strides": [1], "pads": [1, 1], "dilations": [1]}, [8, 1, 3], [2, 8, 9], True), True),
     ]
     for (attrs, kernel, shape, fed), applies in cases:
         assert rules.conv_input_gradient_applies(attrs, kernel, shape, fed) is applies, (attrs, kernel, shape, fed)
@@ -454,12 +455,8 @@ def test_conv_gradients_against_torch(name):
                             lambda x, w, b=None: _torch_conv(x, w, b, **attrs))
     ops = _added_ops(gradient_graph)
     written = _weight_gradient_form([op for op in ops if op != "ConvTranspose"])
-    stride_1 = all(s == 1 for s in attrs.get("strides", [1]))
     input_as_conv = all(k == 1 for k in w_shape[2:]) and not any(attrs.get("pads", [])) and \
-        stride_1 and attrs.get("group", 1) == 1
-    # depthwise at stride 1, undilated, 3 x 3 at most (these cases' pads are all within the kernel)
-    input_as_conv |= attrs.get("group", 1) == x_shape[1] == w_shape[0] and stride_1 and \
-        all(d == 1 for d in attrs.get("dilations", [1])) and np.prod(w_shape[2:]) <= 9
+        all(s == 1 for s in attrs.get("strides", [1])) and attrs.get("group", 1) == 1
     if input_as_conv:   # the input gradient is one more Conv, not a ConvTranspose
         assert "ConvTranspose" not in ops
         ops.remove("Conv")

@@ -616,16 +616,20 @@ class DepthwiseConvolutions(nn.Module):
 
 
 def test_depthwise_convolutions_get_flipped_input_gradients_that_match_torch():
-    """The input gradient of a stride-1 depthwise Conv with at most
-    `rules.DEPTHWISE_INPUT_GRADIENT_MAX_TAPS` taps is a depthwise Conv of the flipped weight, for
-    constant weights, and every gradient upstream of it matches torch; the strided, the larger,
-    the dilated and the two-filters-per-channel ones keep ConvTranspose."""
+    """For weights the step is fed (`rules.FED_WEIGHTS`), the input gradient of a stride-1
+    depthwise Conv with at most `rules.DEPTHWISE_INPUT_GRADIENT_MAX_TAPS` taps is a depthwise Conv
+    of the flipped weight, and every gradient upstream of it matches torch; the strided, the
+    larger, the dilated and the two-filters-per-channel ones keep ConvTranspose, and so do all of
+    them for constant weights."""
     from graphopt.builder import rules
     assert rules.DEPTHWISE_INPUT_GRADIENT_MAX_TAPS == 9
     torch.manual_seed(7)
     module = DepthwiseConvolutions()
     args = (torch.randn(2, 3, 8, 8, dtype=torch.float32), torch.randint(0, 5, (2,)))
-    train = _check_against_torch(module, args, ["x", "labels"], tol=1e-4)
+    constant = _check_against_torch(module, args, ["x", "labels"], tol=1e-4)
+    assert sum(n.op_type == "ConvTranspose" for n in constant.graph.node) == 8
+    with rules.weights_fed([name for name, _ in module.named_parameters()]):
+        train = _check_against_torch(module, args, ["x", "labels"], tol=1e-4)
     transposed = sorted(n.input[1].split(".")[0] for n in train.graph.node if n.op_type == "ConvTranspose")
     flipped = [n for n in train.graph.node if n.op_type == "Conv" and n.output[0].startswith("x_grad")]
     assert transposed == ["dilated", "large", "strided", "twofold"], transposed

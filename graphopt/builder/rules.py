@@ -9,7 +9,7 @@
   output's adjoint as filters, after moving the batch into the channels (weight_gradient).
 * The input of a stride-1 1 x 1 Conv without pads (and, for a weight the step is fed or with
   LARGER_INPUT_GRADIENTS_AS_CONV, of a larger one with at least as many input channels as
-  output ones; of a 3 x 3 depthwise one): the adjoint convolved
+  output ones, or of a 3 x 3 depthwise one): the adjoint convolved
   with the weight transposed (and flipped in space), not onnx-ad's ConvTranspose
   (conv_input_gradient_applies).
 * The input of a Conv whose pads onnx-ad's ConvTranspose would lose (transposed_pads_lost:
@@ -287,11 +287,18 @@ FED_WEIGHTS: frozenset = frozenset()
 # 1.37; 4 (256/64, S 8) 1.02 / 1.44, 1.02 / 1.32. At C/F 2 optimizations off ranged 0.87-1.07x at one
 # thread, and at 1 0.66-0.92x: those keep ConvTranspose.
 WIDE_INPUT_CHANNELS_FACTOR = 3
-# ... and on for a depthwise convolution (one filter per channel) at stride 1 with at most this many
-# taps (3 x 3), constant weights or fed: its input gradient is then a depthwise Conv of the flipped
-# weight, which ONNX Runtime runs as fast or faster than its depthwise ConvTranspose in graphopt's
-# sessions and several times faster in the default one, and which gains from a second thread where
-# ConvTranspose gains nothing. By hand (the gradient alone, [16, C, S, S], 3 x 3, pads 1, constant
+# ... and, for the weights a training step is fed (`FED_WEIGHTS`), on for a depthwise convolution
+# (one filter per channel) at stride 1 with at most this many taps (3 x 3): its input gradient is
+# then a depthwise Conv of the flipped weight, which ONNX Runtime runs as fast or faster than its
+# depthwise ConvTranspose in graphopt's sessions and several times faster in the default one, and
+# which gains from a second thread where ConvTranspose gains nothing. Off for constant weights, as
+# for the ungrouped convolutions above: the default session gains far more (its blocked kernels)
+# than graphopt's at one thread, and plans lose their headroom. By hand, mobilenet_v2 (the corpus,
+# full size, two builds' steps in turn, the median of the rounds' ratios, after / before): the
+# default session 0.870, optimizations off 0.979 at one thread (0.848 / 0.914 at two); and `python
+# benchmarks/overhead_table.py --examples "" --corpus mobilenet_v2,shufflenet_v2 --size full`
+# returned mobilenet_v2's original (graphopt's settings 1.28x the default session's step, past the
+# default objective's 1.25x) against a plan at 0.60x of the default session's peak without it. By hand (the gradient alone, [16, C, S, S], 3 x 3, pads 1, constant
 # weight, medians of 25 in turn), ConvTranspose's time over the Conv form's, optimizations off /
 # the default session, one thread then two: C 96 S 56 1.00 / 1.22, 1.22 / 2.72; 144 at 28 1.00 /
 # 1.44, 1.94 / 1.94; 192 at 28 0.89 / 1.41, 1.15 / 3.64; 384 at 14 1.03 / 1.91, 1.62 / 2.70; 576 at
@@ -317,9 +324,9 @@ def conv_input_gradient_applies(attrs, kernel, input_shape, fed: bool = False) -
     ConvTranspose: an ungrouped convolution at stride 1 that is 1 x 1 without pads, or has no
     dilation, pads of at most kernel - 1 on every side and at least as many input channels as
     output ones (for constant weights, unless `LARGER_INPUT_GRADIENTS_AS_CONV`: at least
-    `WIDE_INPUT_CHANNELS_FACTOR` times as many); or a depthwise one (a filter per channel) at
-    stride 1 with at most `DEPTHWISE_INPUT_GRADIENT_MAX_TAPS` taps, no dilation and pads of at most
-    kernel - 1. Its input gradient is then the adjoint convolved with the weight transposed
+    `WIDE_INPUT_CHANNELS_FACTOR` times as many); or, for fed weights, a depthwise one (a filter
+    per channel) at stride 1 with at most `DEPTHWISE_INPUT_GRADIENT_MAX_TAPS` taps, no dilation and
+    pads of at most kernel - 1. Its input gradient is then the adjoint convolved with the weight transposed
     (depthwise: as it is, the same groups) and flipped in space, padded by kernel - 1 - pad on
     each side (1 x 1: the transposed weight).
     ONNX Runtime's ConvTranspose builds a column buffer of C x kernel per image; measured
@@ -334,8 +341,8 @@ def conv_input_gradient_applies(attrs, kernel, input_shape, fed: bool = False) -
     spatial = len(kernel) - 2
     pads = attrs["pads"]
     reach = [k - 1 for k in kernel[2:]]
-    if attrs["group"] != 1:   # depthwise: one filter per channel, small kernels only
-        return (attrs["group"] == input_shape[1] == kernel[0] and kernel[1] == 1
+    if attrs["group"] != 1:   # depthwise: one filter per channel, small kernels, fed weights only
+        return (fed and attrs["group"] == input_shape[1] == kernel[0] and kernel[1] == 1
                 and math.prod(kernel[2:]) <= DEPTHWISE_INPUT_GRADIENT_MAX_TAPS
                 and all(d == 1 for d in attrs["dilations"])
                 and all(0 <= pads[i] <= reach[i] and 0 <= pads[spatial + i] <= reach[i] for i in range(spatial)))
