@@ -298,7 +298,8 @@ WIDE_INPUT_CHANNELS_FACTOR = 3
 # default session 0.870, optimizations off 0.979 at one thread (0.848 / 0.914 at two); and `python
 # benchmarks/overhead_table.py --examples "" --corpus mobilenet_v2,shufflenet_v2 --size full`
 # returned mobilenet_v2's original (graphopt's settings 1.28x the default session's step, past the
-# default objective's 1.25x) against a plan at 0.60x of the default session's peak without it. By hand (the gradient alone, [16, C, S, S], 3 x 3, pads 1, constant
+# default objective's 1.25x); without it graphopt's settings took 1.19-1.25x, at that limit, and
+# three runs returned 0.81x, 0.88x and 0.60x of the default session's peak. By hand (the gradient alone, [16, C, S, S], 3 x 3, pads 1, constant
 # weight, medians of 25 in turn), ConvTranspose's time over the Conv form's, optimizations off /
 # the default session, one thread then two: C 96 S 56 1.00 / 1.22, 1.22 / 2.72; 144 at 28 1.00 /
 # 1.44, 1.94 / 1.94; 192 at 28 0.89 / 1.41, 1.15 / 3.64; 384 at 14 1.03 / 1.91, 1.62 / 2.70; 576 at
