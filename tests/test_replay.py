@@ -46,8 +46,9 @@ def _profiled_node_seconds(model, inputs, runs: int = 5) -> dict[str, float]:
 # Measured beside the rest of the suite (every core busy), one measurement moved an op type by
 # more than the bar now and then (resnet's ConvTranspose once at 1.26x; the mlp's sum once at
 # 0.74x, 0.73x and 1.34x in three measurements): each example is measured up to MEASUREMENTS
-# times, profile and replay anew, the profile before and after the replay (each node's lesser
-# median: a load that comes and goes only ever slows a run), and must meet the bar once. A broken
+# times, profile and replay anew, the profile before and after the replay and the replay twice
+# (each node's lesser median: a load that comes and goes only ever slows a run), and must meet the
+# bar once. A broken
 # replay (shapes or values ignored, nodes alike not grouped) misses it every time.
 MEASUREMENTS = 5
 
@@ -58,8 +59,12 @@ def _against_profile(model, inputs, each_op_type: bool) -> str | None:
     before = _profiled_node_seconds(model, inputs)
     replayed = replay(model, inputs, annotations.tensor_shapes, annotations.tensor_dtypes, providers=CPU, threads=1)
     after = _profiled_node_seconds(model, inputs)
+    # the replay twice as well, each node's lesser (a fresh clone's CI run, the cores loaded,
+    # replayed the transformer's Mul at 1.29-1.53x its profiled seconds in all 5 measurements)
+    again = replay(model, inputs, annotations.tensor_shapes, annotations.tensor_dtypes, providers=CPU, threads=1)
     profiled = {n: min(before[n], after.get(n, before[n])) for n in before}
-    assert not replayed.skipped
+    assert not replayed.skipped and not again.skipped
+    replayed.node_seconds.update({n: min(s, again.node_seconds.get(n, s)) for n, s in replayed.node_seconds.items()})
     loaded = [n for n in model.graph.node if n.op_type != "Constant"]
     assert set(replayed.node_seconds) == {n.name for n in loaded}
     assert replayed.groups < len(loaded) / 2    # nodes alike are replayed once
