@@ -140,7 +140,9 @@ def _built(forward, per_tap: bool, forms_for: str | None = None, threads: int = 
     # fed parameters are built as `train-graph --optimizer` builds them (rules.FED_WEIGHTS)
     fed = [t.name for t in forward.graph.initializer] if PARAMETERS_AS_INPUTS else []
     try:
-        with rules.weights_fed(fed), _unit_axes(unit_axes_dropped):
+        # the blocked convolutions are CPU kernels (graphopt/builder/blocked_convs.py)
+        with rules.weights_fed(fed), _unit_axes(unit_axes_dropped), \
+                rules.blocked_layout(rules.BLOCKED_CONVS and not _cuda()):
             if forms_for is None:
                 model = build_training_graph(forward)
             else:

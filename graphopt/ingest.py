@@ -12,8 +12,9 @@ from onnx.external_data_helper import ExternalDataInfo, uses_external_data
 
 from .errors import InvalidModelError, LimitExceededError
 
-# Domains whose operators ONNX Runtime's stock CPU/CUDA builds implement.
-KNOWN_DOMAINS = frozenset({"", "ai.onnx", "ai.onnx.ml", "com.microsoft"})
+# Domains whose operators ONNX Runtime's stock CPU/CUDA builds implement (com.microsoft.nchwc: the
+# blocked-layout convolutions of its CPU provider, which the builder writes: builder/blocked_convs.py)
+KNOWN_DOMAINS = frozenset({"", "ai.onnx", "ai.onnx.ml", "com.microsoft", "com.microsoft.nchwc"})
 
 
 def _external_tensors(model: onnx.ModelProto):

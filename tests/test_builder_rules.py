@@ -190,7 +190,8 @@ def test_conv_input_gradient_applies_follows_its_docstring(monkeypatch):
     on every side, and at least as many input channels as output ones where the weights are fed
     or LARGER_INPUT_GRADIENTS_AS_CONV is on, else WIDE_INPUT_CHANNELS_FACTOR times as many; or
     depthwise with fed weights at stride 1, no dilation, pads within kernel - 1, at most
-    DEPTHWISE_INPUT_GRADIENT_MAX_TAPS taps."""
+    DEPTHWISE_INPUT_GRADIENT_MAX_TAPS taps; and, with convolutions in the blocked layout
+    (rules.conv_block), those of constant weights too where the filters fill whole blocks."""
     assert rules.WIDE_INPUT_CHANNELS_FACTOR == 3 and rules.DEPTHWISE_INPUT_GRADIENT_MAX_TAPS == 9
     a = _attrs
     x = [2, 8, 6, 6]
@@ -270,6 +271,28 @@ def test_conv_input_gradient_applies_follows_its_docstring(monkeypatch):
     monkeypatch.setattr(rules, "LARGER_INPUT_GRADIENTS_AS_CONV", True)
     assert rules.conv_input_gradient_applies(a(), [4, 8, 3, 3], x) is True
     assert rules.conv_input_gradient_applies(a(), [9, 8, 3, 3], x) is False
+    # with the convolutions written in a blocked layout (`rules.conv_block`): constant weights too,
+    # two spatial axes, where the gradient Conv's input channels (the filters) fill whole blocks
+    monkeypatch.setattr(rules, "LARGER_INPUT_GRADIENTS_AS_CONV", False)
+    monkeypatch.setattr(rules, "conv_block", lambda: 16)
+    x32 = [2, 32, 6, 6]
+    blocked_cases = [
+        ((a(pads=(1, 1, 1, 1)), [16, 32, 3, 3], x32), True),
+        ((a(pads=(1, 1, 1, 1)), [32, 32, 3, 3], x32), True),
+        ((a(pads=(1, 1, 1, 1)), [24, 32, 3, 3], x32), False),      # the filters not whole blocks
+        ((a(pads=(1, 1, 1, 1)), [48, 32, 3, 3], x32), False),      # fewer input channels than filters
+        ((a(strides=(2, 2), pads=(1, 1, 1, 1)), [16, 32, 3, 3], x32), False),
+        ((a(dilations=(2, 2), pads=(2, 2, 2, 2)), [16, 32, 3, 3], x32), False),
+        ((a(group=32, pads=(1, 1, 1, 1)), [32, 1, 3, 3], x32), True),
+        ((a(group=8, pads=(1, 1, 1, 1)), [8, 1, 3, 3], x), False),   # 8 channels: not a whole block
+        ((a(group=32, strides=(2, 2), pads=(1, 1, 1, 1)), [32, 1, 3, 3], x32), False),
+        (({"group": 1, "strides": [1], "pads": [1, 1], "dilations": [1]}, [16, 32, 3], [2, 32, 9]), False),
+    ]
+    for (attrs, kernel, shape), applies in blocked_cases:
+        assert rules.conv_input_gradient_applies(attrs, kernel, shape) is applies, (attrs, kernel, shape)
+    monkeypatch.setattr(rules, "conv_block", lambda: None)
+    for (attrs, kernel, shape), _ in blocked_cases:
+        assert rules.conv_input_gradient_applies(attrs, kernel, shape) is False, (attrs, kernel, shape)
 
 
 def test_transposed_pads_lost_follows_its_docstring():

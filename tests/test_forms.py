@@ -64,14 +64,22 @@ def _count(model: onnx.ModelProto, op_type: str) -> int:
     return sum(1 for n in model.graph.node if n.op_type == op_type)
 
 
+def _blocked_input_gradients() -> int:
+    """The input gradient of `_two_convs`' 3 x 3 Conv (64 channels to 32) is a Conv where convolutions
+    are written in the blocked layout with 32 filters filling whole blocks (rules.conv_input_gradient_applies)."""
+    block = rules.conv_block()
+    return int(block is not None and 32 % block == 0)
+
+
 @pytest.mark.parametrize("per_tap", [True, False])
 def test_the_form_chosen_is_the_form_built_and_its_gradients_are_exact(per_tap):
     forward = _two_convs()
     keys = [rules.per_tap_key((4, 64, 14, 14), (4, 64, 14, 14), (1, 1), 1),
             rules.per_tap_key((4, 64, 14, 14), (4, 32, 14, 14), (3, 3), 1)]
     training = build_training_graph(forward, per_tap_choices={key: per_tap for key in keys})
-    # the forward's two Convs; whole-map: a Conv more per weight gradient; per tap: products instead
-    assert _count(training, "Conv") == (2 if per_tap else 4)
+    # the forward's two Convs; whole-map: a Conv more per weight gradient; per tap: products instead;
+    # with convolutions in the blocked layout, the 3 x 3's input gradient a (blocked) Conv too
+    assert _count(training, "Conv") == (2 if per_tap else 4) + _blocked_input_gradients()
     assert (_count(training, "Gemm") + _count(training, "MatMul") > 0) == per_tap
     x = np.random.default_rng(1).standard_normal([4, 64, 14, 14]).astype(np.float32)
     got, expected = _run(training, x), _gradients_float64(forward, x)
@@ -92,7 +100,7 @@ def test_each_conv_takes_the_form_measured_faster_on_the_provider():
     # a 1 x 1 Conv over 64 channels: per tap is one product, several times faster than a convolution
     assert measured[(64, 64, 1, 1)]["per_tap"]
     # what the measurement chose is what was built
-    convs = 2 + sum(1 for c in measured.values() if not c["per_tap"])
+    convs = 2 + sum(1 for c in measured.values() if not c["per_tap"]) + _blocked_input_gradients()
     assert _count(training, "Conv") == convs
 
 

@@ -150,8 +150,10 @@ def build_for_provider(forward: onnx.ModelProto, provider: str, threads: int = 1
     metadata under `FORMS_KEY`."""
     shapes, types = _static(forward)
     providers = [provider] + (["CPUExecutionProvider"] if provider != "CPUExecutionProvider" else [])
-    choices, measured = measured_per_tap_choices(conv_shapes(forward, shapes, types), providers, threads)
-    model = build_training_graph(forward, per_tap_choices=choices, **build)
+    # the blocked convolutions are kernels of ONNX Runtime's CPU provider (blocked_convs.py)
+    with rules.blocked_layout(rules.BLOCKED_CONVS and provider == "CPUExecutionProvider"):
+        choices, measured = measured_per_tap_choices(conv_shapes(forward, shapes, types), providers, threads)
+        model = build_training_graph(forward, per_tap_choices=choices, **build)
     helper.set_model_props(model, {**{p.key: p.value for p in model.metadata_props},
                                    FORMS_KEY: json.dumps({"provider": provider, "threads": threads,
                                                           "conv_weight_gradients": measured})})

@@ -39,6 +39,7 @@ from . import rules
 from .deterministic import scatter_nd_rows_to_elements, static_shapes
 from .graph_util import Names, infer_shapes, sequence_splits_to_split, skeleton_check, small_constants
 from .embedding_grad import lean_embedding_gradients
+from .blocked_convs import blocked_convs
 from .short_spans import short_spans_expanded
 from .unit_axes import unit_axes_dropped
 from .lean import (gradients_early, loss_first, masks_as_products, outputs_written_in_place, pads_sum_to_concat,
@@ -701,6 +702,9 @@ def _finish(model, loss, loss_shape, loss_type, params, initializers, extras, ty
         unit_axes_dropped(model, static_shapes(model))
     if SHORT_SPANS_EXPANDED:
         short_spans_expanded(model, static_shapes(model))
+    block = rules.conv_block()
+    if block is not None:
+        blocked_convs(model, static_shapes(model), block)
     # value_info for the planner; the seed axis is gone, so shapes are the real ones. The extra
     # outputs were declared without shapes: infer them as intermediates, then declare them.
     extra_names = set(extras.outputs)

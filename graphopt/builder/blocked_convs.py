@@ -1,0 +1,227 @@
+"""Convolutions written in ONNX Runtime's blocked channel layout (NCHWc), so that ONNX Runtime runs
+its fastest CPU convolution kernels on every session kind and for fed weights too (issue 48).
+
+ONNX Runtime's CPU convolution is fastest in its NCHWc kernels (channels in blocks of the
+machine's vector width, no im2col), which its layout transformer (optimization level ALL) puts in
+at load, and only for a Conv whose weight is a constant initializer. So two sessions of the same
+training graph ran different kernels:
+
+* graphopt's own sessions run a planned graph with graph optimizations off, to keep the planned
+  order (runtime/offline.py): plain MLAS convolutions;
+* a training step whose parameters are fed every step (`train-graph --optimizer`, or a training
+  loop feeding new weights) has no constant weight: plain convolutions in the default session too.
+
+Here each eligible Conv is written out as the layout transformer would write it, with the weight's
+reordering in the graph (a Pad of the filters to whole blocks, a Reshape, a Transpose, a
+Reshape), so it works for fed weights and survives any optimization level:
+
+    ReorderInput(x) -> com.microsoft.nchwc.Conv(x_blocked, w_blocked[, b_padded]) -> ReorderOutput(channels=F)
+
+Which Convs (`eligible`): two spatial axes, static shapes, explicit pads (auto_pad NOTSET), and
+either ungrouped with input channels a multiple of the block, or depthwise (one filter per channel,
+channels a multiple of the block). The weight layouts are ONNX Runtime's: OIHWBiBo for an ungrouped
+Conv ([F/B, C/B, kh, kw, B_in, B_out], the filters padded with zeros to a multiple of B), OIHWBo for
+a depthwise one ([C/B, 1, kh, kw, B]); `block_size` reads both, and the block size, from what ONNX
+Runtime's own transformer writes for a probe model on this machine (16 here, an AVX2 machine).
+
+The blocked layout is tied to the machine's vector width, as ONNX Runtime's own saved level-ALL
+models are (it warns so). A graph written here carries a check that fails a run loudly on a
+machine with another block size (`_guard`: ReorderInput of 4 zero channels is reshaped to the
+block size written here) instead of computing with a misread weight, and records the block size in
+its metadata (`BLOCK_KEY`).
+"""
+from __future__ import annotations
+
+import functools
+import os
+import tempfile
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from graphopt.onnx_ops import STANDARD_DOMAINS
+
+from .graph_util import Names
+
+NCHWC_DOMAIN = "com.microsoft.nchwc"
+BLOCK_KEY = "graphopt.nchwc_block"
+
+
+@functools.lru_cache(maxsize=None)
+def block_size() -> int | None:
+    """The channel block of ONNX Runtime's NCHWc kernels on this machine: the filters of a 1 x 1 Conv
+    with one filter, as ONNX Runtime's layout transformer pads them (None: it wrote no NCHWc Conv,
+    or its weight layouts are not the ones this module writes)."""
+    import onnxruntime as ort
+    channels = 64
+    rng = np.random.default_rng(0)
+    probes = {"dense": (np.ones((1, channels, 1, 1), np.float32), 1),
+              "depthwise": (rng.standard_normal((channels, 1, 3, 3)).astype(np.float32), channels)}
+    found = {}
+    for kind, (weight, group) in probes.items():
+        graph = helper.make_graph(
+            [helper.make_node("Conv", ["x", "w"], ["y"], group=group, pads=[1, 1, 1, 1] if group > 1 else [0] * 4)],
+            "probe", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, channels, 4, 4])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [numpy_helper.from_array(weight, "w")])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        options.log_severity_level = 3
+        with tempfile.TemporaryDirectory() as tmp:
+            options.optimized_model_filepath = os.path.join(tmp, "probe.onnx")
+            ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+            optimized = onnx.load(options.optimized_model_filepath)
+        convs = [n for n in optimized.graph.node if n.domain == NCHWC_DOMAIN and n.op_type == "Conv"]
+        blocked = {t.name: numpy_helper.to_array(t) for t in optimized.graph.initializer}
+        if len(convs) != 1 or convs[0].input[1] not in blocked:
+            return None
+        found[kind] = blocked[convs[0].input[1]]
+    block = int(found["dense"].shape[0])
+    if block < 4 or channels % block:
+        return None
+    # the layouts this module writes must be the ones ONNX Runtime wrote
+    dense = np.zeros((block, channels, 1, 1), np.float32)
+    dense[:1] = probes["dense"][0]
+    if not np.array_equal(_dense_layout(dense, block), found["dense"]):
+        return None
+    if not np.array_equal(_depthwise_layout(probes["depthwise"][0], block), found["depthwise"]):
+        return None
+    return block
+
+
+def _dense_layout(weight: np.ndarray, block: int) -> np.ndarray:
+    """numpy twin of the dense reorder written in the graph (filters already padded)."""
+    f, c, kh, kw = weight.shape
+    return weight.reshape(f // block, block, c // block, block, kh, kw).transpose(0, 2, 4, 5, 3, 1).reshape(f, c, kh, kw)
+
+
+def _depthwise_layout(weight: np.ndarray, block: int) -> np.ndarray:
+    c, _, kh, kw = weight.shape
+    return weight.reshape(c // block, block, 1, kh, kw).transpose(0, 2, 3, 4, 1).reshape(c, 1, kh, kw)
+
+
+def _attrs(node) -> dict:
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+def eligible(node, shapes: dict, block: int) -> str | None:
+    """'dense' or 'depthwise' where `node` is a Conv written blocked here (the module docstring), else None."""
+    if node.op_type != "Conv" or node.domain not in STANDARD_DOMAINS or len(node.input) < 2:
+        return None
+    x, w = shapes.get(node.input[0]), shapes.get(node.input[1])
+    if x is None or w is None or len(x) != 4 or len(w) != 4 or None in x or None in w:
+        return None
+    attrs = _attrs(node)
+    if attrs.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET"):
+        return None
+    if w[2] * w[3] == 1:   # a 1 x 1 Conv is one matrix product in ONNX Runtime's plain kernel
+        return None
+    group, channels = int(attrs.get("group", 1)), x[1]
+    if channels % block or w[1] * group != channels:
+        return None
+    if group == 1:
+        return "dense"
+    if group == channels == w[0] and w[1] == 1:
+        return "depthwise"
+    return None
+
+
+def blocked_convs(model: onnx.ModelProto, shapes: dict[str, list], block: int | None = None) -> int:
+    """Each eligible Conv of `model`'s top-level graph (`eligible`) rewritten in the blocked layout
+    (the module docstring), in place; `shapes`: every value's static shape. Returns how many."""
+    block = block or block_size()
+    if block is None:
+        return 0
+    graph = model.graph
+    names = Names(model)
+    elem_types = _elem_types(model)
+    nodes, rewritten, guard = [], 0, None
+    for node in graph.node:
+        kind = eligible(node, shapes, block)
+        if kind is None or elem_types.get(node.input[0], TensorProto.FLOAT) != TensorProto.FLOAT:
+            nodes.append(node)
+            continue
+        x_shape, w_shape = shapes[node.input[0]], shapes[node.input[1]]
+        y_shape = shapes.get(node.output[0])
+        filters, kh, kw = w_shape[0], w_shape[2], w_shape[3]
+        padded = -(-filters // block) * block
+        stem = node.name or node.output[0]
+
+        def const(values, what):
+            name = names.fresh(f"{stem}_{what}")
+            graph.initializer.append(numpy_helper.from_array(np.array(values, dtype=np.int64), name))
+            return name
+
+        def add(op, inputs, what, domain="", **attrs):
+            out = names.fresh(f"{stem}_{what}")
+            nodes.append(helper.make_node(op, inputs, [out], name=names.fresh(f"{stem}_{what}"), domain=domain, **attrs))
+            return out
+
+        weight = node.input[1]
+        if guard is None:
+            guard = _guard(graph, names, nodes, block)
+        if kind == "dense":
+            if padded != filters:
+                weight = add("Pad", [weight, const([0, 0, 0, 0, padded - filters, 0, 0, 0], "filter_pads")], "filters_padded")
+            split = add("Reshape", [weight, const([padded // block, block, x_shape[1] // block, block, kh, kw],
+                                                  "filter_blocks")], "filter_blocks")
+            perm = [0, 2, 4, 5, 3, 1]
+            whole = [padded, x_shape[1], kh, kw]
+        else:
+            split = add("Reshape", [weight, const([filters // block, block, 1, kh, kw], "filter_blocks")], "filter_blocks")
+            perm = [0, 2, 3, 4, 1]
+            whole = [filters, 1, kh, kw]
+        reordered = add("Transpose", [split], "filter_reordered", perm=perm)   # [..., block]
+        # the guard (zeros of the block size written here) added along the block axis
+        blocked_weight = add("Reshape", [add("Add", [reordered, guard], "filter_checked"),
+                                         const(whole, "filter_shape")], "filter_blocked")
+        inputs = [add("ReorderInput", [node.input[0]], "input_blocked", domain=NCHWC_DOMAIN), blocked_weight]
+        if len(node.input) > 2 and node.input[2]:
+            bias = node.input[2]
+            if padded != filters:
+                bias = add("Pad", [bias, const([0, padded - filters], "bias_pads")], "bias_padded")
+            inputs.append(bias)
+        attrs = {k: v for k, v in _attrs(node).items() if k in ("strides", "dilations", "pads", "group")}
+        out_blocked = add("Conv", inputs, "output_blocked", domain=NCHWC_DOMAIN, **attrs)
+        nodes.append(helper.make_node("ReorderOutput", [out_blocked], list(node.output[:1]), name=names.fresh(stem),
+                                      domain=NCHWC_DOMAIN, channels=filters))
+        blocked_in = [x_shape[0], x_shape[1]] + list(x_shape[2:])
+        graph.value_info.append(helper.make_tensor_value_info(inputs[0], TensorProto.FLOAT, blocked_in))
+        if y_shape is not None:
+            graph.value_info.append(helper.make_tensor_value_info(
+                out_blocked, TensorProto.FLOAT, [y_shape[0], padded] + list(y_shape[2:])))
+            if not any(v.name == node.output[0] for v in graph.value_info):
+                graph.value_info.append(helper.make_tensor_value_info(node.output[0], TensorProto.FLOAT, list(y_shape)))
+        rewritten += 1
+    if rewritten:
+        graph.ClearField("node")
+        graph.node.extend(nodes)
+        if not any(o.domain == NCHWC_DOMAIN for o in model.opset_import):
+            model.opset_import.append(helper.make_opsetid(NCHWC_DOMAIN, 1))
+        onnx.helper.set_model_props(model, {**{p.key: p.value for p in model.metadata_props}, BLOCK_KEY: str(block)})
+    return rewritten
+
+
+def _guard(graph, names: Names, nodes: list, block: int) -> str:
+    """Zeros of shape [block]: ReorderInput of 4 zero channels (padded by ONNX Runtime to its own
+    block) reshaped to this block, so that a run on a machine with another block fails here."""
+    zeros = names.fresh("nchwc_probe")
+    graph.initializer.append(numpy_helper.from_array(np.zeros((1, 4, 1, 1), np.float32), zeros))
+    shape = names.fresh("nchwc_block_shape")
+    graph.initializer.append(numpy_helper.from_array(np.array([block], dtype=np.int64), shape))
+    blocked = names.fresh("nchwc_probe_blocked")
+    nodes.append(helper.make_node("ReorderInput", [zeros], [blocked], name=blocked, domain=NCHWC_DOMAIN))
+    guard = names.fresh(f"nchwc_block_{block}_check")
+    nodes.append(helper.make_node("Reshape", [blocked, shape], [guard], name=guard))
+    return guard
+
+
+def _elem_types(model) -> dict:
+    types = {}
+    for v in list(model.graph.input) + list(model.graph.value_info) + list(model.graph.output):
+        if v.type.HasField("tensor_type"):
+            types[v.name] = v.type.tensor_type.elem_type
+    for t in model.graph.initializer:
+        types[t.name] = t.data_type
+    return types
