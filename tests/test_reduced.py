@@ -14,6 +14,7 @@ import pytest
 
 from graphopt.analyze import analyze, fed_back_outputs
 from graphopt.examples import example_inputs, forward_example
+from graphopt.builder import rules
 from graphopt.builder.train_graph import build_training_graph
 from graphopt.reduced import TwinError, batch_inputs, extrapolate, full_shapes, make_twin
 
@@ -37,11 +38,18 @@ def _twin(model, inputs, batch):
     ("resnet", {"batch": 8, "image": 8, "widths": (4, 8), "blocks": 2, "classes": 5}, 3),
     ("unet", {"batch": 4, "image": 16, "widths": (4, 8)}, 2),
     ("mlp", {"batch": 12, "width": 16, "depth": 4, "d_in": 12, "classes": 5}, 5),
+    # channels and a batch that fill whole blocks: Convs in the blocked layout (blocked_convs.py),
+    # the stem's whole-map weight gradient (its batch in the channels) among the eligible shapes
+    ("resnet", {"batch": 16, "image": 8, "widths": (16, 32), "blocks": 1, "classes": 5}, 4),
+    ("unet", {"batch": 4, "image": 16, "widths": (16, 32)}, 2),
 ])
 def test_twin_computes_what_the_graph_built_at_its_batch_computes(name, size, batch):
     full = forward_example(name, **size)
     feeds = example_inputs(full)
-    twin = _twin(build_training_graph(full), feeds, batch)
+    built = build_training_graph(full)
+    if size.get("widths", (0,))[0] >= 16 and rules.conv_block() == 16:
+        assert any(n.domain == "com.microsoft.nchwc" for n in built.graph.node)
+    twin = _twin(built, feeds, batch)
     native = build_training_graph(forward_example(name, **dict(size, batch=batch)))
     small = {k: v[:batch] for k, v in feeds.items()}
     assert all(np.array_equal(twin.inputs[k], small[k]) for k in small)

@@ -129,17 +129,24 @@ def eligible(node, shapes: dict, block: int) -> str | None:
 
 def blocked_convs(model: onnx.ModelProto, shapes: dict[str, list], block: int | None = None) -> int:
     """Each eligible Conv of `model`'s top-level graph (`eligible`) rewritten in the blocked layout
-    (the module docstring), in place; `shapes`: every value's static shape. Returns how many."""
+    (the module docstring), in place; `shapes`: every value's static shape. Returns how many.
+
+    Only Convs whose weight is computed from constants and parameters alone: not from the
+    graph's data inputs (those not initializers), as the whole-map weight gradient's Conv reads
+    the output's adjoint as its weight, a tensor of the batch's size, which a reorder per step
+    would copy, and whose batch a reduced twin (graphopt/reduced.py) must find in the weight."""
     block = block or block_size()
     if block is None:
         return 0
     graph = model.graph
     names = Names(model)
     elem_types = _elem_types(model)
+    from_data = _downstream(graph, {v.name for v in graph.input} - {t.name for t in graph.initializer})
     nodes, rewritten, guard = [], 0, None
     for node in graph.node:
         kind = eligible(node, shapes, block)
-        if kind is None or elem_types.get(node.input[0], TensorProto.FLOAT) != TensorProto.FLOAT:
+        if (kind is None or node.input[1] in from_data
+                or elem_types.get(node.input[0], TensorProto.FLOAT) != TensorProto.FLOAT):
             nodes.append(node)
             continue
         x_shape, w_shape = shapes[node.input[0]], shapes[node.input[1]]
@@ -215,6 +222,15 @@ def _guard(graph, names: Names, nodes: list, block: int) -> str:
     guard = names.fresh(f"nchwc_block_{block}_check")
     nodes.append(helper.make_node("Reshape", [blocked, shape], [guard], name=guard))
     return guard
+
+
+def _downstream(graph, sources: set) -> set:
+    """The values computed (in the file's order) from any of `sources`, the sources included."""
+    reached = set(sources)
+    for node in graph.node:
+        if any(name in reached for name in node.input):
+            reached.update(o for o in node.output if o)
+    return reached
 
 
 def _elem_types(model) -> dict:

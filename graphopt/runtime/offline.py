@@ -22,6 +22,8 @@ run elsewhere; and its NCHWc Convs read a blocked copy of each weight made at op
 (on the resnet example's training graph: 27 Convs, each reading a new initializer), a second
 copy of the weights that goes stale as soon as training feeds new values, as constant folding's
 would (below).
+The training-graph builder writes the blocked convolutions itself instead, with the weights
+reordered in the graph, so they run at every level and for fed weights (builder/blocked_convs.py).
 
 Two of ORT's optimizers are disabled in every level:
 
