@@ -269,11 +269,13 @@ def cmd_train_graph(args) -> int:
     forward, weights = load_graph(args.model)
     build = dict(loss=args.loss, labels=args.labels, freeze=args.freeze or (), class_axis=args.class_axis,
                  optimizer=optimizer, weights=weights)
-    if args.provider is None:
-        train = build_training_graph(forward, **build)
-    else:
-        from .builder.forms import build_for_provider
-        train = build_for_provider(forward, args.provider, args.threads, **build)
+    from .builder import rules
+    with rules.blocked_layout(rules.BLOCKED_CONVS and not args.plain_convs):
+        if args.provider is None:
+            train = build_training_graph(forward, **build)
+        else:
+            from .builder.forms import build_for_provider
+            train = build_for_provider(forward, args.provider, args.threads, **build)
     save_model(train, args.output, weights)
     if args.provider is not None:
         from .builder.forms import FORMS_KEY
@@ -510,6 +512,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "measured (default: the forms measured on the CPU)")
     p.add_argument("--threads", type=int, default=1, help="with --provider: intra-op threads of the runs that "
                                                           "time the forms (default 1)")
+    p.add_argument("--plain-convs", action="store_true",
+                   help="write every Conv in the standard layout, for a graph that runs on other machines and "
+                        "providers (default on the CPU: Convs larger than 1x1 in ONNX Runtime's blocked layout "
+                        "for this machine, which runs its fastest kernels in every session)")
     p.set_defaults(func=cmd_train_graph)
 
     p = sub.add_parser("train", help="train a graph made by train-graph --optimizer on ONNX Runtime")

@@ -117,6 +117,23 @@ def check_versions(model: onnx.ModelProto) -> None:
                             f"sets {imported}: {why}")
 
 
+def check_blocked_layout(model: onnx.ModelProto) -> None:
+    """Refuse a graph whose convolutions graphopt's builder wrote in ONNX Runtime's blocked layout
+    for another channel block than this machine's (builder/blocked_convs.py: its metadata records
+    the block), naming both, before any work starts (its first run would fail at the block check)."""
+    from .builder.blocked_convs import BLOCK_KEY, NCHWC_DOMAIN, block_size
+    written = next((p.value for p in model.metadata_props if p.key == BLOCK_KEY), None)
+    if written is None or not any(n.domain == NCHWC_DOMAIN for n in model.graph.node):
+        return
+    here = block_size()
+    if str(here) != written:
+        raise InvalidModelError(
+            f"the graph's convolutions are in ONNX Runtime's blocked layout for blocks of {written} channels "
+            f"(metadata {BLOCK_KEY}), but this machine's ONNX Runtime "
+            + ("has no blocked kernels" if here is None else f"uses blocks of {here}")
+            + ": build the training graph here, or with `graphopt train-graph --plain-convs` for any machine")
+
+
 def external_data_files(model_path: str | os.PathLike) -> list[str]:
     """The external-data files a model file references, as distinct relative locations in
     first-use order, each checked to be inside the model's folder and to exist."""
@@ -153,6 +170,7 @@ def load_model(path: str | os.PathLike, *, max_bytes: int | None = None,
     if not model.HasField("graph"):  # protobuf parses an empty file (and more) as a ModelProto
         raise InvalidModelError(f"{str(path)!r} is not an ONNX model: it has no graph")
     check_versions(model)
+    check_blocked_layout(model)
     check_external_data(model, path.parent)
     if weights_on_disk:
         # the small ones inline all the same: shapes and axes are what graph work reads (and what
@@ -194,6 +212,7 @@ def parse_model(data: bytes) -> onnx.ModelProto:
     if not model.HasField("graph"):
         raise InvalidModelError("not an ONNX model: it has no graph")
     check_versions(model)
+    check_blocked_layout(model)
     return model
 
 

@@ -232,3 +232,54 @@ def test_the_builder_writes_them_and_its_gradients_match_torch():
             expected = g.numpy()
             error = float(np.abs(got[name + "_grad"] - expected).max()) / max(float(np.abs(expected).max()), 1e-12)
             assert error < 1e-4, (on, name, error)
+
+
+def _forward_convs(path):
+    """A forward of two 3 x 3 Convs over 16 channels and a scalar output, saved at `path`."""
+    rng = np.random.default_rng(3)
+    inits = [numpy_helper.from_array(rng.standard_normal((16, 16, 3, 3)).astype(np.float32), "w1"),
+             numpy_helper.from_array(rng.standard_normal((16, 16, 3, 3)).astype(np.float32), "w2")]
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["h"], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["h"], ["r"]),
+             helper.make_node("Conv", ["r", "w2"], ["y"], pads=[1, 1, 1, 1]),
+             helper.make_node("ReduceMean", ["y"], ["loss"], keepdims=0)]
+    graph = helper.make_graph(nodes, "convs", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 16, 6, 6])],
+                              [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], inits)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+
+
+@needs_nchwc
+def test_train_graph_writes_them_unless_told_plain(tmp_path):
+    import subprocess
+    import sys
+    _forward_convs(tmp_path / "forward.onnx")
+    domains = {}
+    for flag in ([], ["--plain-convs"]):
+        out = tmp_path / f"train{len(flag)}.onnx"
+        run = subprocess.run([sys.executable, "-m", "graphopt.cli", "train-graph", str(tmp_path / "forward.onnx"),
+                              "-o", str(out)] + flag, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-2000:]
+        model = onnx.load(out)
+        domains[bool(flag)] = {n.domain for n in model.graph.node}
+        assert ({p.key for p in model.metadata_props} >= {bc.BLOCK_KEY}) is not bool(flag)
+    assert bc.NCHWC_DOMAIN in domains[False] and bc.NCHWC_DOMAIN not in domains[True]
+
+
+@needs_nchwc
+def test_a_graph_written_for_another_block_is_refused_on_load(tmp_path):
+    """graphopt's entry points refuse, naming both blocks, a graph written for another block."""
+    from graphopt.errors import InvalidModelError
+    from graphopt.ingest import load_model, parse_model
+    model, _, _, _ = _conv_model([2, 32, 6, 6], [32, 32, 3, 3], dict(pads=[1, 1, 1, 1]))
+    other = 8 if BLOCK != 8 else 16
+    for block, refused in ((BLOCK, False), (other, True)):
+        blocked = onnx.ModelProto()
+        blocked.CopyFrom(model)
+        bc.blocked_convs(blocked, static_shapes(blocked), block)
+        onnx.save(blocked, tmp_path / f"b{block}.onnx")
+        for load in (lambda: parse_model(blocked.SerializeToString()), lambda: load_model(tmp_path / f"b{block}.onnx")):
+            if refused:
+                with pytest.raises(InvalidModelError, match=f"blocks of {other} channels.*uses blocks of {BLOCK}"):
+                    load()
+            else:
+                load()
