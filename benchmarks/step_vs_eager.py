@@ -13,6 +13,9 @@ the same parameters and inputs, the same loss):
   convolutions, input gradients as ONNX Runtime's ConvTranspose);
 * and built once more with the axes of extent 1 kept that the builder drops where they cut ONNX
   Runtime's spans (graphopt/builder/unit_axes.py, issue 48: the "unit axes kept" column);
+* and once more with every Conv in the standard layout instead of ONNX Runtime's blocked one
+  (graphopt/builder/blocked_convs.py, issue 48: the "plain convs" column, as `train-graph
+  --plain-convs` builds it);
 * each in a plain onnxruntime.InferenceSession (its defaults: all graph optimizations, the
   arena), and the twin's eager step (forward, loss, backward; every .grad None before it);
 * timed in one process, in turn, `--rounds` rounds of one step each after a warm-up step, each
@@ -132,7 +135,8 @@ def _unit_axes(dropped: bool):
         train_graph.UNIT_AXES_DROPPED = saved
 
 
-def _built(forward, per_tap: bool, forms_for: str | None = None, threads: int = 1, unit_axes_dropped: bool = True):
+def _built(forward, per_tap: bool, forms_for: str | None = None, threads: int = 1, unit_axes_dropped: bool = True,
+           blocked: bool = True):
     from graphopt.builder import rules
     from graphopt.builder.train_graph import build_training_graph
     saved = rules.PER_TAP_WEIGHT_GRADIENTS
@@ -142,7 +146,7 @@ def _built(forward, per_tap: bool, forms_for: str | None = None, threads: int = 
     try:
         # the blocked convolutions are CPU kernels (graphopt/builder/blocked_convs.py)
         with rules.weights_fed(fed), _unit_axes(unit_axes_dropped), \
-                rules.blocked_layout(rules.BLOCKED_CONVS and not _cuda()):
+                rules.blocked_layout(blocked and rules.BLOCKED_CONVS and not _cuda()):
             if forms_for is None:
                 model = build_training_graph(forward)
             else:
@@ -238,6 +242,8 @@ def run_example(name: str, threads: int, rounds: int, batch_scale: int = 1) -> d
     models = {"per_tap": _built(forward, True), "whole_map": _built(forward, False),
               # as built before the axes of extent 1 were dropped (issue 48)
               "unit_axes_kept": _built(forward, True, unit_axes_dropped=False),
+              # every Conv in the standard layout (graphopt/builder/blocked_convs.py, issue 48)
+              "plain_convs": _built(forward, True, blocked=False),
               # each Conv weight gradient's form measured on the provider (`train-graph --provider`)
               "measured": _built(forward, True, forms_for=PROVIDER, threads=threads)}
     if PARAMETERS_AS_INPUTS:   # fed every step, as a training loop feeds them
@@ -294,11 +300,11 @@ def run_corpus(name: str, size: str, exporter: str, threads: int, rounds: int) -
     forward = real_zoo.export(model, exporter)
     from graphopt.builder import rules
     models = {}
-    for label, per_tap, dropped in (("per_tap", True, True), ("whole_map", False, True),
-                                    ("unit_axes_kept", True, False)):
+    for label, per_tap, dropped, blocked in (("per_tap", True, True, True), ("whole_map", False, True, True),
+                                             ("unit_axes_kept", True, False, True), ("plain_convs", True, True, False)):
         saved, rules.PER_TAP_WEIGHT_GRADIENTS = rules.PER_TAP_WEIGHT_GRADIENTS, per_tap
         try:
-            with _unit_axes(dropped):
+            with _unit_axes(dropped), rules.blocked_layout(blocked and rules.BLOCKED_CONVS):
                 models[label] = build_training_graph(forward, loss="cross_entropy", class_axis=model.class_axis)
         finally:
             rules.PER_TAP_WEIGHT_GRADIENTS = saved
@@ -352,9 +358,10 @@ def main() -> None:
           "process; the ratios: medians of the rounds' ratios"
           + ("; parameters as graph inputs" if PARAMETERS_AS_INPUTS else ""))
     print("| model | built, per-tap weight grads (s) | built, whole-map (s) | torch eager (s) | per-tap / eager | "
-          "whole-map / eager | forms measured on the provider / eager | unit axes kept / eager | worst gradient "
-          "difference: per-tap, whole-map, unit axes kept (against) | where ORT's step goes (per-tap) |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "whole-map / eager | forms measured on the provider / eager | unit axes kept / eager | plain convs / eager | "
+          "worst gradient difference: per-tap, whole-map, unit axes kept, plain convs (against) | "
+          "where ORT's step goes (per-tap) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     jobs = [(run_example, (n, threads, args.rounds, args.batch_scale)) for n in args.examples.split(",") if n]
     jobs += [(run_corpus, (n, args.size, args.exporter, threads, args.rounds)) for n in args.corpus.split(",") if n]
     for run, job in jobs:
@@ -364,9 +371,10 @@ def main() -> None:
         print(f"| {r['model']} | {s['per_tap']:.3f} | {s['whole_map']:.3f} | {s['eager']:.3f} | "
               f"{q['per_tap']:.2f}x | {q['whole_map']:.2f}x | "
               + (f"{q['measured']:.2f}x | " if "measured" in q else "| ")
-              + f"{q['unit_axes_kept']:.2f}x | "
+              + f"{q['unit_axes_kept']:.2f}x | {q['plain_convs']:.2f}x | "
               + f"{r['worst_gradient_difference']['per_tap']:.1e}, {r['worst_gradient_difference']['whole_map']:.1e}, "
-              f"{r['worst_gradient_difference']['unit_axes_kept']:.1e} ({r['against']}) | {shares} |", flush=True)
+              f"{r['worst_gradient_difference']['unit_axes_kept']:.1e}, {r['worst_gradient_difference']['plain_convs']:.1e} "
+              f"({r['against']}) | {shares} |", flush=True)
 
 
 if __name__ == "__main__":
