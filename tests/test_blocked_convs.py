@@ -22,11 +22,22 @@ BLOCK = bc.block_size()
 needs_nchwc = pytest.mark.skipif(BLOCK is None, reason="this onnxruntime has no NCHWc kernels on this machine")
 
 
+@pytest.fixture(autouse=True)
+def any_size(request, monkeypatch):
+    """The cases here are small: every size written blocked (bc.MIN_OUTPUT_PIXELS), but where a
+    test is about that threshold."""
+    if "threshold" not in request.node.name:
+        monkeypatch.setattr(bc, "MIN_OUTPUT_PIXELS", 0)
+
+
 def _conv_model(x_shape, w_shape, attrs, bias=False, weight_fed=False, seed=0):
     rng = np.random.default_rng(seed)
     w = rng.standard_normal(w_shape).astype(np.float32)
     b = rng.standard_normal(w_shape[0]).astype(np.float32)
-    inits = [] if weight_fed else [numpy_helper.from_array(w, "w")]
+    # a fed weight: an initializer that is also a graph input, as a built graph's parameters are
+    # when a training loop feeds them (a default ONNX Runtime overrides with the value fed)
+    # (its stored value other than the one fed: what the graph computes must be the fed one's)
+    inits = [numpy_helper.from_array(-0.5 * w if weight_fed else w, "w")]
     if bias:
         inits.append(numpy_helper.from_array(b, "b"))
     inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x_shape))]
@@ -235,7 +246,8 @@ def test_the_builder_writes_them_and_its_gradients_match_torch():
 
 
 def _forward_convs(path):
-    """A forward of two 3 x 3 Convs over 16 channels and a scalar output, saved at `path`."""
+    """A forward of two 3 x 3 Convs over 16 channels (2048 pixels each: bc.MIN_OUTPUT_PIXELS) and a
+    scalar output, saved at `path`."""
     rng = np.random.default_rng(3)
     inits = [numpy_helper.from_array(rng.standard_normal((16, 16, 3, 3)).astype(np.float32), "w1"),
              numpy_helper.from_array(rng.standard_normal((16, 16, 3, 3)).astype(np.float32), "w2")]
@@ -243,7 +255,7 @@ def _forward_convs(path):
              helper.make_node("Relu", ["h"], ["r"]),
              helper.make_node("Conv", ["r", "w2"], ["y"], pads=[1, 1, 1, 1]),
              helper.make_node("ReduceMean", ["y"], ["loss"], keepdims=0)]
-    graph = helper.make_graph(nodes, "convs", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 16, 6, 6])],
+    graph = helper.make_graph(nodes, "convs", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [8, 16, 16, 16])],
                               [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], inits)
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
 
@@ -283,3 +295,15 @@ def test_a_graph_written_for_another_block_is_refused_on_load(tmp_path):
                     load()
             else:
                 load()
+
+
+@needs_nchwc
+def test_the_pixel_threshold():
+    """A Conv is written blocked where its output has at least bc.MIN_OUTPUT_PIXELS pixels (batch x
+    height x width), and its input gradient is a Conv for a constant weight on the same condition."""
+    assert bc.MIN_OUTPUT_PIXELS == 2048
+    for batch, blocked in ((8, True), (7, False)):   # 8 x 16 x 16 = 2048 output pixels
+        model, _, _, _ = _conv_model([batch, 32, 16, 16], [32, 32, 3, 3], dict(pads=[1, 1, 1, 1]))
+        assert _blocked(model)[1] == int(blocked)
+        assert rules.conv_input_gradient_applies({"group": 1, "strides": [1, 1], "pads": [1, 1, 1, 1],
+                                                  "dilations": [1, 1]}, [32, 32, 3, 3], [batch, 32, 16, 16]) is blocked

@@ -40,8 +40,8 @@ def _twin(model, inputs, batch):
     ("mlp", {"batch": 12, "width": 16, "depth": 4, "d_in": 12, "classes": 5}, 5),
     # channels and a batch that fill whole blocks: Convs in the blocked layout (blocked_convs.py),
     # the stem's whole-map weight gradient (its batch in the channels) among the eligible shapes
-    ("resnet", {"batch": 16, "image": 8, "widths": (16, 32), "blocks": 1, "classes": 5}, 4),
-    ("unet", {"batch": 4, "image": 16, "widths": (16, 32)}, 2),
+    ("resnet", {"batch": 32, "image": 8, "widths": (16, 32), "blocks": 1, "classes": 5}, 4),
+    ("unet", {"batch": 8, "image": 16, "widths": (16, 32)}, 2),
 ])
 def test_twin_computes_what_the_graph_built_at_its_batch_computes(name, size, batch):
     full = forward_example(name, **size)

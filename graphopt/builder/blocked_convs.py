@@ -12,8 +12,9 @@ training graph ran different kernels:
   loop feeding new weights) has no constant weight: plain convolutions in the default session too.
 
 Here each eligible Conv is written out as the layout transformer would write it, with the weight's
-reordering in the graph (a Pad of the filters to whole blocks, a Reshape, a Transpose, a
-Reshape), so it works for fed weights and survives any optimization level:
+reordering in the graph (the filters padded to whole blocks, ONNX Runtime's ReorderInput blocking
+the weight's input channels, one Transpose moving each block of filters innermost), so it works for
+fed weights and survives any optimization level:
 
     ReorderInput(x) -> com.microsoft.nchwc.Conv(x_blocked, w_blocked[, b_padded]) -> ReorderOutput(channels=F)
 
@@ -27,8 +28,8 @@ Runtime's own transformer writes for a probe model on this machine (16 here, an 
 The blocked layout is tied to the machine's vector width, as ONNX Runtime's own saved level-ALL
 models are (it warns so). A graph written here carries a check that fails a run loudly on a
 machine with another block size (`_guard`: ReorderInput of 4 zero channels is reshaped to the
-block size written here) instead of computing with a misread weight, and records the block size in
-its metadata (`BLOCK_KEY`).
+block size written here, on the first blocked weight's path) instead of computing with a misread
+weight, and records the block size in its metadata (`BLOCK_KEY`).
 """
 from __future__ import annotations
 
@@ -45,6 +46,15 @@ from graphopt.onnx_ops import STANDARD_DOMAINS
 from .graph_util import Names
 
 NCHWC_DOMAIN = "com.microsoft.nchwc"
+# An ungrouped Conv is written blocked where its output has at least this many pixels (batch x height
+# x width): its weight is reordered every step (in graphopt's sessions and for fed weights), a pass
+# or two over the weight, against a compute of as many multiply-adds per weight element as output
+# pixels. On resnet50 (the corpus at its full size) with every size blocked, the reorders and the
+# flipped weights of the input gradients' Convs took more than the blocked kernels saved: by hand,
+# its step blocked over plain at two threads 1.19x in the default session and 1.25x with
+# optimizations off; with this threshold 1.05x and 1.02x. A depthwise Conv's weight is a pass over
+# a few thousand elements, its blocked kernel several times faster: any size.
+MIN_OUTPUT_PIXELS = 2048
 BLOCK_KEY = "graphopt.nchwc_block"
 
 
@@ -121,6 +131,9 @@ def eligible(node, shapes: dict, block: int) -> str | None:
     if channels % block or w[1] * group != channels:
         return None
     if group == 1:
+        y = shapes.get(node.output[0])
+        if y is None or len(y) != 4 or None in y or y[0] * y[2] * y[3] < MIN_OUTPUT_PIXELS:
+            return None
         return "dense"
     if group == channels == w[0] and w[1] == 1:
         return "depthwise"
@@ -166,23 +179,25 @@ def blocked_convs(model: onnx.ModelProto, shapes: dict[str, list], block: int | 
             return out
 
         weight = node.input[1]
-        if guard is None:
-            guard = _guard(graph, names, nodes, block)
         if kind == "dense":
+            # OIHWBiBo: ONNX Runtime's own ReorderInput blocks the input channels ([F, C/B, kh, kw, B]
+            # in memory), then one Transpose moves each block of B filters innermost
             if padded != filters:
                 weight = add("Pad", [weight, const([0, 0, 0, 0, padded - filters, 0, 0, 0], "filter_pads")], "filters_padded")
-            split = add("Reshape", [weight, const([padded // block, block, x_shape[1] // block, block, kh, kw],
-                                                  "filter_blocks")], "filter_blocks")
-            perm = [0, 2, 4, 5, 3, 1]
+            weight = add("ReorderInput", [weight], "filter_channels_blocked", domain=NCHWC_DOMAIN)
+            split = add("Reshape", [weight, const([padded // block, block, -1], "filter_blocks")], "filter_blocks")
             whole = [padded, x_shape[1], kh, kw]
         else:
-            split = add("Reshape", [weight, const([filters // block, block, 1, kh, kw], "filter_blocks")], "filter_blocks")
-            perm = [0, 2, 3, 4, 1]
+            # OIHWBo: each block of B filters innermost
+            split = add("Reshape", [weight, const([filters // block, block, -1], "filter_blocks")], "filter_blocks")
             whole = [filters, 1, kh, kw]
-        reordered = add("Transpose", [split], "filter_reordered", perm=perm)   # [..., block]
-        # the guard (zeros of the block size written here) added along the block axis
-        blocked_weight = add("Reshape", [add("Add", [reordered, guard], "filter_checked"),
-                                         const(whole, "filter_shape")], "filter_blocked")
+        reordered = add("Transpose", [split], "filter_reordered", perm=[0, 2, 1])   # [..., block]
+        if guard is None:
+            # the first blocked weight goes through the check: zeros of the block written here added
+            # along the block axis (one small Add, and the check stays on the graph's data path)
+            guard = _guard(graph, names, nodes, block)
+            reordered = add("Add", [reordered, guard], "filter_checked")
+        blocked_weight = add("Reshape", [reordered, const(whole, "filter_shape")], "filter_blocked")
         inputs = [add("ReorderInput", [node.input[0]], "input_blocked", domain=NCHWC_DOMAIN), blocked_weight]
         if len(node.input) > 2 and node.input[2]:
             bias = node.input[2]

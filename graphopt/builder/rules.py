@@ -42,6 +42,8 @@ import math
 from onnx_ad import rules as _onnx_ad_rules
 from onnx_ad._build import UnsupportedOperator, attribute
 
+from . import blocked_convs
+
 _INFERENCE_BATCH_NORM = _onnx_ad_rules.REVERSE["BatchNormalization"]
 _CONV = _onnx_ad_rules.REVERSE["Conv"]
 _MATMUL = _onnx_ad_rules.REVERSE["MatMul"]
@@ -339,9 +341,7 @@ def conv_block() -> int | None:
     if not BLOCKED_CONVS:
         return None
     from graphopt.runtime.session import default_providers
-
-    from .blocked_convs import block_size
-    return block_size() if default_providers()[0] == "CPUExecutionProvider" else None
+    return blocked_convs.block_size() if default_providers()[0] == "CPUExecutionProvider" else None
 
 
 @contextlib.contextmanager
@@ -389,7 +389,9 @@ def conv_input_gradient_applies(attrs, kernel, input_shape, fed: bool = False) -
     if all(k == 1 for k in kernel[2:]):
         return not any(pads)
     wide = input_shape[1] >= WIDE_INPUT_CHANNELS_FACTOR * kernel[0]
-    blocked = block is not None and kernel[0] % block == 0
+    # an ungrouped gradient Conv is written blocked over enough pixels only (blocked_convs.py)
+    pixels = math.prod(input_shape[:1] + input_shape[2:]) if None not in input_shape else 0
+    blocked = block is not None and kernel[0] % block == 0 and pixels >= blocked_convs.MIN_OUTPUT_PIXELS
     return ((LARGER_INPUT_GRADIENTS_AS_CONV or fed or wide or blocked) and input_shape[1] >= kernel[0]
             and all(d == 1 for d in attrs["dilations"])
             and all(0 <= pads[i] <= reach[i] and 0 <= pads[spatial + i] <= reach[i] for i in range(spatial)))
