@@ -315,11 +315,13 @@ DEPTHWISE_INPUT_GRADIENT_MAX_TAPS = 9
 # for constant weights. With them, the input gradients above are Convs in every session kind: at
 # stride 1 without dilation, an ungrouped one (at least as many input channels as output ones, the
 # output channels a multiple of the block) and a depthwise one (channels a multiple of the block).
-# Measured by hand (the examples and corpus mobilenet_v2, two builds' steps in blocks of three in
-# turn, the median of the rounds' ratios, with / without, two threads): default session / level
-# off: resnet 0.93 / 0.94, unet 0.88 / 0.88, randwire 0.79 / 0.76, densenet 0.98 / 0.87,
-# mobilenet_v2 0.87 / 0.79 (one thread 0.86 / 0.77). 1 x 1 Convs stay plain: written blocked, with a
-# reorder of their input and output each, mobilenet_v2's took its step at level off to 1.17x.
+# Measured by hand (the examples and the corpus at its full size, the two builds' steps in blocks
+# of three in turn, the median of 7 rounds' ratios, blocked over plain, two threads): default
+# session / level off: mobilenet_v2 0.85 / 0.81, efficientnet_b0 0.95 / 0.87, resnet 0.93 / 0.87,
+# unet 0.88 / 0.83, randwire 0.89 / 0.83, densenet 1.02 / 0.92, densenet121 0.99 / 0.99, resnet50
+# 0.99 / 1.02; one thread: mobilenet_v2 0.83 / 0.78, resnet 0.97 / 0.90, unet 0.92 / 0.84, randwire
+# 0.95 / 0.87, resnet50 0.99 / 0.97. 1 x 1 Convs stay plain: written blocked, with a reorder of
+# their input and output each, mobilenet_v2's step at level off took 1.17x.
 BLOCKED_CONVS = True
 
 
