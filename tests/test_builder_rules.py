@@ -193,6 +193,7 @@ def test_conv_input_gradient_applies_follows_its_docstring(monkeypatch):
     DEPTHWISE_INPUT_GRADIENT_MAX_TAPS taps; and, with convolutions in the blocked layout
     (rules.conv_block), those of constant weights too where the filters fill whole blocks."""
     assert rules.WIDE_INPUT_CHANNELS_FACTOR == 3 and rules.DEPTHWISE_INPUT_GRADIENT_MAX_TAPS == 9
+    assert rules.BLOCKED_DEPTHWISE_INPUT_GRADIENT_MAX_TAPS == 49
     a = _attrs
     x = [2, 8, 6, 6]
     cases = [
@@ -287,6 +288,9 @@ def test_conv_input_gradient_applies_follows_its_docstring(monkeypatch):
         ((a(group=8, pads=(1, 1, 1, 1)), [8, 1, 3, 3], [8, 8, 16, 16]), False),   # 8 channels: not a whole block
         ((a(pads=(1, 1, 1, 1)), [16, 32, 3, 3], [8, 32, 16, 15]), False),   # 1920 pixels
         ((a(group=32, strides=(2, 2), pads=(1, 1, 1, 1)), [32, 1, 3, 3], x32), False),
+        ((a(group=32, pads=(2, 2, 2, 2)), [32, 1, 5, 5], x32), True),       # blocked: up to 7 x 7
+        ((a(group=32, pads=(3, 3, 3, 3)), [32, 1, 7, 7], x32), True),
+        ((a(group=32, pads=(4, 4, 4, 4)), [32, 1, 9, 9], x32), False),      # 81 taps
         (({"group": 1, "strides": [1], "pads": [1, 1], "dilations": [1]}, [16, 32, 3], [2, 32, 9]), False),
     ]
     for (attrs, kernel, shape), applies in blocked_cases:

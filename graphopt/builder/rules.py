@@ -309,6 +309,12 @@ WIDE_INPUT_CHANNELS_FACTOR = 3
 # Larger kernels were slower with optimizations off at one thread (5 x 5 over 240 at 14 and 480 at
 # 7: 0.73 and 0.84; 7 x 7 over 96 at 28 and 384 at 7: 0.81 and 0.65) and keep ConvTranspose.
 DEPTHWISE_INPUT_GRADIENT_MAX_TAPS = 9
+# ... and, written blocked (`conv_block`), up to this many taps (7 x 7): by hand (the gradient alone,
+# [16, C, S, S], medians of 15 in turn, optimizations off, one thread / two), ConvTranspose against
+# the blocked depthwise Conv: 5 x 5 over 240 at 14 3.51 / 5.49 ms against 0.67 / 0.45; 480 at 7 3.52
+# / 3.47 against 0.24 / 0.27; 96 at 28 5.22 / 9.41 against 0.92 / 0.64; 7 x 7 over 96 at 28 9.44 /
+# 9.55 against 1.44 / 0.63, 384 at 7 4.39 / 8.38 against 0.30 / 0.35.
+BLOCKED_DEPTHWISE_INPUT_GRADIENT_MAX_TAPS = 49
 # Convolutions larger than 1 x 1 in ONNX Runtime's blocked layout (blocked_convs.py), where ONNX
 # Runtime has it on this machine: the builder writes them itself, with the weights reordered in the
 # graph, so graphopt's sessions and fed weights run the blocked kernels as the default session does
@@ -366,7 +372,8 @@ def conv_input_gradient_applies(attrs, kernel, input_shape, fed: bool = False) -
     per channel) at stride 1 with at most `DEPTHWISE_INPUT_GRADIENT_MAX_TAPS` taps, no dilation and
     pads of at most kernel - 1. With convolutions written in the blocked layout (`conv_block`), two
     spatial axes and the filters a multiple of the block, constant weights take those forms as fed
-    ones do (the gradient Conv is then written blocked too). Its input gradient is then the adjoint convolved with the weight transposed
+    ones do (the gradient Conv is then written blocked too), a depthwise one up to
+    `BLOCKED_DEPTHWISE_INPUT_GRADIENT_MAX_TAPS` taps. Its input gradient is then the adjoint convolved with the weight transposed
     (depthwise: as it is, the same groups) and flipped in space, padded by kernel - 1 - pad on
     each side (1 x 1: the transposed weight).
     ONNX Runtime's ConvTranspose builds a column buffer of C x kernel per image; measured
@@ -383,9 +390,11 @@ def conv_input_gradient_applies(attrs, kernel, input_shape, fed: bool = False) -
     reach = [k - 1 for k in kernel[2:]]
     block = conv_block() if spatial == 2 else None
     if attrs["group"] != 1:   # depthwise: one filter per channel, small kernels, fed weights or blocked
-        return ((fed or (block is not None and kernel[0] % block == 0))
+        blocked = block is not None and kernel[0] % block == 0
+        taps = BLOCKED_DEPTHWISE_INPUT_GRADIENT_MAX_TAPS if blocked else DEPTHWISE_INPUT_GRADIENT_MAX_TAPS
+        return ((fed or blocked)
                 and attrs["group"] == input_shape[1] == kernel[0] and kernel[1] == 1
-                and math.prod(kernel[2:]) <= DEPTHWISE_INPUT_GRADIENT_MAX_TAPS
+                and math.prod(kernel[2:]) <= taps
                 and all(d == 1 for d in attrs["dilations"])
                 and all(0 <= pads[i] <= reach[i] and 0 <= pads[spatial + i] <= reach[i] for i in range(spatial)))
     if all(k == 1 for k in kernel[2:]):
