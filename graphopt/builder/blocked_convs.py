@@ -208,8 +208,8 @@ def blocked_convs(model: onnx.ModelProto, shapes: dict[str, list], block: int | 
         out_blocked = add("Conv", inputs, "output_blocked", domain=NCHWC_DOMAIN, **attrs)
         nodes.append(helper.make_node("ReorderOutput", [out_blocked], list(node.output[:1]), name=names.fresh(stem),
                                       domain=NCHWC_DOMAIN, channels=filters))
-        blocked_in = [x_shape[0], x_shape[1]] + list(x_shape[2:])
-        graph.value_info.append(helper.make_tensor_value_info(inputs[0], TensorProto.FLOAT, blocked_in))
+        # the blocked input's logical shape is the input's (its channels fill whole blocks)
+        graph.value_info.append(helper.make_tensor_value_info(inputs[0], TensorProto.FLOAT, list(x_shape)))
         if y_shape is not None:
             graph.value_info.append(helper.make_tensor_value_info(
                 out_blocked, TensorProto.FLOAT, [y_shape[0], padded] + list(y_shape[2:])))
