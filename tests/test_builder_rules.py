@@ -34,6 +34,7 @@ from onnx_ad import rules as onnx_ad_rules
 from onnx_ad._build import UnsupportedOperator
 
 from graphopt.builder import rules
+from graphopt.builder.graph_util import attribute
 from graphopt.builder.train_graph import build_training_graph
 
 torch = pytest.importorskip("torch")
@@ -446,6 +447,9 @@ CONV_CASES = {
     "few_channels_1d": ([2, 3, 9], [4, 3, 3], dict(pads=[1, 1]), False, "onnx_ad"),
     "few_channels_3x1": ([2, 3, 5, 5], [4, 3, 3, 1], dict(pads=[1, 0, 1, 0]), False, "onnx_ad"),
     "same_channels": ([2, 8, 5, 5], [8, 8, 3, 3], dict(pads=[1, 1, 1, 1]), False, "per_tap"),
+    # the source moving channels last (rules._channels_last_taps) over one and three spatial axes
+    "same_channels_1d": ([3, 8, 8], [8, 8, 3], dict(pads=[1, 1]), False, "per_tap"),
+    "same_channels_3d": ([3, 8, 4, 3, 3], [8, 8, 3, 3, 3], dict(pads=[1, 1, 1, 1, 1, 1]), False, "per_tap"),
     "two_taps": ([2, 8, 5, 6], [4, 8, 1, 2], dict(pads=[0, 1, 0, 0]), False, "per_tap"),
     "stride_remainder": ([2, 3, 5, 7], [4, 3, 2, 2], dict(strides=[3, 3], pads=[1, 1, 1, 1]), True, "onnx_ad"),
     "tf_same": ([2, 3, 6, 6], [4, 3, 3, 3], dict(strides=[2, 2], pads=[0, 0, 1, 1]), False, "onnx_ad"),
@@ -467,7 +471,7 @@ def _conv_node(attrs, bias, op="Conv"):
 def _weight_gradient_form(ops):
     """Which rule wrote the weight gradient, from the gradient graph's operators."""
     convs = ops.count("Conv")
-    if "Gemm" in ops:
+    if "Gemm" in ops or "MatMul" in ops:
         return "per_tap"
     if "ReduceSum" in ops and convs == 0 and "Mul" in ops:
         return "depthwise"
@@ -493,7 +497,7 @@ def test_conv_gradients_against_torch(name):
         assert ops.count("ConvTranspose") == 1, ops
     taps = int(np.prod(w_shape[2:]))
     if form == "per_tap":
-        assert written == "per_tap" and ops.count("Gemm") == taps, ops
+        assert written == "per_tap" and ops.count("Gemm") + ops.count("MatMul") == taps, ops
     elif form == "depthwise":
         assert written == "depthwise" and ops.count("ReduceSum") >= taps, ops
     else:   # one convolution: graphopt's (a grouped weight; onnx-ad refuses it) or onnx-ad's own
@@ -510,14 +514,16 @@ def _initializers(gradient_graph):
 
 @pytest.mark.parametrize("name", [n for n, case in CONV_CASES.items() if case[4] in ("per_tap", "depthwise")])
 def test_per_tap_layout_follows_its_docstring(name):
-    """per_tap_weight_gradient's docstring, on the gradient graph: one product per tap, a Gemm
-    taking the larger operand first (or, depthwise, a Mul and a ReduceSum). At stride 1 with
-    fewer filters than channels (ungrouped) the adjoint moves: one flattened copy with `reach`
-    zeros before each image, reach = sum((k - 1) * dilation * grid) over the padded grid's row
-    sizes, and per tap a Slice of it at reach minus the tap's flat offset; the source rows are
-    shared by every tap. Otherwise the (padded) source is read per tap at the tap's offset with
-    the strides as steps, and the adjoint rows are shared. A 1 x 1 kernel at stride 1 without
-    pads moves nothing (no Slice, no Pad, no Concat)."""
+    """per_tap_weight_gradient's docstring, on the gradient graph: one product per tap (or,
+    depthwise, a Mul and a ReduceSum). At stride 1 with fewer filters than channels (ungrouped)
+    the adjoint moves: a Gemm per tap taking the larger operand first, one flattened copy of the
+    adjoint with `reach` zeros before each image, reach = sum((k - 1) * dilation * grid) over the
+    padded grid's row sizes, and per tap a Slice of it at reach minus the tap's flat offset; the
+    source rows are shared by every tap. Otherwise (ungrouped, _channels_last_taps) the (padded)
+    source is transposed channels last and read per tap at the tap's offset with the strides as
+    steps, a Gemm per tap of the shared adjoint rows [F, K] by the source rows [K, C], neither
+    transposed. A 1 x 1 kernel at stride 1 without pads moves nothing (no Slice, no Pad, no
+    Concat)."""
     x_shape, w_shape, attrs, bias, form = CONV_CASES[name]
     arrays = _conv_arrays(x_shape, w_shape, bias, name)
     output_shape = _torch_conv(torch.zeros(x_shape), torch.zeros(w_shape), **attrs).shape
@@ -533,8 +539,20 @@ def test_per_tap_layout_follows_its_docstring(name):
     ops = [n.op_type for n in nodes[1:]]
     whole = all(k == 1 for k in kernel) and all(s == 1 for s in strides) and not any(pads)
     shift = form == "per_tap" and filters < channels and all(s == 1 for s in strides)
+    source_moves = form == "per_tap" and not shift
     if form == "depthwise":
         assert ops.count("Mul") == len(taps) and ops.count("ReduceSum") == len(taps) and "Gemm" not in ops
+    elif source_moves:
+        products = [n for n in nodes if n.op_type == "Gemm"]
+        assert len(products) == len(taps) and "MatMul" not in ops
+        assert {(attribute(p, "transA", 0), attribute(p, "transB", 0)) for p in products} == {(0, 0)}
+        shapes = {n.output[0]: constants[n.input[1]].tolist() for n in nodes if n.op_type == "Reshape"}
+        assert {shapes[p.input[1]] == [-1, channels] for p in products} == {True}
+        (shared,) = {p.input[0] for p in products}
+        assert shapes[shared] == [filters, -1]
+        (last,) = [n for n in nodes if n.op_type == "Transpose" and list(n.attribute[0].ints) ==
+                   [0] + list(range(2, 2 + spatial)) + [1]]
+        assert {n.input[0] for n in nodes if n.op_type == "Slice"} <= {last.output[0]}
     else:
         gemms = [n for n in nodes if n.op_type == "Gemm"]
         assert len(gemms) == len(taps)
@@ -568,7 +586,8 @@ def test_per_tap_layout_follows_its_docstring(name):
         out_sizes = list(output_shape[2:])
         expected = sorted(([t * d for t, d in zip(tap, dilations)],
                            [t * d + s * (n - 1) + 1 for t, d, s, n in zip(tap, dilations, strides, out_sizes)],
-                           list(range(2, 2 + spatial)), list(strides)) for tap in taps)
+                           list(range(1, 1 + spatial)) if source_moves else list(range(2, 2 + spatial)),
+                           list(strides)) for tap in taps)
         assert sorted([constants[i].tolist() for i in n.input[1:]] for n in moved) == [list(e) for e in expected]
 
 

@@ -162,12 +162,13 @@ def per_tap_weight_gradient(ctx, source, source_shape, adjoint, adjoint_shape, k
 
     where adjoint_rows is the adjoint [N, F, *T] as [F, N*T] and source_rows(k) the (padded)
     source [N, C, *S] read at t*stride + k*dilation, as [C, N*T] (a strided Slice, channels
-    first). At stride 1 with fewer filters than channels the adjoint moves instead: placed at
-    k*dilation in zeros the size of the padded source (F channels moved, not C), multiplied with
-    the whole source: one flattened copy of the adjoint at the origin of that grid, and per tap
-    a Slice of its rows at the tap's flat offset. Each Gemm takes the larger operand first: measured
-    (onnxruntime 1.32, CPU, one thread) a [16, K] @ [128, K]^T product took 1.77 ms against 0.88
-    the other way round. In the file's order one tap's moved copy is alive at a time beside the
+    first; ungrouped, it is read channels last instead, as [N*T, C]: `_channels_last_taps`). At
+    stride 1 with fewer filters than channels the adjoint moves instead: placed at k*dilation in
+    zeros the size of the padded source (F channels moved, not C), multiplied with the whole
+    source: one flattened copy of the adjoint at the origin of that grid, and per tap a Slice of
+    its rows at the tap's flat offset. Each Gemm of transposed rows takes the larger operand first:
+    measured (onnxruntime 1.32, CPU, one thread) a [16, K] @ [128, K]^T product took 1.77 ms
+    against 0.88 the other way round. In the file's order one tap's moved copy is alive at a time beside the
     two transposed copies the whole-map convolution holds too (under a plain session ONNX
     Runtime's transpose optimizer makes it hold more: docs/results.md, "What it costs in memory")."""
     op, ints = ctx.b.op, ctx.b.ints
@@ -181,10 +182,12 @@ def per_tap_weight_gradient(ctx, source, source_shape, adjoint, adjoint_shape, k
                     stem="w_pad")
         padded_sizes = [d + pads[i] + pads[spatial + i] for i, d in enumerate(padded_sizes)]
     swap = [1, 0] + list(range(2, 2 + spatial))
-    columns = op("Transpose", [padded], perm=swap, stem="w_columns")           # [C, N, *S]
-    adjoint_t = op("Transpose", [adjoint], perm=swap, stem="w_adjoint_t")     # [F, N, *T]
     shift_adjoint = group == 1 and filters < channels and all(s == 1 for s in strides)
     whole = all(k == 1 for k in kernel) and all(s == 1 for s in strides) and not any(pads)
+    if group == 1 and not shift_adjoint and CHANNELS_LAST_TAPS:
+        return _channels_last_taps(ctx, padded, channels, adjoint, adjoint_shape, kernel, strides, dilations, whole)
+    adjoint_t = op("Transpose", [adjoint], perm=swap, stem="w_adjoint_t")     # [F, N, *T]
+    columns = op("Transpose", [padded], perm=swap, stem="w_columns")           # [C, N, *S]
     fixed = op("Reshape", [columns if shift_adjoint else adjoint_t, ints([channels if shift_adjoint else filters, -1])],
                stem="w_rows")                                                    # [C, N*S] or [F, N*T]
     channels_first = group == 1 and channels >= filters
@@ -228,6 +231,50 @@ def per_tap_weight_gradient(ctx, source, source_shape, adjoint, adjoint_shape, k
     if channels_first:
         stacked = op("Transpose", [stacked], perm=[1, 0, 2], stem="w_taps_t")
     return op("Reshape", [stacked, ints([filters, channels // group] + list(kernel))], stem="w_grad")
+
+
+# An ungrouped weight gradient whose source moves per tap reads it channels last (`_channels_last_taps`);
+# False: channels first, as before (for A/B measurements)
+CHANNELS_LAST_TAPS = True
+
+
+def _channels_last_taps(ctx, padded, channels, adjoint, adjoint_shape, kernel, strides, dilations, whole):
+    """`per_tap_weight_gradient` for an ungrouped convolution whose (padded) source moves per tap,
+    the source read channels last: transposed once to [N, *S, C], so that a tap's strided Slice
+    copies runs of whole rows of channels (read channels first, as [C, N*T], it copied runs of
+    one row of one channel) and its rows [N*T, C] are a product's right operand as they lie;
+    each tap's product is adjoint_rows [F, K] @ source_rows [K, C], neither transposed.
+    Measured by hand (onnxruntime 1.32, CPU, against the source read channels first and
+    multiplied transposed): one 3 x 3 weight gradient alone, over [16, 32, 32, 32],
+    [16, 64, 16, 16], [16, 128, 8, 8] and [8, 16, 64, 64], 0.76-0.89x at two threads and
+    0.77-0.95x at one; whole steps (default session, in turn, medians of per-round ratios) of the
+    resnet and randwire examples 0.92-0.93x at two threads and 0.94-0.95x at one, unet and
+    densenet 0.98-1.00x. Where the adjoint moves instead (fewer filters than channels) the source
+    stays channels first: read channels last there (its transpose of many channels costs more
+    than the Slices save), the densenet example's step took 1.03x at two threads, 1.08x at one.
+
+    Split in parts over the rows of K (a product per part over a leading axis, the parts added
+    after) it took the resnet and randwire examples' steps to 0.95-0.97x at two threads and
+    1.01-1.02x at one (by hand), but a part is a block of rows of whole images, or of images
+    cut where the part ends, and reduced.py's twins change the batch: not written."""
+    op, ints = ctx.b.op, ctx.b.ints
+    spatial = len(kernel)
+    filters, out_sizes = adjoint_shape[1], list(adjoint_shape[2:])
+    last = op("Transpose", [padded], perm=[0] + list(range(2, 2 + spatial)) + [1], stem="w_columns_last")
+    adjoint_rows = op("Reshape", [op("Transpose", [adjoint], perm=[1, 0] + list(range(2, 2 + spatial)),
+                                     stem="w_adjoint_t"), ints([filters, -1])], stem="w_rows")   # [F, K]
+    taps = []
+    for tap in itertools.product(*(range(k) for k in kernel)):
+        moved = last
+        if not whole:
+            offsets = [t * d for t, d in zip(tap, dilations)]
+            ends = [b + s * (n - 1) + 1 for b, s, n in zip(offsets, strides, out_sizes)]
+            moved = op("Slice", [last, ints(offsets), ints(ends), ints(list(range(1, 1 + spatial))),
+                                 ints(list(strides))], stem="w_tap")
+        source_rows = op("Reshape", [moved, ints([-1, channels])], stem="w_tap_rows")          # [K, C]
+        taps.append(ctx.unsqueeze(op("Gemm", [adjoint_rows, source_rows], stem="w_tap_grad"), [-1]))   # [F, C]
+    stacked = taps[0] if len(taps) == 1 else op("Concat", taps, axis=-1, stem="w_taps")
+    return op("Reshape", [stacked, ints([filters, channels] + list(kernel))], stem="w_grad")
 
 
 def _with_seed_axis(ctx, value):
