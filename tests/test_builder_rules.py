@@ -1140,3 +1140,79 @@ def test_transposed_shape_truncated_where_onnx_shape_inference_truncates():
         assert rules.transposed_shape_truncated(x, y) is (rank < len(x)), (x, y, rank)
     assert rules.transposed_shape_truncated([2, 4, 8, 8], [2, 8, None, 10]) is False
     assert rules.transposed_shape_truncated(None, [2, 8, 8, 10]) is False
+
+
+# ---- Resize: the adjoint of repeating each element (rules._resize_reverse) -------------------------
+
+# name: x shape, Resize attributes, scales or None, sizes or None; whether each element is repeated
+# in place (the adjoint a Reshape and a ReduceSum) or not (onnx-ad's interpolation matrices)
+RESIZE_CASES = {
+    "nearest_2x": ([2, 3, 4, 5], dict(mode="nearest"), [1, 1, 2, 2], None, True),
+    "nearest_sizes_3x2": ([2, 3, 4, 5], dict(mode="nearest"), None, [2, 3, 12, 10], True),
+    "nearest_one_axis": ([2, 3, 4, 5], dict(mode="nearest"), [1, 1, 1, 4], None, True),
+    "nearest_asymmetric_floor": ([2, 3, 4, 5], dict(mode="nearest", coordinate_transformation_mode="asymmetric",
+                                                    nearest_mode="floor"), [1, 1, 3, 2], None, True),
+    # asymmetric coordinates with halves rounded up: the second copy of each element is already its
+    # successor (and the last element three times)
+    "nearest_asymmetric_ceil": ([2, 3, 4, 5], dict(mode="nearest", coordinate_transformation_mode="asymmetric",
+                                                   nearest_mode="round_prefer_ceil"), [1, 1, 2, 2], None, False),
+    "linear_2x": ([2, 3, 4, 5], dict(mode="linear"), [1, 1, 2, 2], None, False),
+    "nearest_downsampled": ([2, 3, 8, 6], dict(mode="nearest"), [1, 1, 0.5, 0.5], None, False),
+}
+
+
+def _resize_case(name):
+    x_shape, attrs, scales, sizes, repeated = RESIZE_CASES[name]
+    x = _random(*x_shape, rng=np.random.default_rng(len(name)))
+    constants = {"scales": np.array(scales, np.float32)} if scales else {"sizes": np.array(sizes, np.int64)}
+    operands = ["x", "", "scales"] if scales else ["x", "", "", "sizes"]
+    node = helper.make_node("Resize", operands, ["y"], **attrs)
+    output_shape = list(sizes) if sizes else [int(d * s) for d, s in zip(x_shape, scales)]
+    return x, constants, node, output_shape, repeated
+
+
+@pytest.mark.parametrize("name", list(RESIZE_CASES))
+def test_resize_adjoint_is_the_transpose_of_the_forward(name):
+    """<g, resize(x)> = <adjoint(g), x> for any x and g (the resize is linear in x), the forward
+    run by ONNX Runtime from the model alone: an oracle independent of either rule. Repeats are
+    summed by one ReduceSum (no MatMul); anything else keeps onnx-ad's matrices (a MatMul per
+    resized axis)."""
+    x, constants, node, output_shape, repeated = _resize_case(name)
+    model = _model([node], {"x": x}, output_shape, constants)
+    gradient_graph = _reverse(model, ["x"])
+    seed = np.random.default_rng(3).standard_normal(output_shape).astype(np.float32)
+    got = _run(gradient_graph, {"x": x, "adj_y": seed[..., None]})
+    forward = _run(model, {"x": x})["y"]
+    left = float(np.dot(seed.astype(np.float64).ravel(), forward.astype(np.float64).ravel()))
+    right = float(np.dot(got["adj_x"][..., 0].astype(np.float64).ravel(), x.astype(np.float64).ravel()))
+    assert abs(left - right) <= 1e-5 * (np.abs(seed).sum() * np.abs(forward).max()), (left, right)
+    # and on a second x: the adjoint does not depend on x
+    other = np.random.default_rng(5).standard_normal(x.shape).astype(np.float32)
+    forward = _run(model, {"x": other})["y"]
+    left = float(np.dot(seed.astype(np.float64).ravel(), forward.astype(np.float64).ravel()))
+    right = float(np.dot(got["adj_x"][..., 0].astype(np.float64).ravel(), other.astype(np.float64).ravel()))
+    assert abs(left - right) <= 1e-5 * (np.abs(seed).sum() * np.abs(forward).max()), (left, right)
+    ops = _added_ops(gradient_graph)
+    if repeated:
+        assert ops.count("ReduceSum") == 1 and "MatMul" not in ops, ops
+    else:
+        assert "MatMul" in ops, ops
+
+
+def test_nearest_upsampling_adjoint_against_torch():
+    """A 2 x 3 nearest upsampling (ONNX's defaults: half-pixel coordinates, rounded to the nearest)
+    is torch's repeat_interleave along each axis: its gradient against torch's in float64."""
+    x = _random(2, 3, 4, 5)
+    node = helper.make_node("Resize", ["x", "", "scales"], ["y"], mode="nearest")
+    _check([node], {"x": x}, ["x"], lambda x: x.repeat_interleave(2, dim=2).repeat_interleave(3, dim=3),
+           constants={"scales": np.array([1, 1, 2, 3], np.float32)})
+
+
+def test_repeat_factors_follow_the_runtime():
+    """repeat_factors runs the node: the same attributes at other shapes (2 x 2 from 3 x 3, 3 x
+    from 2 x) give what ONNX Runtime does, and a mode it does not run gives None."""
+    node = helper.make_node("Resize", ["x", "", "scales"], ["y"], mode="nearest")
+    assert rules.repeat_factors(node, 4, 17, [1.0, 1.0, 2.0, 3.0], None, None, [2, 3, 4, 5], [2, 3, 8, 15]) == [1, 1, 2, 3]
+    assert rules.repeat_factors(node, 4, 17, [1.0, 1.0, 1.5, 1.0], None, None, [2, 3, 4, 5], [2, 3, 6, 5]) is None
+    bad = helper.make_node("Resize", ["x", "", "scales"], ["y"], mode="no_such_mode")
+    assert rules.repeat_factors(bad, 4, 17, [1.0, 1.0, 2.0, 2.0], None, None, [2, 3, 4, 5], [2, 3, 8, 10]) is None

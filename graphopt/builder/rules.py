@@ -29,6 +29,9 @@
   zeros elsewhere, with data movement only: per strided axis, reversed first if the step is
   negative, then interleaved with step-1 zeros (Unsqueeze, Pad, Reshape), then zero-padded
   to the input's extent (_slice_reverse).
+* Resize (Upsample) that repeats each element in place, a whole number of times per axis
+  (nearest upsampling, found by running the node: repeat_factors): the adjoint sums each block
+  of repeats (one Reshape, one ReduceSum), not onnx-ad's interpolation matrix per axis.
 * Gather of one constant position (a scalar index: Swin's q, k, v = qkv[0], qkv[1], qkv[2]):
   the adjoint unsqueezed and zero-padded (_gather_reverse), not a scatter-add into zeros the
   size of the input; several such reads summed then become one Concat (lean.py).
@@ -50,6 +53,7 @@ _MATMUL = _onnx_ad_rules.REVERSE["MatMul"]
 _CONV_TRANSPOSE = _onnx_ad_rules.REVERSE["ConvTranspose"]
 _SLICE = _onnx_ad_rules.REVERSE["Slice"]
 _GATHER = _onnx_ad_rules.REVERSE["Gather"]
+_RESIZE = _onnx_ad_rules.REVERSE["Resize"]
 _conv_attributes = _onnx_ad_rules._conv_attributes   # onnx-ad's own reading of the attributes
 
 
@@ -706,6 +710,99 @@ def _gather_reverse(ctx, node, grads):
     return [value, None]
 
 
+# False: every Resize's adjoint as onnx-ad writes it (for A/B measurements)
+REPEATS_SUMMED = True
+
+
+def repeat_factors(node, rank: int, opset: int, scales, sizes, roi, shape_in, shape_out) -> list[int] | None:
+    """Per axis the number of times `node` (a Resize or Upsample) repeats each input element in
+    a row, or None where along some resized axis it does anything else. Not read from the
+    attributes (mode, coordinate transformation, nearest mode and rounding combine in many
+    ways): measured, the node's own resize run by ONNX Runtime along each resized axis on
+    distinct random values, its output compared with each value repeated in place."""
+    import numpy as np
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    factors = []
+    for axis in range(rank):
+        inside, outside = shape_in[axis], shape_out[axis]
+        if inside == outside and (scales is None or scales[axis] == 1.0):
+            factors.append(1)
+            continue
+        if roi is not None or inside == 0 or outside % inside:
+            return None
+        probe_shape = [1] * rank
+        probe_shape[axis] = inside
+        attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute if a.name != "axes"}
+        if node.op_type == "Upsample":
+            factors_in = [1.0] * rank
+            factors_in[axis] = scales[axis]
+            if "scales" in attributes:   # opset 7 and 8
+                attributes["scales"] = factors_in
+                resize, initializers = helper.make_node("Upsample", ["x"], ["y"], **attributes), []
+            else:
+                resize = helper.make_node("Upsample", ["x", "extent"], ["y"], **attributes)
+                initializers = [helper.make_tensor("extent", TensorProto.FLOAT, [rank], factors_in)]
+        else:
+            if scales is not None:
+                factors_in = [1.0] * rank
+                factors_in[axis] = scales[axis]
+                extent = helper.make_tensor("extent", TensorProto.FLOAT, [rank], factors_in)
+                resize = helper.make_node("Resize", ["x", "", "extent"], ["y"], **attributes)
+            else:
+                extents = list(probe_shape)
+                extents[axis] = outside
+                extent = helper.make_tensor("extent", TensorProto.INT64, [rank], extents)
+                resize = helper.make_node("Resize", ["x", "", "", "extent"], ["y"], **attributes)
+            initializers = [extent]
+        graph = helper.make_graph([resize], "probe", [helper.make_tensor_value_info("x", TensorProto.FLOAT, probe_shape)],
+                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], initializers)
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+        options = ort.SessionOptions()
+        options.log_severity_level = 3
+        values = np.random.default_rng(0).permutation(inside).astype(np.float32).reshape(probe_shape) + 1.0
+        try:
+            got = ort.InferenceSession(model.SerializeToString(), options,
+                                       providers=["CPUExecutionProvider"]).run(None, {"x": values})[0]
+        except Exception:   # what ONNX Runtime does not run here, onnx-ad's rule differentiates as it is
+            return None
+        repeat = outside // inside
+        if got.shape != tuple(outside if a == axis else 1 for a in range(rank)) or \
+                not np.array_equal(got.reshape(-1), np.repeat(values.reshape(-1), repeat)):
+            return None
+        factors.append(repeat)
+    return factors
+
+
+def _resize_reverse(ctx, node, grads):
+    """A Resize (Upsample) that repeats each element a whole number of times along each axis
+    (nearest upsampling: `repeat_factors`): its adjoint sums each block of repeats, one Reshape
+    and one ReduceSum, not onnx-ad's interpolation matrix per axis (a Transpose there and
+    back and a MatMul each): measured by hand (onnxruntime 1.32, CPU, two threads, default
+    session) on [8, 128, 16, 16] from 8 x 8, 0.164 ms against 0.49. Any other resize: onnx-ad's."""
+    shape_in, shape_out = ctx.shapes.static(node.input[0]), ctx.shapes.static(node.output[0])
+    if not REPEATS_SUMMED or shape_in is None or shape_out is None or \
+            attribute(node, "keep_aspect_ratio_policy", "stretch") != "stretch":
+        return _RESIZE(ctx, node, grads)
+    rank = len(shape_in)
+    try:
+        scales, sizes, roi = _onnx_ad_rules._resize_extents(ctx, node, rank)
+    except UnsupportedOperator:
+        return _RESIZE(ctx, node, grads)
+    factors = repeat_factors(node, rank, ctx.opset, scales, sizes, roi, shape_in, shape_out)
+    if factors is None or all(f == 1 for f in factors):
+        return _RESIZE(ctx, node, grads)
+    blocks, repeats = [], []   # each resized axis as [extent, factor], the factors summed over
+    for extent, factor in zip(shape_in, factors):
+        blocks.append(extent)
+        if factor > 1:
+            blocks.append(factor)
+            repeats.append(len(blocks) - 1)
+    value = ctx.b.op("Reshape", [ctx.full(grads[0], node.output[0]), ctx.b.ints(blocks + [-1])], stem="a_repeats")
+    return [ctx.reduce_sum(value, repeats, keepdims=0)] + [None] * (len(node.input) - 1)
+
+
 def register() -> None:
     """Install graphopt's rules (idempotent)."""
     _onnx_ad_rules.REVERSE["BatchNormalization"] = _batch_norm_reverse
@@ -714,5 +811,7 @@ def register() -> None:
     _onnx_ad_rules.REVERSE["ConvTranspose"] = _conv_transpose_reverse
     _onnx_ad_rules.REVERSE["Slice"] = _slice_reverse
     _onnx_ad_rules.REVERSE["Gather"] = _gather_reverse
+    _onnx_ad_rules.REVERSE["Resize"] = _resize_reverse
+    _onnx_ad_rules.REVERSE["Upsample"] = _resize_reverse
     _onnx_ad_rules.DERIVATIVE["Relu"] = _d_relu
     _onnx_ad_rules.DERIVATIVE["LeakyRelu"] = _d_leaky_relu
