@@ -517,8 +517,9 @@ def test_per_tap_layout_follows_its_docstring(name):
     """per_tap_weight_gradient's docstring, on the gradient graph: one product per tap (or,
     depthwise, a Mul and a ReduceSum). At stride 1 with fewer filters than channels (ungrouped)
     the adjoint moves: a Gemm per tap taking the larger operand first, one flattened copy of the
-    adjoint with `reach` zeros before each image, reach = sum((k - 1) * dilation * grid) over the
-    padded grid's row sizes, and per tap a Slice of it at reach minus the tap's flat offset; the
+    adjoint with `lead` whole rows of zeros before each image (in the Pad that places it on the
+    padded grid), at least reach = sum((k - 1) * dilation * grid) over the padded grid's row
+    sizes, and per tap a Slice of it at those zeros minus the tap's flat offset; the
     source rows are shared by every tap. Otherwise (ungrouped, _channels_last_taps) the (padded)
     source is transposed channels last and read per tap at the tap's offset with the strides as
     steps, a Gemm per tap of the shared adjoint rows [F, K] by the source rows [K, C], neither
@@ -539,7 +540,7 @@ def test_per_tap_layout_follows_its_docstring(name):
     ops = [n.op_type for n in nodes[1:]]
     whole = all(k == 1 for k in kernel) and all(s == 1 for s in strides) and not any(pads)
     shift = form == "per_tap" and filters < channels and all(s == 1 for s in strides)
-    source_moves = form == "per_tap" and not shift
+    source_moves = form == "per_tap" and not shift and not whole
     if form == "depthwise":
         assert ops.count("Mul") == len(taps) and ops.count("ReduceSum") == len(taps) and "Gemm" not in ops
     elif source_moves:
@@ -574,15 +575,20 @@ def test_per_tap_layout_follows_its_docstring(name):
     moved = [n for n in nodes if n.op_type == "Slice"]
     shifted = [n for n in nodes if n.op_type == "Pad" and producers.get(n.input[0]) is not None
                and producers[n.input[0]].op_type == "Reshape"]
+    assert shifted == [], "the rows of zeros before each image in the origin's own Pad"
     if shift:
         reach = sum((k - 1) * d * g for k, d, g in zip(kernel, dilations, grid))
-        assert [constants[n.input[1]].tolist() for n in shifted] == [[0, 0, reach, 0, 0, 0]]
-        starts = sorted(reach - sum(t * d * g for t, d, g in zip(tap, dilations, grid)) for tap in taps)
+        lead = -(-reach // grid[0])
+        (origin,) = [n for n in nodes if n.op_type == "Pad" and n.output[0] in
+                     {producers[m.input[0]].input[0] for m in moved}]
+        out_sizes = list(output_shape[2:])
+        assert constants[origin.input[1]].tolist() == [0, 0, lead] + [0] * (spatial - 1) + [0, 0] + [
+            p - n for p, n in zip(padded, out_sizes)]
+        starts = sorted(lead * grid[0] - sum(t * d * g for t, d, g in zip(tap, dilations, grid)) for tap in taps)
         assert sorted(int(constants[n.input[1]][0]) for n in moved) == starts
         flat = int(np.prod(padded))
         assert all(constants[n.input[2]][0] - constants[n.input[1]][0] == flat for n in moved)
     else:
-        assert shifted == []
         out_sizes = list(output_shape[2:])
         expected = sorted(([t * d for t, d in zip(tap, dilations)],
                            [t * d + s * (n - 1) + 1 for t, d, s, n in zip(tap, dilations, strides, out_sizes)],

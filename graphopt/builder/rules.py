@@ -188,8 +188,8 @@ def per_tap_weight_gradient(ctx, source, source_shape, adjoint, adjoint_shape, k
     swap = [1, 0] + list(range(2, 2 + spatial))
     shift_adjoint = group == 1 and filters < channels and all(s == 1 for s in strides)
     whole = all(k == 1 for k in kernel) and all(s == 1 for s in strides) and not any(pads)
-    if group == 1 and not shift_adjoint and CHANNELS_LAST_TAPS:
-        return _channels_last_taps(ctx, padded, channels, adjoint, adjoint_shape, kernel, strides, dilations, whole)
+    if group == 1 and not shift_adjoint and not whole and CHANNELS_LAST_TAPS:
+        return _channels_last_taps(ctx, padded, channels, adjoint, adjoint_shape, kernel, strides, dilations)
     adjoint_t = op("Transpose", [adjoint], perm=swap, stem="w_adjoint_t")     # [F, N, *T]
     columns = op("Transpose", [padded], perm=swap, stem="w_columns")           # [C, N, *S]
     fixed = op("Reshape", [columns if shift_adjoint else adjoint_t, ints([channels if shift_adjoint else filters, -1])],
@@ -200,23 +200,24 @@ def per_tap_weight_gradient(ctx, source, source_shape, adjoint, adjoint_shape, k
         # tap's offset on that grid, an image is the same row read from a flat offset earlier
         # (what a shift carries past a row's end lands in the zeros after the adjoint's columns
         # and rows, which the padded grid has at least as many of as the offset), so each tap is
-        # one Slice of contiguous rows from this copy with `reach` zeros before each image, not a
-        # Pad of the whole 4-D adjoint (ONNX Runtime's Pad over small maps took 29-41% of the unet
-        # and densenet examples' steps). The batch stays an axis of its own (reduced.py's twins)
+        # one Slice of contiguous rows from this copy with at least `reach` zeros before each
+        # image (`lead` whole rows of the grid's first axis, in the same Pad), not a Pad of the
+        # whole 4-D adjoint (ONNX Runtime's Pad over small maps took 29-41% of the unet and
+        # densenet examples' steps). The batch stays an axis of its own (reduced.py's twins)
         grid = [math.prod(padded_sizes[i + 1:]) for i in range(spatial)]
         reach = sum((k - 1) * d * g for k, d, g in zip(kernel, dilations, grid))
+        lead = -(-reach // grid[0])
         flat = math.prod(padded_sizes)
-        origin = op("Pad", [adjoint_t, ints([0] * (2 + spatial) + [0, 0] +
+        origin = op("Pad", [adjoint_t, ints([0, 0, lead] + [0] * (spatial - 1) + [0, 0] +
                                              [p - n for p, n in zip(padded_sizes, out_sizes)])], stem="w_origin")
-        shifted = op("Pad", [op("Reshape", [origin, ints([filters, adjoint_shape[0], flat])], stem="w_origin_rows"),
-                             ints([0, 0, reach, 0, 0, 0])], stem="w_shifted")
+        shifted = op("Reshape", [origin, ints([filters, adjoint_shape[0], lead * grid[0] + flat])], stem="w_shifted")
     taps = []
     for tap in itertools.product(*(range(k) for k in kernel)):
         offsets = [t * d for t, d in zip(tap, dilations)]
         if whole:   # one tap, nothing to move
             moved = adjoint_t if shift_adjoint else columns
         elif shift_adjoint:
-            start = reach - sum(o * g for o, g in zip(offsets, grid))
+            start = lead * grid[0] - sum(o * g for o, g in zip(offsets, grid))
             moved = op("Slice", [shifted, ints([start]), ints([start + flat]), ints([2])], stem="w_tap")
         else:
             ends = [b + s * (n - 1) + 1 for b, s, n in zip(offsets, strides, out_sizes)]
@@ -242,11 +243,12 @@ def per_tap_weight_gradient(ctx, source, source_shape, adjoint, adjoint_shape, k
 CHANNELS_LAST_TAPS = True
 
 
-def _channels_last_taps(ctx, padded, channels, adjoint, adjoint_shape, kernel, strides, dilations, whole):
-    """`per_tap_weight_gradient` for an ungrouped convolution whose (padded) source moves per tap,
-    the source read channels last: transposed once to [N, *S, C], so that a tap's strided Slice
-    copies runs of whole rows of channels (read channels first, as [C, N*T], it copied runs of
-    one row of one channel) and its rows [N*T, C] are a product's right operand as they lie;
+def _channels_last_taps(ctx, padded, channels, adjoint, adjoint_shape, kernel, strides, dilations):
+    """`per_tap_weight_gradient` for an ungrouped convolution whose (padded) source moves per tap
+    (not a 1 x 1 kernel at stride 1 without pads, where nothing moves), the source read channels
+    last: transposed once to [N, *S, C], so that a tap's strided Slice copies runs of whole rows
+    of channels (read channels first, as [C, N*T], it copied runs of one row of one channel) and
+    its rows [N*T, C] are a product's right operand as they lie;
     each tap's product is adjoint_rows [F, K] @ source_rows [K, C], neither transposed.
     Measured by hand (onnxruntime 1.32, CPU, against the source read channels first and
     multiplied transposed): one 3 x 3 weight gradient alone, over [16, 32, 32, 32],
@@ -269,12 +271,10 @@ def _channels_last_taps(ctx, padded, channels, adjoint, adjoint_shape, kernel, s
                                      stem="w_adjoint_t"), ints([filters, -1])], stem="w_rows")   # [F, K]
     taps = []
     for tap in itertools.product(*(range(k) for k in kernel)):
-        moved = last
-        if not whole:
-            offsets = [t * d for t, d in zip(tap, dilations)]
-            ends = [b + s * (n - 1) + 1 for b, s, n in zip(offsets, strides, out_sizes)]
-            moved = op("Slice", [last, ints(offsets), ints(ends), ints(list(range(1, 1 + spatial))),
-                                 ints(list(strides))], stem="w_tap")
+        offsets = [t * d for t, d in zip(tap, dilations)]
+        ends = [b + s * (n - 1) + 1 for b, s, n in zip(offsets, strides, out_sizes)]
+        moved = op("Slice", [last, ints(offsets), ints(ends), ints(list(range(1, 1 + spatial))), ints(list(strides))],
+                   stem="w_tap")
         source_rows = op("Reshape", [moved, ints([-1, channels])], stem="w_tap_rows")          # [K, C]
         taps.append(ctx.unsqueeze(op("Gemm", [adjoint_rows, source_rows], stem="w_tap_grad"), [-1]))   # [F, C]
     stacked = taps[0] if len(taps) == 1 else op("Concat", taps, axis=-1, stem="w_taps")
