@@ -245,9 +245,9 @@ def test_the_builder_writes_them_and_its_gradients_match_torch():
             assert error < 1e-4, (on, name, error)
 
 
-def _forward_convs(path):
-    """A forward of two 3 x 3 Convs over 16 channels (2048 pixels each: bc.MIN_OUTPUT_PIXELS) and a
-    scalar output, saved at `path`."""
+def _forward_convs(path, batch=8):
+    """A forward of two 3 x 3 Convs over 16 channels (at batch 8, 2048 pixels each:
+    bc.MIN_OUTPUT_PIXELS) and a scalar output, saved at `path`."""
     rng = np.random.default_rng(3)
     inits = [numpy_helper.from_array(rng.standard_normal((16, 16, 3, 3)).astype(np.float32), "w1"),
              numpy_helper.from_array(rng.standard_normal((16, 16, 3, 3)).astype(np.float32), "w2")]
@@ -255,7 +255,7 @@ def _forward_convs(path):
              helper.make_node("Relu", ["h"], ["r"]),
              helper.make_node("Conv", ["r", "w2"], ["y"], pads=[1, 1, 1, 1]),
              helper.make_node("ReduceMean", ["y"], ["loss"], keepdims=0)]
-    graph = helper.make_graph(nodes, "convs", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [8, 16, 16, 16])],
+    graph = helper.make_graph(nodes, "convs", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, 16, 16, 16])],
                               [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], inits)
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
 
@@ -298,12 +298,25 @@ def test_a_graph_written_for_another_block_is_refused_on_load(tmp_path):
 
 
 @needs_nchwc
-def test_the_pixel_threshold():
+def test_the_pixel_threshold(tmp_path):
     """A Conv is written blocked where its output has at least bc.MIN_OUTPUT_PIXELS pixels (batch x
-    height x width), and its input gradient is a Conv for a constant weight on the same condition."""
-    assert bc.MIN_OUTPUT_PIXELS == 2048
+    height x width), or bc.MIN_OUTPUT_PIXELS_COMPUTED_WEIGHT where its weight is computed in the
+    graph: an input gradient's Conv of the flipped weight, written (for a constant weight) on
+    that condition. Between the two a training graph's forward Convs stay plain and the input
+    gradient's Conv is blocked; below both it is a ConvTranspose."""
+    from graphopt.builder.train_graph import build_training_graph
+    assert (bc.MIN_OUTPUT_PIXELS, bc.MIN_OUTPUT_PIXELS_COMPUTED_WEIGHT) == (2048, 512)
+    attrs = {"group": 1, "strides": [1, 1], "pads": [1, 1, 1, 1], "dilations": [1, 1]}
     for batch, blocked in ((8, True), (7, False)):   # 8 x 16 x 16 = 2048 output pixels
         model, _, _, _ = _conv_model([batch, 32, 16, 16], [32, 32, 3, 3], dict(pads=[1, 1, 1, 1]))
         assert _blocked(model)[1] == int(blocked)
-        assert rules.conv_input_gradient_applies({"group": 1, "strides": [1, 1], "pads": [1, 1, 1, 1],
-                                                  "dilations": [1, 1]}, [32, 32, 3, 3], [batch, 32, 16, 16]) is blocked
+        assert rules.conv_input_gradient_applies(attrs, [32, 32, 3, 3], [batch, 32, 16, 16]) is True
+    for shape, applies in (([2, 32, 16, 16], True), ([2, 32, 16, 15], False)):   # 512 pixels, 480
+        assert rules.conv_input_gradient_applies(attrs, [32, 32, 3, 3], shape) is applies
+    for batch, input_gradient in ((2, (bc.NCHWC_DOMAIN, "Conv")), (1, ("", "ConvTranspose"))):   # 512, 256 pixels
+        _forward_convs(str(tmp_path / "convs.onnx"), batch)
+        training = build_training_graph(onnx.load(str(tmp_path / "convs.onnx")))
+        ops = [(n.domain, n.op_type) for n in training.graph.node]
+        plain = [n for n in training.graph.node if n.op_type == "Conv" and n.domain != bc.NCHWC_DOMAIN]
+        assert sorted(n.input[1] for n in plain) == ["w1", "w2"], "the forward Convs, their weights as they are"
+        assert ops.count(input_gradient) == 1 and (bc.NCHWC_DOMAIN, "Conv") not in set(ops) - {input_gradient}

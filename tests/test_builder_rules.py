@@ -277,7 +277,7 @@ def test_conv_input_gradient_applies_follows_its_docstring(monkeypatch):
     # two spatial axes, where the gradient Conv's input channels (the filters) fill whole blocks
     monkeypatch.setattr(rules, "LARGER_INPUT_GRADIENTS_AS_CONV", False)
     monkeypatch.setattr(rules, "conv_block", lambda: 16)
-    x32 = [8, 32, 16, 16]   # 2048 pixels: the least written blocked (blocked_convs.MIN_OUTPUT_PIXELS)
+    x32 = [8, 32, 16, 16]
     blocked_cases = [
         ((a(pads=(1, 1, 1, 1)), [16, 32, 3, 3], x32), True),
         ((a(pads=(1, 1, 1, 1)), [32, 32, 3, 3], x32), True),
@@ -287,7 +287,8 @@ def test_conv_input_gradient_applies_follows_its_docstring(monkeypatch):
         ((a(dilations=(2, 2), pads=(2, 2, 2, 2)), [16, 32, 3, 3], x32), False),
         ((a(group=32, pads=(1, 1, 1, 1)), [32, 1, 3, 3], x32), True),
         ((a(group=8, pads=(1, 1, 1, 1)), [8, 1, 3, 3], [8, 8, 16, 16]), False),   # 8 channels: not a whole block
-        ((a(pads=(1, 1, 1, 1)), [16, 32, 3, 3], [8, 32, 16, 15]), False),   # 1920 pixels
+        ((a(pads=(1, 1, 1, 1)), [16, 32, 3, 3], [2, 32, 16, 16]), True),    # 512 pixels: the least written
+        ((a(pads=(1, 1, 1, 1)), [16, 32, 3, 3], [2, 32, 16, 15]), False),   # blocked for a computed weight
         ((a(group=32, strides=(2, 2), pads=(1, 1, 1, 1)), [32, 1, 3, 3], x32), False),
         ((a(group=32, pads=(2, 2, 2, 2)), [32, 1, 5, 5], x32), True),       # blocked: up to 7 x 7
         ((a(group=32, pads=(3, 3, 3, 3)), [32, 1, 7, 7], x32), True),

@@ -68,9 +68,9 @@ def _blocked_input_gradients() -> int:
     """The input gradient of `_two_convs`' 3 x 3 Conv (64 channels to 32) is a Conv where convolutions
     are written in the blocked layout with 32 filters filling whole blocks, over enough pixels
     (rules.conv_input_gradient_applies)."""
-    from graphopt.builder.blocked_convs import MIN_OUTPUT_PIXELS
+    from graphopt.builder.blocked_convs import MIN_OUTPUT_PIXELS_COMPUTED_WEIGHT
     block = rules.conv_block()
-    return int(block is not None and 32 % block == 0 and 4 * 14 * 14 >= MIN_OUTPUT_PIXELS)
+    return int(block is not None and 32 % block == 0 and 4 * 14 * 14 >= MIN_OUTPUT_PIXELS_COMPUTED_WEIGHT)
 
 
 @pytest.mark.parametrize("per_tap", [True, False])

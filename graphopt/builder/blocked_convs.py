@@ -19,11 +19,12 @@ fed weights and survives any optimization level:
     ReorderInput(x) -> com.microsoft.nchwc.Conv(x_blocked, w_blocked[, b_padded]) -> ReorderOutput(channels=F)
 
 Which Convs (`eligible`): two spatial axes, static shapes, explicit pads (auto_pad NOTSET), and
-either ungrouped with input channels a multiple of the block, or depthwise (one filter per channel,
-channels a multiple of the block). The weight layouts are ONNX Runtime's: OIHWBiBo for an ungrouped
+either ungrouped with input channels a multiple of the block over enough output pixels
+(`MIN_OUTPUT_PIXELS`, or `MIN_OUTPUT_PIXELS_COMPUTED_WEIGHT` for a weight computed in the graph),
+or depthwise (one filter per channel, channels a multiple of the block). The weight layouts are ONNX Runtime's: OIHWBiBo for an ungrouped
 Conv ([F/B, C/B, kh, kw, B_in, B_out], the filters padded with zeros to a multiple of B), OIHWBo for
 a depthwise one ([C/B, 1, kh, kw, B]); `block_size` reads both, and the block size, from what ONNX
-Runtime's own transformer writes for a probe model on this machine (16 here, an AVX2 machine).
+Runtime's own transformer writes for a probe model on this machine (16 here, an AVX-512 machine).
 
 The blocked layout is tied to the machine's vector width, as ONNX Runtime's own saved level-ALL
 models are (it warns so). A graph written here carries a check that fails a run loudly on a
@@ -55,6 +56,13 @@ NCHWC_DOMAIN = "com.microsoft.nchwc"
 # optimizations off; with this threshold 1.05x and 1.02x. A depthwise Conv's weight is a pass over
 # a few thousand elements, its blocked kernel several times faster: any size.
 MIN_OUTPUT_PIXELS = 2048
+# ... and where its weight is computed in the graph (an input gradient's flipped weight): no session
+# prepacks such a weight, and the input gradient's other form is ONNX Runtime's ConvTranspose, slower
+# than the blocked kernel at small maps too. Measured by hand (onnxruntime 1.32, two threads, the
+# gradient alone, the blocked kernel's weight prepacked): 3 x 3 over 64-256 channels at 256-1024
+# pixels, 0.49-0.72x ConvTranspose's time (0.64-0.80x at one thread); whole steps with 512 against
+# 2048 here: the resnet example 0.986x at two threads and 0.974x at one, resnet50 1.004x.
+MIN_OUTPUT_PIXELS_COMPUTED_WEIGHT = 512
 BLOCK_KEY = "graphopt.nchwc_block"
 
 
@@ -115,8 +123,9 @@ def _attrs(node) -> dict:
     return {a.name: helper.get_attribute_value(a) for a in node.attribute}
 
 
-def eligible(node, shapes: dict, block: int) -> str | None:
-    """'dense' or 'depthwise' where `node` is a Conv written blocked here (the module docstring), else None."""
+def eligible(node, shapes: dict, block: int, computed_weight: bool = False) -> str | None:
+    """'dense' or 'depthwise' where `node` is a Conv written blocked here (the module docstring), else
+    None; `computed_weight`: its weight is computed in the graph (MIN_OUTPUT_PIXELS_COMPUTED_WEIGHT)."""
     if node.op_type != "Conv" or node.domain not in STANDARD_DOMAINS or len(node.input) < 2:
         return None
     x, w = shapes.get(node.input[0]), shapes.get(node.input[1])
@@ -132,7 +141,8 @@ def eligible(node, shapes: dict, block: int) -> str | None:
         return None
     if group == 1:
         y = shapes.get(node.output[0])
-        if y is None or len(y) != 4 or None in y or y[0] * y[2] * y[3] < MIN_OUTPUT_PIXELS:
+        least = MIN_OUTPUT_PIXELS_COMPUTED_WEIGHT if computed_weight else MIN_OUTPUT_PIXELS
+        if y is None or len(y) != 4 or None in y or y[0] * y[2] * y[3] < least:
             return None
         return "dense"
     if group == channels == w[0] and w[1] == 1:
@@ -156,8 +166,9 @@ def blocked_convs(model: onnx.ModelProto, shapes: dict[str, list], block: int | 
     elem_types = _elem_types(model)
     from_data = _downstream(graph, {v.name for v in graph.input} - {t.name for t in graph.initializer})
     nodes, rewritten, guard = [], 0, None
+    produced = {o for n in graph.node for o in n.output}
     for node in graph.node:
-        kind = eligible(node, shapes, block)
+        kind = eligible(node, shapes, block, computed_weight=len(node.input) > 1 and node.input[1] in produced)
         if (kind is None or node.input[1] in from_data
                 or elem_types.get(node.input[0], TensorProto.FLOAT) != TensorProto.FLOAT):
             nodes.append(node)

@@ -453,7 +453,7 @@ def conv_input_gradient_applies(attrs, kernel, input_shape, fed: bool = False) -
     wide = input_shape[1] >= WIDE_INPUT_CHANNELS_FACTOR * kernel[0]
     # an ungrouped gradient Conv is written blocked over enough pixels only (blocked_convs.py)
     pixels = math.prod(input_shape[:1] + input_shape[2:]) if None not in input_shape else 0
-    blocked = block is not None and kernel[0] % block == 0 and pixels >= blocked_convs.MIN_OUTPUT_PIXELS
+    blocked = block is not None and kernel[0] % block == 0 and pixels >= blocked_convs.MIN_OUTPUT_PIXELS_COMPUTED_WEIGHT
     return ((LARGER_INPUT_GRADIENTS_AS_CONV or fed or wide or blocked) and input_shape[1] >= kernel[0]
             and all(d == 1 for d in attrs["dilations"])
             and all(0 <= pads[i] <= reach[i] and 0 <= pads[spatial + i] <= reach[i] for i in range(spatial)))
