@@ -191,12 +191,15 @@ def _op_type_shares(model, feeds, threads: int) -> list[tuple[str, float]]:
 
 
 # Idle seconds before each timed step. A step's thread pool keeps spinning for work once the step
-# has returned (ONNX Runtime's intra-op threads, torch's OpenMP threads), and the next contender's
-# step ran beside it. Measured by hand on the densenet example at two threads (medians of 7):
-# torch eager's step took 109.7 ms right after an ONNX Runtime step, 93.4 ms 10 ms later and
-# 73.4 ms 100 ms later (70.2 right after its own step); ONNX Runtime's 80.5 ms right after eager's
-# and 72.6 ms 100 ms later. With one thread neither has a pool; the pause costs only time.
-SETTLE_SECONDS = 0.1
+# has returned (ONNX Runtime's intra-op threads, torch's OpenMP threads: the libgomp torch bundles),
+# and the next contender's step ran beside it. Measured by hand on the resnet example at two threads
+# (medians of 7; benchmarks/step_vs_eager.py's own sessions and eager step): ONNX Runtime's step
+# took 143.6 ms right after eager's, 135.7 ms 0.1 s later, 126.3 ms 0.2 s later and 73.8-78.1 ms
+# 0.25-0.6 s later (76.1 ms after its own step, 0.1 s apart); eager's step 109.5 ms right after ONNX
+# Runtime's, 80.1 ms 0.1 s later and 64.8-66.6 ms 0.25-0.6 s later. Until issue 48 this pause was
+# 0.1 s, which charged the step timed right after eager's (the graph as built) with torch's
+# spinning threads at two threads. With one thread neither has a pool; the pause costs only time.
+SETTLE_SECONDS = 0.3
 
 
 def _timed(models: dict, feeds: dict, eager, threads: int, rounds: int) -> tuple[dict, dict]:
