@@ -21,9 +21,9 @@ fed weights and survives any optimization level:
 Which Convs (`eligible`): two spatial axes, static shapes, explicit pads (auto_pad NOTSET), and
 either ungrouped with input channels a multiple of the block over enough output pixels
 (`MIN_OUTPUT_PIXELS`, or `MIN_OUTPUT_PIXELS_COMPUTED_WEIGHT` for a weight computed in the graph),
-or depthwise (one filter per channel, channels a multiple of the block). The weight layouts are ONNX Runtime's: OIHWBiBo for an ungrouped
-Conv ([F/B, C/B, kh, kw, B_in, B_out], the filters padded with zeros to a multiple of B), OIHWBo for
-a depthwise one ([C/B, 1, kh, kw, B]); `block_size` reads both, and the block size, from what ONNX
+or depthwise (one filter per channel, channels a multiple of the block). The weight layouts are
+ONNX Runtime's: OIHWBiBo for an ungrouped Conv ([F/B, C/B, kh, kw, B_in, B_out], the filters
+padded with zeros to a multiple of B), OIHWBo for a depthwise one ([C/B, 1, kh, kw, B]); `block_size` reads both, and the block size, from what ONNX
 Runtime's own transformer writes for a probe model on this machine (16 here, an AVX-512 machine).
 
 The blocked layout is tied to the machine's vector width, as ONNX Runtime's own saved level-ALL

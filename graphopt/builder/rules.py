@@ -42,6 +42,8 @@ import contextlib
 import itertools
 import math
 
+import numpy as np
+from onnx import TensorProto, helper
 from onnx_ad import rules as _onnx_ad_rules
 from onnx_ad._build import UnsupportedOperator, attribute
 
@@ -172,9 +174,10 @@ def per_tap_weight_gradient(ctx, source, source_shape, adjoint, adjoint_shape, k
     source: one flattened copy of the adjoint at the origin of that grid, and per tap a Slice of
     its rows at the tap's flat offset. Each Gemm of transposed rows takes the larger operand first:
     measured (onnxruntime 1.32, CPU, one thread) a [16, K] @ [128, K]^T product took 1.77 ms
-    against 0.88 the other way round. In the file's order one tap's moved copy is alive at a time beside the
-    two transposed copies the whole-map convolution holds too (under a plain session ONNX
-    Runtime's transpose optimizer makes it hold more: docs/results.md, "What it costs in memory")."""
+    against 0.88 the other way round. In the file's order one tap's moved copy is alive at a time
+    beside the two transposed copies the whole-map convolution holds too (under a plain session
+    ONNX Runtime's transpose optimizer makes it hold more: docs/results.md, "What it costs in
+    memory")."""
     op, ints = ctx.b.op, ctx.b.ints
     spatial = len(kernel)
     channels = source_shape[1]
@@ -248,9 +251,8 @@ def _channels_last_taps(ctx, padded, channels, adjoint, adjoint_shape, kernel, s
     (not a 1 x 1 kernel at stride 1 without pads, where nothing moves), the source read channels
     last: transposed once to [N, *S, C], so that a tap's strided Slice copies runs of whole rows
     of channels (read channels first, as [C, N*T], it copied runs of one row of one channel) and
-    its rows [N*T, C] are a product's right operand as they lie;
-    each tap's product is adjoint_rows [F, K] @ source_rows [K, C], neither transposed.
-    Measured by hand (onnxruntime 1.32, CPU, against the source read channels first and
+    its rows [K, C] (K = N*T) are a product's right operand as they lie: each tap's product is
+    adjoint_rows [F, K] @ source_rows [K, C], neither transposed. Measured by hand (onnxruntime 1.32, CPU, against the source read channels first and
     multiplied transposed): one 3 x 3 weight gradient alone, over [16, 32, 32, 32],
     [16, 64, 16, 16], [16, 128, 8, 8] and [8, 16, 64, 64], 0.76-0.89x at two threads and
     0.77-0.95x at one; whole steps (default session, in turn, medians of per-round ratios) of the
@@ -720,9 +722,7 @@ def repeat_factors(node, rank: int, opset: int, scales, sizes, roi, shape_in, sh
     attributes (mode, coordinate transformation, nearest mode and rounding combine in many
     ways): measured, the node's own resize run by ONNX Runtime along each resized axis on
     distinct random values, its output compared with each value repeated in place."""
-    import numpy as np
     import onnxruntime as ort
-    from onnx import TensorProto, helper
 
     factors = []
     for axis in range(rank):
