@@ -1221,5 +1221,10 @@ def test_repeat_factors_follow_the_runtime():
     node = helper.make_node("Resize", ["x", "", "scales"], ["y"], mode="nearest")
     assert rules.repeat_factors(node, 4, 17, [1.0, 1.0, 2.0, 3.0], None, None, [2, 3, 4, 5], [2, 3, 8, 15]) == [1, 1, 2, 3]
     assert rules.repeat_factors(node, 4, 17, [1.0, 1.0, 1.5, 1.0], None, None, [2, 3, 4, 5], [2, 3, 6, 5]) is None
+    # Upsample, its scales an input (opset 9) or an attribute (opset 7)
+    upsample = helper.make_node("Upsample", ["x", "scales"], ["y"], mode="nearest")
+    assert rules.repeat_factors(upsample, 4, 9, [1.0, 1.0, 2.0, 2.0], None, None, [1, 2, 3, 4], [1, 2, 6, 8]) == [1, 1, 2, 2]
+    upsample = helper.make_node("Upsample", ["x"], ["y"], mode="nearest", scales=[1.0, 1.0, 2.0, 3.0])
+    assert rules.repeat_factors(upsample, 4, 7, [1.0, 1.0, 2.0, 3.0], None, None, [1, 2, 3, 4], [1, 2, 6, 12]) == [1, 1, 2, 3]
     bad = helper.make_node("Resize", ["x", "", "scales"], ["y"], mode="no_such_mode")
     assert rules.repeat_factors(bad, 4, 17, [1.0, 1.0, 2.0, 2.0], None, None, [2, 3, 4, 5], [2, 3, 8, 10]) is None

@@ -735,9 +735,8 @@ def repeat_factors(node, rank: int, opset: int, scales, sizes, roi, shape_in, sh
         probe_shape = [1] * rank
         probe_shape[axis] = inside
         attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute if a.name != "axes"}
+        factors_in = None if scales is None else [scales[axis] if a == axis else 1.0 for a in range(rank)]
         if node.op_type == "Upsample":
-            factors_in = [1.0] * rank
-            factors_in[axis] = scales[axis]
             if "scales" in attributes:   # opset 7 and 8
                 attributes["scales"] = factors_in
                 resize, initializers = helper.make_node("Upsample", ["x"], ["y"], **attributes), []
@@ -745,9 +744,7 @@ def repeat_factors(node, rank: int, opset: int, scales, sizes, roi, shape_in, sh
                 resize = helper.make_node("Upsample", ["x", "extent"], ["y"], **attributes)
                 initializers = [helper.make_tensor("extent", TensorProto.FLOAT, [rank], factors_in)]
         else:
-            if scales is not None:
-                factors_in = [1.0] * rank
-                factors_in[axis] = scales[axis]
+            if factors_in is not None:
                 extent = helper.make_tensor("extent", TensorProto.FLOAT, [rank], factors_in)
                 resize = helper.make_node("Resize", ["x", "", "extent"], ["y"], **attributes)
             else:
