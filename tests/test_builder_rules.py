@@ -452,6 +452,12 @@ CONV_CASES = {
     "same_channels_1d": ([3, 8, 8], [8, 8, 3], dict(pads=[1, 1]), False, "per_tap"),
     "same_channels_3d": ([3, 8, 4, 3, 3], [8, 8, 3, 3, 3], dict(pads=[1, 1, 1, 1, 1, 1]), False, "per_tap"),
     "two_taps": ([2, 8, 5, 6], [4, 8, 1, 2], dict(pads=[0, 1, 0, 0]), False, "per_tap"),
+    # ... and its rows gathered (rules.TAPS_GATHERED_MIN_CHANNELS channels or more)
+    "gathered": ([2, 32, 5, 6], [40, 32, 3, 2], dict(strides=[2, 1], dilations=[1, 2], pads=[1, 0, 1, 1]), True,
+                 "per_tap"),
+    "gathered_1d": ([3, 32, 9], [32, 32, 3], dict(pads=[1, 1]), False, "per_tap"),
+    "gathered_3d": ([1, 32, 3, 4, 3], [32, 32, 2, 2, 3], dict(strides=[1, 2, 1], pads=[0, 1, 0, 1, 0, 1]), False,
+                    "per_tap"),
     "stride_remainder": ([2, 3, 5, 7], [4, 3, 2, 2], dict(strides=[3, 3], pads=[1, 1, 1, 1]), True, "onnx_ad"),
     "tf_same": ([2, 3, 6, 6], [4, 3, 3, 3], dict(strides=[2, 2], pads=[0, 0, 1, 1]), False, "onnx_ad"),
 }
@@ -555,6 +561,15 @@ def test_per_tap_layout_follows_its_docstring(name):
         (last,) = [n for n in nodes if n.op_type == "Transpose" and list(n.attribute[0].ints) ==
                    [0] + list(range(2, 2 + spatial)) + [1]]
         assert {n.input[0] for n in nodes if n.op_type == "Slice"} <= {last.output[0]}
+        gathers = [n for n in nodes if n.op_type == "Gather"]
+        assert bool(gathers) == name.startswith("gathered"), "the gathered cases gather, the others slice"
+        if channels >= rules.TAPS_GATHERED_MIN_CHANNELS:   # one Gather per tap of each image's grid rows
+            assert len(gathers) == len(taps) and "Slice" not in ops
+            assert {producers[g.input[0]].input[0] for g in gathers} == {last.output[0]}
+            assert {attribute(g, "axis", 0) for g in gathers} == {1}
+            assert {tuple(shapes[g.input[0]]) for g in gathers} == {(0, -1, channels)}
+        else:
+            assert gathers == [] and ops.count("Slice") == len(taps)
     else:
         gemms = [n for n in nodes if n.op_type == "Gemm"]
         assert len(gemms) == len(taps)
@@ -574,6 +589,7 @@ def test_per_tap_layout_follows_its_docstring(name):
     padded = [d + pads[i] + pads[spatial + i] for i, d in enumerate(x_shape[2:])]
     grid = [int(np.prod(padded[i + 1:])) for i in range(spatial)]
     moved = [n for n in nodes if n.op_type == "Slice"]
+    gathered = [n for n in nodes if n.op_type == "Gather"]
     shifted = [n for n in nodes if n.op_type == "Pad" and producers.get(n.input[0]) is not None
                and producers[n.input[0]].op_type == "Reshape"]
     assert shifted == [], "the rows of zeros before each image in the origin's own Pad"
@@ -595,7 +611,13 @@ def test_per_tap_layout_follows_its_docstring(name):
                            [t * d + s * (n - 1) + 1 for t, d, s, n in zip(tap, dilations, strides, out_sizes)],
                            list(range(1, 1 + spatial)) if source_moves else list(range(2, 2 + spatial)),
                            list(strides)) for tap in taps)
-        assert sorted([constants[i].tolist() for i in n.input[1:]] for n in moved) == [list(e) for e in expected]
+        if gathered:   # the rows a tap's Slice would read, numbered in the padded grid by numpy
+            numbered = np.arange(int(np.prod(padded))).reshape(padded)
+            assert sorted(constants[n.input[1]].tolist() for n in gathered) == sorted(
+                numbered[tuple(slice(b, e, s) for b, e, s in zip(start, end, step))].ravel().tolist()
+                for start, end, _, step in expected)
+        else:
+            assert sorted([constants[i].tolist() for i in n.input[1:]] for n in moved) == [list(e) for e in expected]
 
 
 @pytest.mark.parametrize("name", ["grouped", "depthwise", "fewer_filters", "pointwise", "more_filters_strided"])

@@ -192,7 +192,8 @@ def per_tap_weight_gradient(ctx, source, source_shape, adjoint, adjoint_shape, k
     shift_adjoint = group == 1 and filters < channels and all(s == 1 for s in strides)
     whole = all(k == 1 for k in kernel) and all(s == 1 for s in strides) and not any(pads)
     if group == 1 and not shift_adjoint and not whole and CHANNELS_LAST_TAPS:
-        return _channels_last_taps(ctx, padded, channels, adjoint, adjoint_shape, kernel, strides, dilations)
+        return _channels_last_taps(ctx, padded, padded_sizes, channels, adjoint, adjoint_shape, kernel, strides,
+                                   dilations)
     adjoint_t = op("Transpose", [adjoint], perm=swap, stem="w_adjoint_t")     # [F, N, *T]
     columns = op("Transpose", [padded], perm=swap, stem="w_columns")           # [C, N, *S]
     fixed = op("Reshape", [columns if shift_adjoint else adjoint_t, ints([channels if shift_adjoint else filters, -1])],
@@ -244,13 +245,24 @@ def per_tap_weight_gradient(ctx, source, source_shape, adjoint, adjoint_shape, k
 # An ungrouped weight gradient whose source moves per tap reads it channels last (`_channels_last_taps`);
 # False: channels first, as before (for A/B measurements)
 CHANNELS_LAST_TAPS = True
+# From this many channels a tap's rows are one Gather of whole rows of channels from the source
+# channels last, not a strided Slice: ONNX Runtime's CPU Gather is split over the intra-op pool,
+# its Slice runs on one thread. Measured (onnxruntime 1.32, CPU, one 3 x 3 tap of [16, *S, C]
+# padded by 1, Slice against Gather, ms): C = 32, S = 32 x 32: 0.166 / 0.173 at one thread,
+# 0.166 / 0.075 at two; C = 64, S = 16 x 16: 0.059 / 0.068 and 0.060 / 0.032; C = 128, S = 32 x 32:
+# 0.62 / 0.62 and 0.63 / 0.35; C = 16, S = 64 x 64: 0.323 / 0.389 and 0.327 / 0.205 (at one thread
+# the Gather costs more the fewer the channels).
+TAPS_GATHERED_MIN_CHANNELS = 32
 
 
-def _channels_last_taps(ctx, padded, channels, adjoint, adjoint_shape, kernel, strides, dilations):
+def _channels_last_taps(ctx, padded, padded_sizes, channels, adjoint, adjoint_shape, kernel, strides, dilations):
     """`per_tap_weight_gradient` for an ungrouped convolution whose (padded) source moves per tap
     (not a 1 x 1 kernel at stride 1 without pads, where nothing moves), the source read channels
     last: transposed once to [N, *S, C], so that a tap's strided Slice copies runs of whole rows
-    of channels (read channels first, as [C, N*T], it copied runs of one row of one channel) and
+    of channels (read channels first, as [C, N*T], it copied runs of one row of one channel; over
+    `TAPS_GATHERED_MIN_CHANNELS` or more channels the tap's rows are one Gather over the grid, which
+    ONNX Runtime splits over its threads: the resnet and randwire examples' steps 0.93x and 0.91x
+    at two threads, 1.00-1.01x at one, densenet 0.98x, unet 1.01x, by hand) and
     its rows [K, C] (K = N*T) are a product's right operand as they lie: each tap's product is
     adjoint_rows [F, K] @ source_rows [K, C], neither transposed. Measured by hand (onnxruntime 1.32, CPU, against the source read channels first and
     multiplied transposed): one 3 x 3 weight gradient alone, over [16, 32, 32, 32],
@@ -271,12 +283,21 @@ def _channels_last_taps(ctx, padded, channels, adjoint, adjoint_shape, kernel, s
     last = op("Transpose", [padded], perm=[0] + list(range(2, 2 + spatial)) + [1], stem="w_columns_last")
     adjoint_rows = op("Reshape", [op("Transpose", [adjoint], perm=[1, 0] + list(range(2, 2 + spatial)),
                                      stem="w_adjoint_t"), ints([filters, -1])], stem="w_rows")   # [F, K]
+    gathered = channels >= TAPS_GATHERED_MIN_CHANNELS
+    if gathered:   # [N, prod(S), C]: a tap's rows are gathered from each image's grid
+        grid = [math.prod(padded_sizes[i + 1:]) for i in range(spatial)]
+        last = op("Reshape", [last, ints([0, -1, channels])], stem="w_grid_rows")
     taps = []
     for tap in itertools.product(*(range(k) for k in kernel)):
         offsets = [t * d for t, d in zip(tap, dilations)]
-        ends = [b + s * (n - 1) + 1 for b, s, n in zip(offsets, strides, out_sizes)]
-        moved = op("Slice", [last, ints(offsets), ints(ends), ints(list(range(1, 1 + spatial))), ints(list(strides))],
-                   stem="w_tap")
+        if gathered:
+            rows = [sum((o + s * i) * g for o, s, i, g in zip(offsets, strides, at, grid))
+                    for at in itertools.product(*(range(n) for n in out_sizes))]
+            moved = op("Gather", [last, ints(rows)], axis=1, stem="w_tap")
+        else:
+            ends = [b + s * (n - 1) + 1 for b, s, n in zip(offsets, strides, out_sizes)]
+            moved = op("Slice", [last, ints(offsets), ints(ends), ints(list(range(1, 1 + spatial))),
+                                 ints(list(strides))], stem="w_tap")
         source_rows = op("Reshape", [moved, ints([-1, channels])], stem="w_tap_rows")          # [K, C]
         taps.append(ctx.unsqueeze(op("Gemm", [adjoint_rows, source_rows], stem="w_tap_grad"), [-1]))   # [F, C]
     stacked = taps[0] if len(taps) == 1 else op("Concat", taps, axis=-1, stem="w_taps")
