@@ -452,6 +452,9 @@ CONV_CASES = {
     "same_channels_1d": ([3, 8, 8], [8, 8, 3], dict(pads=[1, 1]), False, "per_tap"),
     "same_channels_3d": ([3, 8, 4, 3, 3], [8, 8, 3, 3, 3], dict(pads=[1, 1, 1, 1, 1, 1]), False, "per_tap"),
     "two_taps": ([2, 8, 5, 6], [4, 8, 1, 2], dict(pads=[0, 1, 0, 0]), False, "per_tap"),
+    # ... its products per image over large maps (rules.TAPS_PER_IMAGE_MIN_PIXELS), rows sliced or gathered
+    "per_image": ([2, 32, 32, 33], [40, 32, 3, 3], dict(pads=[1, 1, 1, 1]), True, "per_tap"),
+    "per_image_1d": ([3, 8, 1100], [12, 8, 3], dict(pads=[1, 1]), False, "per_tap"),
     # ... and its rows gathered (rules.TAPS_GATHERED_MIN_CHANNELS channels or more)
     "gathered": ([2, 32, 5, 6], [40, 32, 3, 2], dict(strides=[2, 1], dilations=[1, 2], pads=[1, 0, 1, 1]), True,
                  "per_tap"),
@@ -551,18 +554,32 @@ def test_per_tap_layout_follows_its_docstring(name):
     if form == "depthwise":
         assert ops.count("Mul") == len(taps) and ops.count("ReduceSum") == len(taps) and "Gemm" not in ops
     elif source_moves:
-        products = [n for n in nodes if n.op_type == "Gemm"]
-        assert len(products) == len(taps) and "MatMul" not in ops
-        assert {(attribute(p, "transA", 0), attribute(p, "transB", 0)) for p in products} == {(0, 0)}
         shapes = {n.output[0]: constants[n.input[1]].tolist() for n in nodes if n.op_type == "Reshape"}
-        assert {shapes[p.input[1]] == [-1, channels] for p in products} == {True}
-        (shared,) = {p.input[0] for p in products}
-        assert shapes[shared] == [filters, -1]
+        out_pixels = int(np.prod(output_shape[2:]))
+        if out_pixels >= rules.TAPS_PER_IMAGE_MIN_PIXELS and filters * channels <= \
+                rules.TAPS_PER_IMAGE_MAX_FILTERS_BY_CHANNELS:   # a product per image, summed over them
+            assert name.startswith("per_image")
+            products = [n for n in nodes if n.op_type == "MatMul"]
+            assert len(products) == len(taps) and "Gemm" not in ops
+            assert {tuple(shapes[p.input[1]]) for p in products} == {(0, -1, channels)}
+            (shared,) = {p.input[0] for p in products}
+            assert shapes[shared] == [0, filters, -1]
+            assert ops.count("Transpose") == 1, "the adjoint as it lies: only the source is transposed"
+            (summed,) = [n for n in nodes if n.op_type == "ReduceSum"]
+            assert constants[summed.input[1]].tolist() == [0] and attribute(summed, "keepdims", 1) == 0
+        else:
+            assert not name.startswith("per_image")
+            products = [n for n in nodes if n.op_type == "Gemm"]
+            assert len(products) == len(taps) and "MatMul" not in ops
+            assert {(attribute(p, "transA", 0), attribute(p, "transB", 0)) for p in products} == {(0, 0)}
+            assert {shapes[p.input[1]] == [-1, channels] for p in products} == {True}
+            (shared,) = {p.input[0] for p in products}
+            assert shapes[shared] == [filters, -1]
         (last,) = [n for n in nodes if n.op_type == "Transpose" and list(n.attribute[0].ints) ==
                    [0] + list(range(2, 2 + spatial)) + [1]]
         assert {n.input[0] for n in nodes if n.op_type == "Slice"} <= {last.output[0]}
         gathers = [n for n in nodes if n.op_type == "Gather"]
-        assert bool(gathers) == name.startswith("gathered"), "the gathered cases gather, the others slice"
+        assert bool(gathers) == (name.startswith("gathered") or name == "per_image"), "which cases gather"
         if channels >= rules.TAPS_GATHERED_MIN_CHANNELS:   # one Gather per tap of each image's grid rows
             assert len(gathers) == len(taps) and "Slice" not in ops
             assert {producers[g.input[0]].input[0] for g in gathers} == {last.output[0]}

@@ -253,6 +253,21 @@ CHANNELS_LAST_TAPS = True
 # 0.62 / 0.62 and 0.63 / 0.35; C = 16, S = 64 x 64: 0.323 / 0.389 and 0.327 / 0.205 (at one thread
 # the Gather costs more the fewer the channels).
 TAPS_GATHERED_MIN_CHANNELS = 32
+# Over large maps and few channels each tap's product is one per image, summed over the images:
+# adjoint [N, F, T] (as it lies, not transposed) @ source rows [N, T, C] -> [N, F, C], one ReduceSum
+# over N of all taps at the end. ONNX Runtime's Gemm splits its work over the product's rows and
+# columns, and an [F, K] @ [K, C] product with small F and C (K = N*T large) ran on one thread
+# (the randwire example at two threads: 46.2 of its 141 ms step in such Gemms, 50.7 at one thread);
+# a product per image is split over the images. Measured (onnxruntime 1.32, CPU; the whole
+# training step of one 3 x 3 convolution padded by 1, per image over one product, medians of 9 in
+# turn): 16 images of 32 x 32, 16-64 channels and filters: 0.80-0.84x at two threads, 0.99-1.03x
+# at one; 64 x 64: 0.81-0.83x and 0.97-0.99x; 128 channels and filters over 32 x 32: 0.94x and
+# 1.08x; 16 x 16 maps: 1.09x and 1.15x (hence the bounds). Whole steps (default session, in
+# turn, medians of per-round ratios): resnet 0.90x, randwire 0.88x, unet 0.93x, densenet 1.02x
+# at two threads; resnet 1.02x, randwire 0.97x, unet 1.01x at one.
+TAPS_PER_IMAGE = True
+TAPS_PER_IMAGE_MIN_PIXELS = 1024                       # output pixels per image
+TAPS_PER_IMAGE_MAX_FILTERS_BY_CHANNELS = 64 * 64
 
 
 def _channels_last_taps(ctx, padded, padded_sizes, channels, adjoint, adjoint_shape, kernel, strides, dilations):
@@ -273,6 +288,9 @@ def _channels_last_taps(ctx, padded, padded_sizes, channels, adjoint, adjoint_sh
     stays channels first: read channels last there (its transpose of many channels costs more
     than the Slices save), the densenet example's step took 1.03x at two threads, 1.08x at one.
 
+    Over large maps and few channels (`TAPS_PER_IMAGE`) each tap's product is one per image,
+    [N, F, T] @ [N, T, C], summed over the images after, which ONNX Runtime splits over its threads.
+
     Split in parts over the rows of K (a product per part over a leading axis, the parts added
     after) it took the resnet and randwire examples' steps to 0.95-0.97x at two threads and
     1.01-1.02x at one (by hand), but a part is a block of rows of whole images, or of images
@@ -281,8 +299,13 @@ def _channels_last_taps(ctx, padded, padded_sizes, channels, adjoint, adjoint_sh
     spatial = len(kernel)
     filters, out_sizes = adjoint_shape[1], list(adjoint_shape[2:])
     last = op("Transpose", [padded], perm=[0] + list(range(2, 2 + spatial)) + [1], stem="w_columns_last")
-    adjoint_rows = op("Reshape", [op("Transpose", [adjoint], perm=[1, 0] + list(range(2, 2 + spatial)),
-                                     stem="w_adjoint_t"), ints([filters, -1])], stem="w_rows")   # [F, K]
+    per_image = (TAPS_PER_IMAGE and math.prod(out_sizes) >= TAPS_PER_IMAGE_MIN_PIXELS
+                 and filters * channels <= TAPS_PER_IMAGE_MAX_FILTERS_BY_CHANNELS)
+    if per_image:   # [N, F, T]: the adjoint as it lies
+        adjoint_rows = op("Reshape", [adjoint, ints([0, filters, -1])], stem="w_rows")
+    else:
+        adjoint_rows = op("Reshape", [op("Transpose", [adjoint], perm=[1, 0] + list(range(2, 2 + spatial)),
+                                         stem="w_adjoint_t"), ints([filters, -1])], stem="w_rows")   # [F, K]
     gathered = channels >= TAPS_GATHERED_MIN_CHANNELS
     if gathered:   # [N, prod(S), C]: a tap's rows are gathered from each image's grid
         grid = [math.prod(padded_sizes[i + 1:]) for i in range(spatial)]
@@ -298,9 +321,15 @@ def _channels_last_taps(ctx, padded, padded_sizes, channels, adjoint, adjoint_sh
             ends = [b + s * (n - 1) + 1 for b, s, n in zip(offsets, strides, out_sizes)]
             moved = op("Slice", [last, ints(offsets), ints(ends), ints(list(range(1, 1 + spatial))),
                                  ints(list(strides))], stem="w_tap")
-        source_rows = op("Reshape", [moved, ints([-1, channels])], stem="w_tap_rows")          # [K, C]
-        taps.append(ctx.unsqueeze(op("Gemm", [adjoint_rows, source_rows], stem="w_tap_grad"), [-1]))   # [F, C]
+        if per_image:
+            source_rows = op("Reshape", [moved, ints([0, -1, channels])], stem="w_tap_rows")   # [N, T, C]
+            taps.append(ctx.unsqueeze(op("MatMul", [adjoint_rows, source_rows], stem="w_tap_grad"), [-1]))
+        else:
+            source_rows = op("Reshape", [moved, ints([-1, channels])], stem="w_tap_rows")          # [K, C]
+            taps.append(ctx.unsqueeze(op("Gemm", [adjoint_rows, source_rows], stem="w_tap_grad"), [-1]))   # [F, C]
     stacked = taps[0] if len(taps) == 1 else op("Concat", taps, axis=-1, stem="w_taps")
+    if per_image:
+        stacked = ctx.reduce_sum(stacked, [0], keepdims=0)
     return op("Reshape", [stacked, ints([filters, channels] + list(kernel))], stem="w_grad")
 
 
