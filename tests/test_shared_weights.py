@@ -83,32 +83,33 @@ def test_optimize_chains_a_ten_way_sum_built_elsewhere():
 
 
 def _two_uses_built(as_add: bool) -> onnx.ModelProto:
-    """ten_uses cut to two uses of W, and an activation used twice (h0 by the next MatMul and by
-    the loss): two-way gradient sums."""
+    """ten_uses cut to two uses of W, and a three-way Sum of the forward (h1 + h0 + p1) read by
+    the loss: two-way gradient sums (W's, h0's and p1's contributions)."""
     model = ten_uses(width=48, batch=6)
     graph = model.graph
-    nodes = list(graph.node)[:4] + [helper.make_node("Add", ["h1", "h0"], ["s"]),
+    nodes = list(graph.node)[:4] + [helper.make_node("Sum", ["h1", "h0", "p1"], ["s"]),
                                     helper.make_node("ReduceSum", ["s"], ["loss"], keepdims=0)]
     graph.ClearField("node")
     graph.node.extend(nodes)
-    saved, lean.SUMS_OF_TWO_AS_ADD = lean.SUMS_OF_TWO_AS_ADD, as_add
+    saved, lean.SUMS_AS_ADDS = lean.SUMS_AS_ADDS, as_add
     try:
         return build_training_graph(model)
     finally:
-        lean.SUMS_OF_TWO_AS_ADD = saved
+        lean.SUMS_AS_ADDS = saved
 
 
-def test_two_way_sums_are_adds_to_the_bit():
-    """lean.sums_of_two_as_add: no Sum of two left (ONNX Runtime's CPU Sum runs on one thread), and
-    every output of the graph equal to the bit to that of the graph with its Sums."""
+def test_sums_are_adds_to_the_bit():
+    """lean.sums_as_adds: no Sum left, the forward's own or the backward's (ONNX Runtime's CPU Sum
+    runs on one thread), and every output of the graph equal to the bit to that of the graph with
+    its Sums."""
     added, summed = _two_uses_built(True), _two_uses_built(False)
-    assert sorted(_sums(summed)) == [2, 2], "the oracle graph has its two-way Sums"
+    assert sorted(_sums(summed)) == [2, 2, 2, 3], "the oracle graph has its Sums"
     assert _sums(added) == []
     x = np.random.default_rng(2).standard_normal([6, 48]).astype(np.float32)
     outputs = []
     for model in (added, summed):
         session = open_session(model, UNOPTIMIZED_SETTINGS)
         outputs.append(dict(zip([o.name for o in session.get_outputs()], session.run(None, {"x": x}))))
-    assert set(outputs[0]) == set(outputs[1]) and "W_grad" in outputs[0]
+    assert set(outputs[0]) == set(outputs[1]) and {"loss", "W_grad"} <= set(outputs[0])
     for name, value in outputs[1].items():
         assert np.array_equal(outputs[0][name], value), name

@@ -609,25 +609,39 @@ def sums_as_produced(model: onnx.ModelProto, forward: set[str] = frozenset()) ->
     return chained
 
 
-# False: the Sums of two gradient contributions stay Sums (for comparisons)
-SUMS_OF_TWO_AS_ADD = True
+# False: the Sums left after `sums_as_produced` stay Sums (for comparisons)
+SUMS_AS_ADDS = True
 
 
-def sums_of_two_as_add(model: onnx.ModelProto) -> int:
-    """Every Sum of two inputs -> an Add of the same two (the same sum, the same broadcasting: the
-    same result to the bit). onnx-ad accumulates a tensor's two gradient contributions with a Sum,
-    and ONNX Runtime's CPU Sum runs on one thread where its Add is split over the intra-op pool:
-    measured (onnxruntime 1.32, CPU, [16, 128, 32, 32] float) Sum 0.94 ms at one thread and 0.93
-    at two, Add 0.92 and 0.47 (and a Sum of three took 1.79 ms at both, two Adds 1.78 and 0.95:
-    `sums_as_produced` writes those as Adds already). In place; returns how many were rewritten."""
-    if not SUMS_OF_TWO_AS_ADD:
+def sums_as_adds(model: onnx.ModelProto) -> int:
+    """Every Sum left (of two gradient contributions, as onnx-ad writes them, or the model's own
+    n-ary Sums in the forward pass, which `sums_as_produced` leaves) -> Adds of its inputs in their
+    order, in its place: the same additions in the same order (ONNX Runtime's Sum adds its inputs
+    one after the other into its output), the same broadcasting. ONNX Runtime's CPU Sum runs on one
+    thread where its Add is split over the intra-op pool: measured (onnxruntime 1.32, CPU,
+    [16, 128, 32, 32] float) a Sum of two took 0.94 ms at one thread and 0.93 at two, an Add 0.92
+    and 0.47; a Sum of three 1.79 at both, two Adds 1.78 and 0.95. In place; returns how many
+    Sums were rewritten."""
+    if not SUMS_AS_ADDS:
         return 0
-    rewritten = 0
-    for node in model.graph.node:
-        if node.op_type == "Sum" and node.domain in STANDARD_DOMAINS and len(node.input) == 2 \
-                and all(node.input):
-            node.op_type = "Add"
-            rewritten += 1
+    graph = model.graph
+    names = Names(model)
+    nodes, rewritten = [], 0
+    for node in graph.node:
+        inputs = list(node.input)
+        if node.op_type != "Sum" or node.domain not in STANDARD_DOMAINS or len(inputs) < 2 or not all(inputs):
+            nodes.append(node)
+            continue
+        total = inputs[0]
+        for j, name in enumerate(inputs[1:], start=1):
+            out = node.output[0] if j == len(inputs) - 1 else names.fresh(f"{node.output[0]}__acc")
+            nodes.append(helper.make_node("Add", [total, name], [out],
+                                          name=node.name if j == len(inputs) - 1 and node.name
+                                          else names.fresh(f"{node.name or 'sum'}_add")))
+            total = out
+        rewritten += 1
+    graph.ClearField("node")
+    graph.node.extend(nodes)
     return rewritten
 
 

@@ -43,7 +43,7 @@ from .blocked_convs import blocked_convs
 from .short_spans import short_spans_expanded
 from .unit_axes import unit_axes_dropped
 from .lean import (gradients_early, loss_first, masks_as_products, outputs_written_in_place, pads_sum_to_concat,
-                   sums_as_produced, sums_of_two_as_add,
+                   sums_as_adds, sums_as_produced,
                    recompute_gelu_intermediates, transposed_products,
                    transposed_weights_into_gemm)
 from .file_order import default_order, leanest_file_order, peak_places, place_updates, static_tensor_bytes
@@ -693,7 +693,7 @@ def _finish(model, loss, loss_shape, loss_type, params, initializers, extras, ty
     if outputs_written_in_place(model, shapes):
         model = cleanup_graph(model)
     sums_as_produced(model, _forward_values(model, loss))
-    sums_of_two_as_add(model)
+    sums_as_adds(model)
     gradients_early(model, {o for n in seed_nodes for o in n.output})
     loss_first(model, loss)
     name_nodes(model)
