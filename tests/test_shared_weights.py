@@ -34,11 +34,14 @@ def ten_uses(width: int = 1448, batch: int = 128) -> onnx.ModelProto:
 
 
 def _built(chained: bool, **size) -> onnx.ModelProto:
-    saved, lean.SUMS_AS_PRODUCED = lean.SUMS_AS_PRODUCED, chained
+    """Built with the gradient's Sum chained as produced, or left as onnx-ad writes it (no Sum
+    written as Adds either: lean.SUMS_AS_ADDS)."""
+    saved = lean.SUMS_AS_PRODUCED, lean.SUMS_AS_ADDS
+    lean.SUMS_AS_PRODUCED = lean.SUMS_AS_ADDS = chained
     try:
         return build_training_graph(ten_uses(**size))
     finally:
-        lean.SUMS_AS_PRODUCED = saved
+        lean.SUMS_AS_PRODUCED, lean.SUMS_AS_ADDS = saved
 
 
 def _sums(model: onnx.ModelProto) -> list[int]:
