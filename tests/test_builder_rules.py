@@ -427,6 +427,10 @@ CONV_CASES = {
     "depthwise_strided": ([2, 8, 7, 6], [8, 1, 3, 2], dict(group=8, strides=[2, 2], dilations=[2, 1],
                                                            pads=[1, 0, 0, 1]), False, "depthwise"),
     "depthwise_1d": ([2, 8, 7], [8, 1, 3], dict(group=8, strides=[2]), False, "depthwise"),
+    # over rules.TAPS_GATHERED_MIN_CHANNELS channels: channels last, a tap's rows gathered
+    "depthwise_gathered": ([2, 32, 7, 6], [32, 1, 3, 2], dict(group=32, strides=[2, 2], dilations=[2, 1],
+                                                             pads=[1, 0, 0, 1]), True, "depthwise"),
+    "depthwise_gathered_1d": ([2, 40, 9], [40, 1, 3], dict(group=40, strides=[2], pads=[1, 1]), False, "depthwise"),
     "depthwise_few_channels": ([2, 3, 5, 5], [3, 1, 3, 3], dict(group=3, pads=[1, 1, 1, 1]), False, "whole"),
     "depthwise_large_kernel": ([1, 8, 6, 6], [8, 1, 5, 5], dict(group=8, pads=[2, 2, 2, 2]), False, "whole"),
     "depthwise_multiplier": ([2, 4, 5, 5], [8, 1, 3, 3], dict(group=4), False, "whole"),
@@ -553,6 +557,13 @@ def test_per_tap_layout_follows_its_docstring(name):
     source_moves = form == "per_tap" and not shift and not whole
     if form == "depthwise":
         assert ops.count("Mul") == len(taps) and ops.count("ReduceSum") == len(taps) and "Gemm" not in ops
+        gathers = [n for n in nodes if n.op_type == "Gather"]
+        assert bool(gathers) == ("gathered" in name), "which cases gather"
+        if gathers:   # source and adjoint channels last; each tap's product summed over images and positions
+            last = [0] + list(range(2, 2 + spatial)) + [1]
+            assert sorted(list(n.attribute[0].ints) for n in nodes if n.op_type == "Transpose") == [last, last]
+            sums = [n for n in nodes if n.op_type == "ReduceSum"]
+            assert {tuple(constants[n.input[1]].tolist()) for n in sums} == {(0, 1)}
     elif source_moves:
         shapes = {n.output[0]: constants[n.input[1]].tolist() for n in nodes if n.op_type == "Reshape"}
         out_pixels = int(np.prod(output_shape[2:]))
