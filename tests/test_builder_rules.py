@@ -535,8 +535,8 @@ def test_per_tap_layout_follows_its_docstring(name):
     padded grid), at least reach = sum((k - 1) * dilation * grid) over the padded grid's row
     sizes, and per tap a Slice of it at those zeros minus the tap's flat offset; the
     source rows are shared by every tap. Otherwise (ungrouped, _channels_last_taps) the (padded)
-    source is transposed channels last and read per tap at the tap's offset with the strides as
-    steps, a Gemm per tap of the shared adjoint rows [F, K] by the source rows [K, C], neither
+    source is transposed channels last (then padded) and read per tap at the tap's offset with the
+    strides as steps, a Gemm per tap of the shared adjoint rows [F, K] by the source rows [K, C], neither
     transposed. A 1 x 1 kernel at stride 1 without pads moves nothing (no Slice, no Pad, no
     Concat)."""
     x_shape, w_shape, attrs, bias, form = CONV_CASES[name]
@@ -588,12 +588,18 @@ def test_per_tap_layout_follows_its_docstring(name):
             assert shapes[shared] == [filters, -1]
         (last,) = [n for n in nodes if n.op_type == "Transpose" and list(n.attribute[0].ints) ==
                    [0] + list(range(2, 2 + spatial)) + [1]]
-        assert {n.input[0] for n in nodes if n.op_type == "Slice"} <= {last.output[0]}
+        source_last = last.output[0]
+        if any(pads):   # transposed first, then padded channels last
+            (pad,) = [n for n in nodes if n.op_type == "Pad"]
+            assert pad.input[0] == source_last
+            assert constants[pad.input[1]].tolist() == [0] + pads[:spatial] + [0, 0] + pads[spatial:] + [0]
+            source_last = pad.output[0]
+        assert {n.input[0] for n in nodes if n.op_type == "Slice"} <= {source_last}
         gathers = [n for n in nodes if n.op_type == "Gather"]
         assert bool(gathers) == (name.startswith("gathered") or name == "per_image"), "which cases gather"
         if channels >= rules.TAPS_GATHERED_MIN_CHANNELS:   # one Gather per tap of each image's grid rows
             assert len(gathers) == len(taps) and "Slice" not in ops
-            assert {producers[g.input[0]].input[0] for g in gathers} == {last.output[0]}
+            assert {producers[g.input[0]].input[0] for g in gathers} == {source_last}
             assert {attribute(g, "axis", 0) for g in gathers} == {1}
             assert {tuple(shapes[g.input[0]]) for g in gathers} == {(0, -1, channels)}
         else:

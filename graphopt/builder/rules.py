@@ -182,21 +182,20 @@ def per_tap_weight_gradient(ctx, source, source_shape, adjoint, adjoint_shape, k
     spatial = len(kernel)
     channels = source_shape[1]
     filters, out_sizes = adjoint_shape[1], list(adjoint_shape[2:])
-    padded = source
-    padded_sizes = list(source_shape[2:])
-    if any(pads):
-        padded = op("Pad", [source, ints([0, 0] + list(pads[:spatial]) + [0, 0] + list(pads[spatial:]))],
-                    stem="w_pad")
-        padded_sizes = [d + pads[i] + pads[spatial + i] for i, d in enumerate(padded_sizes)]
-    swap = [1, 0] + list(range(2, 2 + spatial))
+    padded_sizes = [d + pads[i] + pads[spatial + i] for i, d in enumerate(source_shape[2:])]
     shift_adjoint = group == 1 and filters < channels and all(s == 1 for s in strides)
     whole = all(k == 1 for k in kernel) and all(s == 1 for s in strides) and not any(pads)
     if group != 1 and not whole and DEPTHWISE_CHANNELS_LAST and channels >= TAPS_GATHERED_MIN_CHANNELS:
-        return _depthwise_channels_last_taps(ctx, padded, padded_sizes, channels, adjoint, adjoint_shape, kernel,
-                                             strides, dilations)
+        return _depthwise_channels_last_taps(ctx, _padded_last(ctx, source, pads), padded_sizes, channels, adjoint,
+                                             adjoint_shape, kernel, strides, dilations)
     if group == 1 and not shift_adjoint and not whole and CHANNELS_LAST_TAPS:
-        return _channels_last_taps(ctx, padded, padded_sizes, channels, adjoint, adjoint_shape, kernel, strides,
-                                   dilations)
+        return _channels_last_taps(ctx, _padded_last(ctx, source, pads), padded_sizes, channels, adjoint,
+                                   adjoint_shape, kernel, strides, dilations)
+    padded = source
+    if any(pads):
+        padded = op("Pad", [source, ints([0, 0] + list(pads[:spatial]) + [0, 0] + list(pads[spatial:]))],
+                    stem="w_pad")
+    swap = [1, 0] + list(range(2, 2 + spatial))
     adjoint_t = op("Transpose", [adjoint], perm=swap, stem="w_adjoint_t")     # [F, N, *T]
     columns = op("Transpose", [padded], perm=swap, stem="w_columns")           # [C, N, *S]
     fixed = op("Reshape", [columns if shift_adjoint else adjoint_t, ints([channels if shift_adjoint else filters, -1])],
@@ -245,8 +244,28 @@ def per_tap_weight_gradient(ctx, source, source_shape, adjoint, adjoint_shape, k
     return op("Reshape", [stacked, ints([filters, channels // group] + list(kernel))], stem="w_grad")
 
 
-def _depthwise_channels_last_taps(ctx, padded, padded_sizes, channels, adjoint, adjoint_shape, kernel, strides,
-                                  dilations):
+def _padded_last(ctx, source, pads):
+    """The source [N, C, *S] channels last, [N, *S, C], padded by `pads` (ONNX order) on its spatial
+    axes: transposed first, then padded. Padded channels first (before the transpose) ONNX
+    Runtime's Pad copied a row of a map at a time, on one thread (mobilenet_v2's [8, 960, 2, 2]
+    to [8, 960, 4, 4]: 0.37 ms at two threads); channels last a row of the map is a row of
+    whole pixels. By hand, whole steps (default session, in turn, medians of per-round ratios,
+    padded after the transpose over padded before it): resnet 0.94x at two threads and at one,
+    randwire 0.91x and 0.94x, unet 0.95x at two threads, mobilenet_v2 1.03x and 0.96x."""
+    op, ints = ctx.b.op, ctx.b.ints
+    spatial = len(pads) // 2
+    if not PADDED_CHANNELS_LAST and any(pads):   # as before (for A/B measurements)
+        padded = op("Pad", [source, ints([0, 0] + list(pads[:spatial]) + [0, 0] + list(pads[spatial:]))],
+                    stem="w_pad")
+        return op("Transpose", [padded], perm=[0] + list(range(2, 2 + spatial)) + [1], stem="w_columns_last")
+    last = op("Transpose", [source], perm=[0] + list(range(2, 2 + spatial)) + [1], stem="w_columns_last")
+    if not any(pads):
+        return last
+    return op("Pad", [last, ints([0] + list(pads[:spatial]) + [0, 0] + list(pads[spatial:]) + [0])], stem="w_pad")
+
+
+def _depthwise_channels_last_taps(ctx, padded_last, padded_sizes, channels, adjoint, adjoint_shape, kernel,
+                                  strides, dilations):
     """`per_tap_weight_gradient` for a depthwise convolution (a filter per channel) over many
     channels: the (padded) source and the adjoint each transposed once to channels last,
     [N, prod(S), C] and [N, T, C]; per tap its rows one Gather from each image's grid, multiplied
@@ -261,8 +280,7 @@ def _depthwise_channels_last_taps(ctx, padded, padded_sizes, channels, adjoint, 
     out_sizes = list(adjoint_shape[2:])
     last_perm = [0] + list(range(2, 2 + spatial)) + [1]
     grid = [math.prod(padded_sizes[i + 1:]) for i in range(spatial)]
-    source = op("Reshape", [op("Transpose", [padded], perm=last_perm, stem="w_columns_last"),
-                            ints([0, -1, channels])], stem="w_grid_rows")                    # [N, prod(S), C]
+    source = op("Reshape", [padded_last, ints([0, -1, channels])], stem="w_grid_rows")      # [N, prod(S), C]
     adjoint_rows = op("Reshape", [op("Transpose", [adjoint], perm=last_perm, stem="w_adjoint_last"),
                                   ints([0, -1, channels])], stem="w_rows")                   # [N, T, C]
     taps = []
@@ -284,6 +302,8 @@ CHANNELS_LAST_TAPS = True
 # adjoint channels last ([N, T, C]), each tap's rows one Gather (`_depthwise_channels_last_taps`);
 # False: both channels first ([C, N*T]), a tap one strided Slice (for A/B measurements)
 DEPTHWISE_CHANNELS_LAST = True
+# The channels-last source padded after its transpose (`_padded_last`); False: before it
+PADDED_CHANNELS_LAST = True
 # From this many channels a tap's rows are one Gather of whole rows of channels from the source
 # channels last, not a strided Slice: ONNX Runtime's CPU Gather is split over the intra-op pool,
 # its Slice runs on one thread. Measured (onnxruntime 1.32, CPU, one 3 x 3 tap of [16, *S, C]
@@ -309,7 +329,8 @@ TAPS_PER_IMAGE_MIN_PIXELS = 1024                       # output pixels per image
 TAPS_PER_IMAGE_MAX_FILTERS_BY_CHANNELS = 64 * 64
 
 
-def _channels_last_taps(ctx, padded, padded_sizes, channels, adjoint, adjoint_shape, kernel, strides, dilations):
+def _channels_last_taps(ctx, padded_last, padded_sizes, channels, adjoint, adjoint_shape, kernel, strides,
+                        dilations):
     """`per_tap_weight_gradient` for an ungrouped convolution whose (padded) source moves per tap
     (not a 1 x 1 kernel at stride 1 without pads, where nothing moves), the source read channels
     last: transposed once to [N, *S, C], so that a tap's strided Slice copies runs of whole rows
@@ -337,7 +358,7 @@ def _channels_last_taps(ctx, padded, padded_sizes, channels, adjoint, adjoint_sh
     op, ints = ctx.b.op, ctx.b.ints
     spatial = len(kernel)
     filters, out_sizes = adjoint_shape[1], list(adjoint_shape[2:])
-    last = op("Transpose", [padded], perm=[0] + list(range(2, 2 + spatial)) + [1], stem="w_columns_last")
+    last = padded_last
     per_image = (TAPS_PER_IMAGE and math.prod(out_sizes) >= TAPS_PER_IMAGE_MIN_PIXELS
                  and filters * channels <= TAPS_PER_IMAGE_MAX_FILTERS_BY_CHANNELS)
     if per_image:   # [N, F, T]: the adjoint as it lies
