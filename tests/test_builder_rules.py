@@ -576,8 +576,9 @@ def test_per_tap_layout_follows_its_docstring(name):
             (shared,) = {p.input[0] for p in products}
             assert shapes[shared] == [0, filters, -1]
             assert ops.count("Transpose") == 1, "the adjoint as it lies: only the source is transposed"
-            (summed,) = [n for n in nodes if n.op_type == "ReduceSum"]
-            assert constants[summed.input[1]].tolist() == [0] and attribute(summed, "keepdims", 1) == 0
+            sums = [n for n in nodes if n.op_type == "ReduceSum"]   # each product summed over the images
+            assert sorted(n.input[0] for n in sums) == sorted(p.output[0] for p in products)
+            assert {(tuple(constants[n.input[1]].tolist()), attribute(n, "keepdims", 1)) for n in sums} == {((0,), 0)}
         else:
             assert not name.startswith("per_image")
             products = [n for n in nodes if n.op_type == "Gemm"]

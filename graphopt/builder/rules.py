@@ -168,7 +168,12 @@ def per_tap_weight_gradient(ctx, source, source_shape, adjoint, adjoint_shape, k
 
     where adjoint_rows is the adjoint [N, F, *T] as [F, N*T] and source_rows(k) the (padded)
     source [N, C, *S] read at t*stride + k*dilation, as [C, N*T] (a strided Slice, channels
-    first; ungrouped, it is read channels last instead, as [N*T, C]: `_channels_last_taps`). At
+    first; ungrouped, it is read channels last instead, as [N*T, C]: `_channels_last_taps`, over
+    large maps with few channels a product per image; depthwise over many channels channels last
+    too: `_depthwise_channels_last_taps`; a channels-last source is padded after its transpose:
+    `_padded_last`; over `TAPS_GATHERED_MIN_CHANNELS` or more channels a tap's rows are a Gather).
+    ONNX Runtime runs Gather, MatMul over a leading axis and Add on all its threads, and Slice,
+    Pad, Sum and a Gemm with a small product on one: at two threads that decides the forms. At
     stride 1 with fewer filters than channels the adjoint moves instead: placed at k*dilation in
     zeros the size of the padded source (F channels moved, not C), multiplied with the whole
     source: one flattened copy of the adjoint at the origin of that grid, and per tap a Slice of
@@ -383,13 +388,14 @@ def _channels_last_taps(ctx, padded_last, padded_sizes, channels, adjoint, adjoi
                                  ints(list(strides))], stem="w_tap")
         if per_image:
             source_rows = op("Reshape", [moved, ints([0, -1, channels])], stem="w_tap_rows")   # [N, T, C]
-            taps.append(ctx.unsqueeze(op("MatMul", [adjoint_rows, source_rows], stem="w_tap_grad"), [-1]))
+            # summed over the images at once: the [N, F, C] products of all taps held to one sum
+            # made the vgg example's default-session peak 3.9 MiB higher (builder_vs_eager.py)
+            product = ctx.reduce_sum(op("MatMul", [adjoint_rows, source_rows], stem="w_tap_grad"), [0], keepdims=0)
+            taps.append(ctx.unsqueeze(product, [-1]))                                         # [F, C, 1]
         else:
             source_rows = op("Reshape", [moved, ints([-1, channels])], stem="w_tap_rows")          # [K, C]
             taps.append(ctx.unsqueeze(op("Gemm", [adjoint_rows, source_rows], stem="w_tap_grad"), [-1]))   # [F, C]
     stacked = taps[0] if len(taps) == 1 else op("Concat", taps, axis=-1, stem="w_taps")
-    if per_image:
-        stacked = ctx.reduce_sum(stacked, [0], keepdims=0)
     return op("Reshape", [stacked, ints([filters, channels] + list(kernel))], stem="w_grad")
 
 
