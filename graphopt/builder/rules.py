@@ -269,6 +269,13 @@ def _padded_last(ctx, source, pads):
     return op("Pad", [last, ints([0] + list(pads[:spatial]) + [0, 0] + list(pads[spatial:]) + [0])], stem="w_pad")
 
 
+def _tap_rows(offsets, strides, out_sizes, grid) -> list[int]:
+    """The rows of a (padded) source's grid, flattened per image (`grid`: each spatial axis's row
+    size), that a tap at `offsets` reads for each output position, in the output's order."""
+    return [sum((o + s * i) * g for o, s, i, g in zip(offsets, strides, at, grid))
+            for at in itertools.product(*(range(n) for n in out_sizes))]
+
+
 def _depthwise_channels_last_taps(ctx, padded_last, padded_sizes, channels, adjoint, adjoint_shape, kernel,
                                   strides, dilations):
     """`per_tap_weight_gradient` for a depthwise convolution (a filter per channel) over many
@@ -291,9 +298,8 @@ def _depthwise_channels_last_taps(ctx, padded_last, padded_sizes, channels, adjo
     taps = []
     for tap in itertools.product(*(range(k) for k in kernel)):
         offsets = [t * d for t, d in zip(tap, dilations)]
-        rows = [sum((o + s * i) * g for o, s, i, g in zip(offsets, strides, at, grid))
-                for at in itertools.product(*(range(n) for n in out_sizes))]
-        moved = op("Gather", [source, ints(rows)], axis=1, stem="w_tap")                     # [N, T, C]
+        moved = op("Gather", [source, ints(_tap_rows(offsets, strides, out_sizes, grid))], axis=1,
+                   stem="w_tap")                                                              # [N, T, C]
         product = ctx.reduce_sum(op("Mul", [moved, adjoint_rows], stem="w_tap_prod"), [0, 1], keepdims=0)
         taps.append(ctx.unsqueeze(product, [-1]))                                             # [C, 1]
     stacked = taps[0] if len(taps) == 1 else op("Concat", taps, axis=-1, stem="w_taps")
@@ -318,8 +324,8 @@ PADDED_CHANNELS_LAST = True
 # the Gather costs more the fewer the channels).
 TAPS_GATHERED_MIN_CHANNELS = 32
 # Over large maps and few channels each tap's product is one per image, summed over the images:
-# adjoint [N, F, T] (as it lies, not transposed) @ source rows [N, T, C] -> [N, F, C], one ReduceSum
-# over N of all taps at the end. ONNX Runtime's Gemm splits its work over the product's rows and
+# adjoint [N, F, T] (as it lies, not transposed) @ source rows [N, T, C] -> [N, F, C], a ReduceSum
+# over N per tap. ONNX Runtime's Gemm splits its work over the product's rows and
 # columns, and an [F, K] @ [K, C] product with small F and C (K = N*T large) ran on one thread
 # (the randwire example at two threads: 46.2 of its 141 ms step in such Gemms, 50.7 at one thread);
 # a product per image is split over the images. Measured (onnxruntime 1.32, CPU; the whole
@@ -379,17 +385,14 @@ def _channels_last_taps(ctx, padded_last, padded_sizes, channels, adjoint, adjoi
     for tap in itertools.product(*(range(k) for k in kernel)):
         offsets = [t * d for t, d in zip(tap, dilations)]
         if gathered:
-            rows = [sum((o + s * i) * g for o, s, i, g in zip(offsets, strides, at, grid))
-                    for at in itertools.product(*(range(n) for n in out_sizes))]
-            moved = op("Gather", [last, ints(rows)], axis=1, stem="w_tap")
+            moved = op("Gather", [last, ints(_tap_rows(offsets, strides, out_sizes, grid))], axis=1, stem="w_tap")
         else:
             ends = [b + s * (n - 1) + 1 for b, s, n in zip(offsets, strides, out_sizes)]
             moved = op("Slice", [last, ints(offsets), ints(ends), ints(list(range(1, 1 + spatial))),
                                  ints(list(strides))], stem="w_tap")
         if per_image:
             source_rows = op("Reshape", [moved, ints([0, -1, channels])], stem="w_tap_rows")   # [N, T, C]
-            # summed over the images at once: the [N, F, C] products of all taps held to one sum
-            # made the vgg example's default-session peak 3.9 MiB higher (builder_vs_eager.py)
+            # summed over the images per tap: one [N, F, C] product alive at a time, not all taps'
             product = ctx.reduce_sum(op("MatMul", [adjoint_rows, source_rows], stem="w_tap_grad"), [0], keepdims=0)
             taps.append(ctx.unsqueeze(product, [-1]))                                         # [F, C, 1]
         else:
