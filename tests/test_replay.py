@@ -92,8 +92,10 @@ def _against_profile(model, inputs, each_op_type: bool, unchecked=()) -> str | N
 # issue 48) replay at 1.29-1.6x their profiled seconds in every measurement (a [16, 34, 34, 32]
 # source: 0.10 ms replayed, 0.044 in the step, where the source was just written or read and the
 # output's buffer just freed); replayed with the inputs read again from one copy they stayed at
-# 0.10 ms: not yet modelled (an open item of issue 48). Its sum and its other op types hold.
-@pytest.mark.parametrize("name, each_op_type, unchecked", [("mlp", False, ()), ("resnet", True, ("Slice",)),
+# 0.10 ms: not yet modelled (an open item of issue 48). Over 32 channels or more those taps are
+# Gathers now (rules.TAPS_GATHERED_MIN_CHANNELS), with the same gap: 1.48x in a fresh clone's CI
+# run. Its sum and its other op types hold.
+@pytest.mark.parametrize("name, each_op_type, unchecked", [("mlp", False, ()), ("resnet", True, ("Slice", "Gather")),
                                                            ("transformer", True, ())])
 def test_replayed_node_seconds_add_up_to_the_profiled_step_and_each_op_type(name, each_op_type, unchecked):
     """Issue 45's check of the mechanism: per example, the replayed seconds sum within 15% of
