@@ -620,16 +620,19 @@ def test_depthwise_convolutions_get_flipped_input_gradients_that_match_torch():
     depthwise Conv with at most `rules.DEPTHWISE_INPUT_GRADIENT_MAX_TAPS` taps is a depthwise Conv
     of the flipped weight, and every gradient upstream of it matches torch; the strided, the
     larger, the dilated and the two-filters-per-channel ones keep ConvTranspose, and so do all of
-    them for constant weights."""
+    them for constant weights. In the plain layout: blocked (rules.conv_block), constant weights whose
+    channels fill whole blocks take the Conv too (8 channels do on an AVX2 machine), which
+    tests/test_blocked_convs.py checks."""
     from graphopt.builder import rules
     assert rules.DEPTHWISE_INPUT_GRADIENT_MAX_TAPS == 9
     torch.manual_seed(7)
     module = DepthwiseConvolutions()
     args = (torch.randn(2, 3, 8, 8, dtype=torch.float32), torch.randint(0, 5, (2,)))
-    constant = _check_against_torch(module, args, ["x", "labels"], tol=1e-4)
-    assert sum(n.op_type == "ConvTranspose" for n in constant.graph.node) == 8
-    with rules.weights_fed([name for name, _ in module.named_parameters()]):
-        train = _check_against_torch(module, args, ["x", "labels"], tol=1e-4)
+    with rules.blocked_layout(False):
+        constant = _check_against_torch(module, args, ["x", "labels"], tol=1e-4)
+        assert sum(n.op_type == "ConvTranspose" for n in constant.graph.node) == 8
+        with rules.weights_fed([name for name, _ in module.named_parameters()]):
+            train = _check_against_torch(module, args, ["x", "labels"], tol=1e-4)
     transposed = sorted(n.input[1].split(".")[0] for n in train.graph.node if n.op_type == "ConvTranspose")
     flipped = [n for n in train.graph.node if n.op_type == "Conv" and n.output[0].startswith("x_grad")]
     assert transposed == ["dilated", "large", "strided", "twofold"], transposed
